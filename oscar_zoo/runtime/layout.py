@@ -1,0 +1,96 @@
+"""THE OSCAR INT2 KV-cache format: bit width, packing order, scale dtype, tier sizes, flush interval.
+
+Everything that defines how a cached row is stored lives here as data, so the reference (`reference.py`), the Triton
+kernels and the cache all read one definition. Shape letters: B batch, T tokens, H_kv KV heads, D head dim, G group.
+
+Storage of one layer's cache (K and V alike), chosen for the decode kernels: every (batch, KV head) owns a contiguous
+run of tokens, so a tile of BLOCK_T tokens is one coalesced read of BLOCK_T·D/4 bytes.
+    sink        bfloat16 [B, H_kv, SINK, D]            first SINK positions, full precision
+    codes       uint8    [B, H_kv, T_cap, D/4]         INT2 history, "quartered" packing (see `pack_codes`)
+    scale_zero  float16  [B, H_kv, T_cap, D/G, 2]      per group: (scale, zero), interleaved
+    recent      bfloat16 [B, H_kv, RECENT+FLUSH, D]    last RECENT..RECENT+FLUSH-1 positions, full precision
+plus int32 [B] lengths per tier. All tiers hold *rotated* keys/values (k·M_K, v·M_V).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+BITS = 2
+LEVELS = 2**BITS - 1  # largest code: 3
+CODES_PER_BYTE = 8 // BITS  # 4
+CODE_DTYPE = torch.uint8
+SCALE_DTYPE = torch.float16  # scale and zero are stored as float16 (the paper's 2.28 bits/element)
+TIER_DTYPE = torch.bfloat16  # sink and recent tiers
+
+SINK = 64  # first positions kept full precision
+RECENT = 256  # last positions kept full precision
+FLUSH = 8  # tokens demoted together from the recent tier into the history
+
+DEFAULT_K_CLIP = 0.96
+DEFAULT_V_CLIP = 0.92
+
+# Scale floor. METHOD.md: scale = max(max − min, 1e-8) / 3. With float16 storage that breaks on (near-)constant rows:
+# a tiny scale underflows to 0 and zero = −min/scale overflows to inf. We floor the range at amax·2^-12 (so |zero| ≤
+# 3·2^12, exactly representable magnitude in float16) and at 3·2^-14 (so scale is a normal float16). Rows whose range is
+# above both floors — every row of real K/V data we have seen — quantize exactly as METHOD.md says.
+RANGE_REL_FLOOR = 2.0**-12
+RANGE_ABS_FLOOR = 3 * 2.0**-14
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The settings a quantized cache is built with; stored in the manifest and read by the runtime."""
+
+    group_size: int = 0  # 0 means one group per row (G = D)
+    sink: int = SINK
+    recent: int = RECENT
+    flush: int = FLUSH
+
+    def group(self, head_dim: int) -> int:
+        return resolve_group_size(head_dim, self.group_size)
+
+    def bits_per_element(self, context: int, head_dim: int) -> float:
+        return bits_per_element(context, self.group(head_dim), self.sink, self.recent)
+
+
+def resolve_group_size(head_dim: int, group_size: int = 0) -> int:
+    """Group size G for rows of `head_dim` (0 = one group per row); G must divide D and leave whole bytes."""
+    G = head_dim if group_size in (0, None) else group_size
+    if head_dim % CODES_PER_BYTE or G <= 0 or head_dim % G:
+        raise ValueError(
+            f"group_size {G} does not fit head_dim {head_dim}: D must be a multiple of {CODES_PER_BYTE} and G a "
+            f"divisor of D (0 = one group per row)"
+        )
+    return G
+
+
+def packed_dim(head_dim: int) -> int:
+    """Bytes per packed row of `head_dim` INT2 codes."""
+    return head_dim // CODES_PER_BYTE
+
+
+def bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT) -> float:
+    """Average bits per cached K/V element at `context` tokens (METHOD.md §7), float16 scale and zero per group."""
+    if context <= 0:
+        raise ValueError(f"context must be positive, got {context}")
+    full = min(context, sink + recent)
+    quant = context - full
+    scale_bits = 2 * 16 / group_size
+    return (quant * (BITS + scale_bits) + full * 16) / context
+
+
+def bytes_per_token(head_dim: int, group_size: int) -> int:
+    """Bytes of one INT2 row (one token, one KV head, K or V): packed codes + float16 scale/zero per group."""
+    return packed_dim(head_dim) + 2 * 2 * (head_dim // group_size)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def log2_int(n: int) -> int:
+    return int(math.log2(n))

@@ -1,0 +1,286 @@
+"""Pure-PyTorch reference of every runtime op: the single source of OSCAR's quantization math.
+
+Rotation factors (Hadamard, bit-reversal permutation, M = U·H·P), per-row clipping, asymmetric INT2 quantization with
+float16 scale/zero, quartered packing, fake-quant through the three tiers, and dense references of tiered decode
+attention and the lse merge. Vectorised, fp32 math (float64 for the rotation factors). Kernels are tested against
+these functions; calibration, evaluation and the cache import them instead of re-implementing anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import layout
+
+# ---------------------------------------------------------------------------------------------- rotation factors
+
+
+def hadamard(d: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Normalised Sylvester Hadamard matrix of size d (a power of two): entries ±1/√d, orthogonal, symmetric."""
+    if not layout.is_power_of_two(d):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {d}")
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < d:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    return (H / math.sqrt(d)).to(dtype)
+
+
+def random_orthogonal(d: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> Tensor:
+    """A fixed seeded random orthogonal matrix (QR of a Gaussian, sign-fixed): the mixing used when d is not 2^k."""
+    g = torch.Generator().manual_seed(seed)
+    Q, R = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    return (Q * torch.sign(torch.diagonal(R))).to(dtype)
+
+
+def mixing_matrix(d: int) -> tuple[Tensor, str]:
+    """The H factor for head dim d and its name for the manifest: Sylvester when d = 2^k, else seeded orthogonal."""
+    if layout.is_power_of_two(d):
+        return hadamard(d), "sylvester"
+    return random_orthogonal(d, seed=0), "random-orthogonal-seed0"
+
+
+def bit_reversal(d: int) -> Tensor:
+    """br[i] = i with its log2(d) bits reversed (d a power of two); br(br(i)) = i."""
+    if not layout.is_power_of_two(d):
+        raise ValueError(f"bit reversal needs a power-of-two size, got {d}")
+    bits = layout.log2_int(d)
+    i = torch.arange(d)
+    out = torch.zeros(d, dtype=torch.long)
+    for b in range(bits):
+        out |= ((i >> b) & 1) << (bits - 1 - b)
+    return out
+
+
+def eigen_permutation(d: int) -> Tensor:
+    """Column permutation P of M = U·H·P for eigh's ascending order: perm[j] = d − 1 − bitrev(j) (identity if d≠2^k)."""
+    if not layout.is_power_of_two(d):
+        return torch.arange(d)
+    return d - 1 - bit_reversal(d)
+
+
+def compose_rotation(U: Tensor) -> Tensor:
+    """M = U·H·P for eigenvectors U [..., d, d] (columns in ascending eigenvalue order), float64."""
+    d = U.shape[-1]
+    H, _ = mixing_matrix(d)
+    return (U.to(torch.float64) @ H)[..., eigen_permutation(d)]
+
+
+def rotation_from_target(C: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotation M = U·H·P and ascending eigenvalues of a target C [..., d, d] (symmetrised, float64 eigh)."""
+    C = C.to(torch.float64)
+    evals, U = torch.linalg.eigh((C + C.transpose(-1, -2)) / 2)
+    return compose_rotation(U), evals
+
+
+def rotate(x: Tensor, M: Tensor) -> Tensor:
+    """x·M per KV head: x [..., H, T, D], M [H, D, D] (or [D, D]); fp32 math, result in x's dtype."""
+    if M.dim() == 3:
+        M = M.unsqueeze(-3)  # [H, 1, D, D] broadcasts over T
+        return (x.float().unsqueeze(-2) @ M.float()).squeeze(-2).to(x.dtype)
+    return (x.float() @ M.float()).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------ clipping
+
+
+def clip_index(ratio: float | Tensor, d: int) -> Tensor:
+    """k = ⌊r·d⌋ clamped to [0, d−1]; the clip threshold is the k-th smallest |x| of the row. −1 means no clip (r ≤ 0)."""
+    r = torch.as_tensor(ratio, dtype=torch.float64)
+    k = torch.floor(r * d).clamp(0, d - 1).long()
+    return torch.where(r > 0, k, torch.full_like(k, -1))
+
+
+def clip_rows(x: Tensor, ratio: float | Tensor) -> Tensor:
+    """Symmetric per-row clamp to ±τ, τ = sort(|x|)[⌊r·D⌋]; `ratio` broadcasts to x.shape[:-1]; r ≤ 0 disables."""
+    x = x.float()
+    D = x.shape[-1]
+    k = clip_index(ratio, D).to(x.device).expand(x.shape[:-1])
+    tau = torch.sort(x.abs(), dim=-1).values.gather(-1, k.clamp(min=0).unsqueeze(-1))
+    tau = torch.where(k.unsqueeze(-1) < 0, torch.full_like(tau, math.inf), tau)
+    return torch.minimum(torch.maximum(x, -tau), tau)
+
+
+# ---------------------------------------------------------------------------------------------------- INT2 codec
+
+
+def quantize(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]:
+    """Asymmetric min-max INT2 per group of G along the last dim.
+
+    Returns codes uint8 [..., D] in {0..3} and scale_zero float16 [..., D/G, 2]. Codes are computed with the stored
+    (float16-rounded) scale and zero, so dequantization reproduces exactly what was rounded: q = clamp(⌊x/s + z + ½⌋).
+    """
+    D = x.shape[-1]
+    G = layout.resolve_group_size(D, group_size)
+    xg = x.float().reshape(*x.shape[:-1], D // G, G)
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    rng = torch.maximum(hi - lo, amax * layout.RANGE_REL_FLOOR).clamp(min=layout.RANGE_ABS_FLOOR)
+    scale = (rng / layout.LEVELS).to(layout.SCALE_DTYPE)
+    zero = (-lo / scale.float()).to(layout.SCALE_DTYPE)
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+    q = torch.floor(xg / s + z + 0.5).clamp(0, layout.LEVELS)
+    return q.to(layout.CODE_DTYPE).reshape(x.shape), torch.stack([scale, zero], -1)
+
+
+def dequantize(codes: Tensor, scale_zero: Tensor) -> Tensor:
+    """x̂ = (q − zero)·scale in fp32; codes [..., D], scale_zero [..., D/G, 2]."""
+    D, n_groups = codes.shape[-1], scale_zero.shape[-2]
+    q = codes.float().reshape(*codes.shape[:-1], n_groups, D // n_groups)
+    s, z = scale_zero[..., 0:1].float(), scale_zero[..., 1:2].float()
+    return ((q - z) * s).reshape(codes.shape)
+
+
+def pack_codes(codes: Tensor) -> Tensor:
+    """Quartered packing: [..., D] codes → [..., D/4] bytes; byte b holds dims b, b+D/4, b+D/2, b+3D/4 in bits 0/2/4/6."""
+    D = codes.shape[-1]
+    quarters = codes.to(torch.uint8).reshape(*codes.shape[:-1], layout.CODES_PER_BYTE, D // layout.CODES_PER_BYTE)
+    out = torch.zeros(quarters.shape[:-2] + quarters.shape[-1:], dtype=torch.uint8, device=codes.device)
+    for i in range(layout.CODES_PER_BYTE):
+        out |= quarters[..., i, :] << (layout.BITS * i)
+    return out
+
+
+def unpack_codes(packed: Tensor) -> Tensor:
+    """Inverse of `pack_codes`: [..., D/4] bytes → [..., D] codes."""
+    shifts = [layout.BITS * i for i in range(layout.CODES_PER_BYTE)]
+    return torch.cat([(packed >> s) & layout.LEVELS for s in shifts], dim=-1)
+
+
+def quantize_pack_ref(
+    x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, rotation: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Rotate (optional, rounded to x's dtype) → clip → quantize → pack. Returns packed uint8 [..., D/4], float16
+    scale_zero [..., D/G, 2]. This is the twin of the fused quantize/pack kernel used for prefill and demotion."""
+    if rotation is not None:
+        x = rotate(x, rotation)
+    codes, scale_zero = quantize(clip_rows(x, clip_ratio), group_size)
+    return pack_codes(codes), scale_zero
+
+
+def dequantize_unpack(packed: Tensor, scale_zero: Tensor) -> Tensor:
+    """Packed INT2 rows back to fp32 values [..., D]."""
+    return dequantize(unpack_codes(packed), scale_zero)
+
+
+def fake_quant(x: Tensor, clip_ratio: float | Tensor, group_size: int = 0) -> Tensor:
+    """clip → quantize → dequantize, fp32: what attention reads from an INT2 row."""
+    codes, scale_zero = quantize(clip_rows(x, clip_ratio), group_size)
+    return dequantize(codes, scale_zero)
+
+
+def fake_quant_tiers(
+    x: Tensor,
+    clip_ratio: float | Tensor,
+    group_size: int = 0,
+    sink: int = layout.SINK,
+    recent: int = layout.RECENT,
+) -> Tensor:
+    """A cached K or V [..., T, D] as the three tiers present it: positions < sink and the last `recent` positions
+    exact, the history in between fake-quantized. Returns x's dtype. `clip_ratio` broadcasts to x.shape[:-2]."""
+    T = x.shape[-2]
+    lo, hi = min(sink, T), max(min(sink, T), T - recent)
+    if hi <= lo:
+        return x.clone()
+    ratio = torch.as_tensor(clip_ratio, dtype=torch.float64)
+    ratio = ratio.reshape(ratio.shape + (1,)) if ratio.dim() else ratio  # per-row ratio over the token dim
+    out = x.clone()
+    out[..., lo:hi, :] = fake_quant(x[..., lo:hi, :], ratio, group_size).to(x.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- attention
+
+
+def _expand_kv(t: Tensor, n_q_heads: int) -> Tensor:
+    """[B, H_kv, ...] → [B, H_q, ...] with the contiguous GQA convention (query head j reads KV head j // g)."""
+    return t.repeat_interleave(n_q_heads // t.shape[1], dim=1)
+
+
+def attention_partial_ref(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
+    """One decode step over one tier: q [B, H_q, D], k/v [B, H_kv, T, D], first lengths[b] tokens valid.
+
+    Returns the normalised partial output o fp32 [B, H_q, D] and lse fp32 [B, H_q] (natural log of Σ exp(logits));
+    an empty tier gives o = 0 and lse = −inf."""
+    H_q, T = q.shape[1], k.shape[2]
+    kx, vx = _expand_kv(k.float(), H_q), _expand_kv(v.float(), H_q)
+    logits = torch.einsum("bhd,bhtd->bht", q.float(), kx) * sm_scale
+    valid = torch.arange(T, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [B, T]
+    logits = logits.masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.einsum("bht,bhtd->bhd", p, vx), lse
+
+
+def merge_partials_ref(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact softmax merge of partials: o [..., S, D], lse [..., S] → o [..., D], lse [...]. Empty partials (lse = −inf)
+    contribute nothing; if all are empty the output is 0 with lse −inf."""
+    total = torch.logsumexp(lse.float(), dim=-1)
+    w = torch.exp(lse.float() - torch.where(torch.isinf(total), 0.0, total)[..., None])
+    return (w[..., None] * o.float()).sum(-2), total
+
+
+def tiered_decode_attention_ref(
+    q: Tensor,
+    sink_k: Tensor,
+    sink_v: Tensor,
+    sink_len: Tensor,
+    codes_k: Tensor,
+    scale_zero_k: Tensor,
+    codes_v: Tensor,
+    scale_zero_v: Tensor,
+    hist_len: Tensor,
+    recent_k: Tensor,
+    recent_v: Tensor,
+    recent_len: Tensor,
+    sm_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Decode attention over the three tiers laid out as in `layout` (history dequantized densely), merged by lse.
+
+    q [B, H_q, D] is already rotated by M_K; the output is in M_V space (un-rotate with M_Vᵀ). Returns o [B, H_q, D]
+    and lse [B, H_q], fp32."""
+    hist_k = dequantize_unpack(codes_k, scale_zero_k)
+    hist_v = dequantize_unpack(codes_v, scale_zero_v)
+    parts = [
+        attention_partial_ref(q, sink_k, sink_v, sink_len, sm_scale),
+        attention_partial_ref(q, hist_k, hist_v, hist_len, sm_scale),
+        attention_partial_ref(q, recent_k, recent_v, recent_len, sm_scale),
+    ]
+    o = torch.stack([p[0] for p in parts], dim=-2)
+    lse = torch.stack([p[1] for p in parts], dim=-1)
+    return merge_partials_ref(o, lse)
+
+
+def full_precision_mask(T: int, sink: int = layout.SINK, recent: int = layout.RECENT, device=None) -> Tensor:
+    """Teacher-forcing windows [T, T] bool: query i reads key j (j ≤ i) at full precision iff j < sink or j > i − recent,
+    exactly as a cache that holds the sink and the last `recent` positions in BF16 presents them."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    return (j < sink) | (j > i - recent)
+
+
+def windowed_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_hat: Tensor,
+    v_hat: Tensor,
+    sm_scale: float,
+    sink: int = layout.SINK,
+    recent: int = layout.RECENT,
+) -> Tensor:
+    """Causal attention of a teacher-forced sequence through the tier windows: for query i, key/value j come from
+    (k, v) when `full_precision_mask` says so and from the quantized (k_hat, v_hat) otherwise.
+
+    q [B, H_q, T, D]; k, v, k_hat, v_hat [B, H_kv, T, D]. Returns fp32 [B, H_q, T, D]."""
+    H_q, T = q.shape[1], q.shape[2]
+    qf = q.float()
+    full = full_precision_mask(T, sink, recent, q.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    kf, kq = _expand_kv(k.float(), H_q), _expand_kv(k_hat.float(), H_q)
+    logits = torch.where(full, qf @ kf.transpose(-1, -2), qf @ kq.transpose(-1, -2)) * sm_scale
+    p = torch.softmax(logits.masked_fill(~causal, -math.inf), dim=-1)
+    vf, vq = _expand_kv(v.float(), H_q), _expand_kv(v_hat.float(), H_q)
+    return (p * full) @ vf + (p * ~full) @ vq
