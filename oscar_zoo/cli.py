@@ -1,0 +1,53 @@
+"""The `oscar-zoo` typer app: registers every command and is the ONE error boundary (OscarZooError → message + code)."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from .console import err_console
+from .errors import OscarZooError
+
+app = typer.Typer(
+    name="oscar-zoo",
+    help="Calibrate, verify, publish and serve OSCAR attention-aware rotations for 2-bit KV caches.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _register() -> None:
+    """Each command module exposes `register(app)`; importing them here keeps startup in one place."""
+    from .commands import COMMAND_MODULES
+
+    for module in COMMAND_MODULES:
+        module.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except OscarZooError as exc:
+        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        if exc.advice:
+            err_console.print(f"[dim]hint:[/] {exc.advice}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]: finished work is kept; re-run the same command to resume")
+        sys.exit(130)
+    except Exception as exc:  # click's own usage errors carry their exit code
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Exit):
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise

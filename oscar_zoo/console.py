@@ -1,0 +1,39 @@
+"""Rich consoles and the progress factory; only `cli.py` and `commands/` use rich."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console()  # results: tables, JSON
+err_console = Console(stderr=True)  # progress, warnings, errors
+
+ProgressFn = Callable[[str, int, int], None]  # (phase description, done, total)
+
+
+@contextmanager
+def progress_reporter(enabled: bool = True) -> Iterator[ProgressFn]:
+    """A progress callback for library code: `report(description, done, total)`; one bar per description."""
+    if not enabled:
+        yield lambda description, done, total: None
+        return
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err_console, transient=False) as progress:
+        tasks: dict[str, int] = {}
+
+        def report(description: str, done: int, total: int, rate: str = "") -> None:
+            if description not in tasks:
+                tasks[description] = progress.add_task(description, total=total, rate=rate)
+            progress.update(tasks[description], completed=done, total=total, rate=rate)
+
+        yield report
