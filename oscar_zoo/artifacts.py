@@ -1,0 +1,209 @@
+"""Artifact folders: atomic writes, sha256 of every file, manifest ↔ files ↔ model consistency, safetensors I/O.
+
+Nothing is pickled. Loading checks the manifest schema, every listed file's size and sha256, and tensor shapes against
+the manifest (and against a model when one is given) before any tensor is handed out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import InputError, IntegrityError
+from .manifest import MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
+
+TENSOR_NAMES = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip", "layer_ids")
+
+
+@dataclass(frozen=True)
+class Rotations:
+    """The tensors of `rotations.safetensors`; L layers, H = H_kv (per-head) or 1 (per-layer), D head dim."""
+
+    k_rotation: torch.Tensor  # float32 [L, H, D, D]
+    v_rotation: torch.Tensor  # float32 [L, H, D, D]
+    k_eigenvalues: torch.Tensor  # float32 [L, H, D], ascending
+    v_eigenvalues: torch.Tensor  # float32 [L, H, D], ascending
+    k_clip: torch.Tensor  # float32 [L, H]
+    v_clip: torch.Tensor  # float32 [L, H]
+    layer_ids: torch.Tensor  # int32 [L]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name).contiguous() for name in TENSOR_NAMES}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp name in the same folder, fsync, rename: readers see the old file or the new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save
+
+    atomic_write_bytes(path, save({k: v.contiguous().cpu() for k, v in tensors.items()}))
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise IntegrityError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
+def describe_file(folder: Path, name: str) -> ArtifactFile:
+    path = Path(folder) / name
+    return ArtifactFile(path=name, sha256=sha256_file(path), bytes=path.stat().st_size)
+
+
+def write_artifacts(out_dir: Path, manifest: Manifest, rotations: Rotations) -> Manifest:
+    """Write a complete artifact folder atomically: build it in a sibling temp folder, then swap it into place.
+
+    An existing folder at `out_dir` is replaced only once the new one is complete; an interrupted write leaves the old
+    one (or nothing) behind, never a partial folder. Returns the manifest with its `artifacts` list filled in."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        save_tensors(tmp / ROTATIONS_NAME, rotations.tensors())
+        manifest = manifest.model_copy(update={"artifacts": [describe_file(tmp, ROTATIONS_NAME)]})
+        atomic_write_text(tmp / MANIFEST_NAME, manifest.to_json())
+        _swap_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _swap_into_place(new: Path, dest: Path) -> None:
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+        os.replace(new, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, dest)
+
+
+def read_manifest(folder: Path) -> Manifest:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"artifact folder {folder} does not exist", "run `oscar-zoo calibrate` or `oscar-zoo pull`")
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        raise IntegrityError(f"{folder} has no {MANIFEST_NAME}; it is not an oscar-zoo artifact folder")
+    return Manifest.from_json(path.read_text(), source=str(path))
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    """Replace a folder's manifest (e.g. to store a verification report); its files are re-checksummed first."""
+    check_files(folder, manifest)
+    atomic_write_text(Path(folder) / MANIFEST_NAME, manifest.to_json())
+
+
+def check_files(folder: Path, manifest: Manifest) -> None:
+    """Every file the manifest lists exists with its recorded size and sha256; raises IntegrityError naming the file."""
+    for entry in manifest.artifacts:
+        path = Path(folder) / entry.path
+        if Path(entry.path).is_absolute() or ".." in Path(entry.path).parts:
+            raise IntegrityError(f"manifest lists a file outside the folder: {entry.path}")
+        if not path.is_file():
+            raise IntegrityError(f"{entry.path} is listed in the manifest but missing from {folder}")
+        size = path.stat().st_size
+        if size != entry.bytes:
+            raise IntegrityError(f"{entry.path} has {size} bytes, the manifest says {entry.bytes}: the file is damaged")
+        digest = sha256_file(path)
+        if digest != entry.sha256:
+            raise IntegrityError(
+                f"{entry.path} sha256 {digest[:12]}… does not match the manifest's {entry.sha256[:12]}…: "
+                "the file was altered or corrupted",
+                "re-download or re-calibrate; do not use these rotations",
+            )
+
+
+def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
+    """Read and fully check an artifact folder: schema, checksums, tensor names, dtypes and shapes."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    check_files(folder, manifest)
+    if ROTATIONS_NAME not in {a.path for a in manifest.artifacts}:
+        raise IntegrityError(f"the manifest in {folder} does not list {ROTATIONS_NAME}")
+    tensors = load_tensors(folder / ROTATIONS_NAME)
+    missing = [n for n in TENSOR_NAMES if n not in tensors]
+    if missing:
+        raise IntegrityError(f"{ROTATIONS_NAME} lacks tensors {', '.join(missing)}")
+    rotations = Rotations(**{n: tensors[n] for n in TENSOR_NAMES})
+    _check_shapes(rotations, manifest)
+    return manifest, rotations
+
+
+def _check_shapes(r: Rotations, manifest: Manifest) -> None:
+    m = manifest.model
+    L = len(manifest.rotation.layer_ids)
+    H = m.num_kv_heads if manifest.rotation.granularity.value == "per-head" else 1
+    D = m.head_dim
+    expected = {
+        "k_rotation": (L, H, D, D),
+        "v_rotation": (L, H, D, D),
+        "k_eigenvalues": (L, H, D),
+        "v_eigenvalues": (L, H, D),
+        "k_clip": (L, H),
+        "v_clip": (L, H),
+        "layer_ids": (L,),
+    }
+    for name, shape in expected.items():
+        got = tuple(getattr(r, name).shape)
+        if got != shape:
+            raise IntegrityError(f"{ROTATIONS_NAME}: {name} has shape {list(got)}, the manifest implies {list(shape)}")
+    if r.layer_ids.tolist() != list(manifest.rotation.layer_ids):
+        raise IntegrityError(f"{ROTATIONS_NAME}: layer_ids differ from the manifest's rotation.layer_ids")
+    for name in ("k_rotation", "v_rotation"):
+        M = getattr(r, name).double()
+        err = (M.transpose(-1, -2) @ M - torch.eye(D, dtype=torch.float64)).abs().max().item() if L else 0.0
+        if err > 1e-4:
+            raise IntegrityError(f"{ROTATIONS_NAME}: {name} is not orthogonal (max |MᵀM − I| = {err:.2e})")
+
+
+def check_model_matches(manifest: Manifest, identity) -> None:
+    """Raise IntegrityError naming every field where the manifest's model differs from `identity` (a ModelIdentity)."""
+    fields = ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "qk_norm", "config_sha256")
+    diffs = [
+        f"{f}: manifest {getattr(manifest.model, f)!r} vs model {getattr(identity, f)!r}"
+        for f in fields
+        if getattr(manifest.model, f) != getattr(identity, f)
+    ]
+    if diffs:
+        raise IntegrityError(
+            f"the artifacts were calibrated for {manifest.model.id}, not this model ({'; '.join(diffs)})",
+            "pass the model the manifest names, or calibrate this one",
+        )
