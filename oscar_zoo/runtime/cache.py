@@ -1,0 +1,371 @@
+"""OscarCache: the OSCAR three-tier KV cache (BF16 sink, INT2 history, BF16 recent) as a transformers `Cache`.
+
+Storage follows `layout.py`; all tiers hold rotated keys/values (k·M_K, v·M_V). `update` rotates and files the new
+tokens, demoting the oldest recent tokens into the INT2 history with `ops.quantize_pack`; the attention function in
+`attention.py` reads the tiers back (decode through `ops.tiered_decode_attention`). Use with
+`model.generate(..., past_key_values=OscarCache.from_folder(path))` on a model switched to `attn_implementation="oscar"`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import layout, ops, reference
+
+HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
+
+
+@dataclass
+class Rotation:
+    """One layer's fixed OSCAR tensors: rotations float32 [H, D, D] (H = H_kv, or 1 shared), clip ratios [H, 1]."""
+
+    k: Tensor
+    v: Tensor
+    k_clip: Tensor
+    v_clip: Tensor
+
+    def to(self, device: torch.device) -> Rotation:
+        return Rotation(*(t.to(device) for t in (self.k, self.v, self.k_clip, self.v_clip)))
+
+    def per_query_head(self, M: Tensor, n_q_heads: int) -> Tensor:
+        """M [H, D, D] → [H_q, D, D] with the GQA convention (query head j uses KV head j // g); shared stays [1, D, D]."""
+        return M if M.shape[0] == 1 else M.repeat_interleave(n_q_heads // M.shape[0], dim=0)
+
+
+@dataclass
+class Pending:
+    """What `update` hands to the attention function of the same layer: the layer, the rotated chunk it returned,
+    and, for a multi-token chunk after earlier tokens, those tokens as their tiers presented them before the chunk."""
+
+    layer: OscarLayer
+    key: Tensor
+    past: tuple[Tensor, Tensor] | None
+    past_len: int
+
+
+_PENDING: contextvars.ContextVar[Pending | None] = contextvars.ContextVar("oscar_pending", default=None)
+
+
+def take_pending(key: Tensor) -> Pending | None:
+    """The pending update whose returned key is `key` (identity), consumed; None when `key` did not come from an
+    OscarCache (e.g. a forward without cache), in which case attention runs unrotated on the given key/value."""
+    pending = _PENDING.get()
+    if pending is None or pending.key is not key:
+        return None
+    _PENDING.set(None)
+    return pending
+
+
+class OscarLayer(CacheLayerMixin):
+    """One attention layer's tiers. Lengths are equal over the batch (padded batches are refused upstream)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+    _STORAGE = ("sink_k", "sink_v", "hist_k", "hist_v", "sz_k", "sz_v", "recent_k", "recent_v")
+    _LENGTHS = ("sink_len", "hist_len", "recent_len")
+
+    def __init__(
+        self,
+        rotation: Rotation | None,
+        layer_idx: int,
+        group_size: int = 0,
+        sink: int = layout.SINK,
+        recent: int = layout.RECENT,
+        flush: int = layout.FLUSH,
+        quantize: bool = True,
+    ):
+        super().__init__()
+        self.rotation, self.layer_idx, self.group_size = rotation, layer_idx, group_size
+        self.sink, self.recent, self.flush, self.quantize = sink, recent, flush, quantize
+        self.n_sink = self.n_hist = self.n_recent = 0
+
+    # ------------------------------------------------------------------------------------------------ allocation
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        if self.rotation is None:
+            raise ValueError(
+                f"model layer {self.layer_idx} has no OSCAR rotation (its layer_ids do not include it): build the "
+                f"cache from artifacts calibrated for this model, covering every attention layer"
+            )
+        B, H, _, D = key_states.shape
+        H_rot, D_rot = self.rotation.k.shape[0], self.rotation.k.shape[-1]
+        if D_rot != D or H_rot not in (1, H):
+            raise ValueError(
+                f"layer {self.layer_idx}: rotation shape [{H_rot}, {D_rot}, {D_rot}] does not fit keys with {H} KV heads "
+                f"of head_dim {D}: the artifacts were made for another model"
+            )
+        G = layout.resolve_group_size(D, self.group_size)
+        self.device = key_states.device
+        self.rotation = self.rotation.to(self.device)
+        bf16 = dict(dtype=layout.TIER_DTYPE, device=self.device)
+        self.sink_k = torch.zeros(B, H, self.sink, D, **bf16)
+        self.sink_v = torch.zeros(B, H, self.sink, D, **bf16)
+        self.recent_k = torch.zeros(B, H, self.recent + self.flush, D, **bf16)
+        self.recent_v = torch.zeros(B, H, self.recent + self.flush, D, **bf16)
+        if self.quantize:  # INT2 codes [B, H, T_cap, D/4] + float16 scale/zero [B, H, T_cap, D/G, 2]
+            codes = dict(dtype=layout.CODE_DTYPE, device=self.device)
+            self.hist_k = torch.zeros(B, H, HISTORY_CHUNK, layout.packed_dim(D), **codes)
+            self.hist_v = torch.zeros(B, H, HISTORY_CHUNK, layout.packed_dim(D), **codes)
+            self.sz_k = torch.zeros(B, H, HISTORY_CHUNK, D // G, 2, dtype=layout.SCALE_DTYPE, device=self.device)
+            self.sz_v = torch.zeros(B, H, HISTORY_CHUNK, D // G, 2, dtype=layout.SCALE_DTYPE, device=self.device)
+        else:  # test switch: history kept in BF16 [B, H, T_cap, D], no scale/zero
+            self.hist_k = torch.zeros(B, H, HISTORY_CHUNK, D, **bf16)
+            self.hist_v = torch.zeros(B, H, HISTORY_CHUNK, D, **bf16)
+            self.sz_k = self.sz_v = None
+        self.batch_size = B
+        self.is_initialized = True
+        self._sync_lengths()
+
+    def _sync_lengths(self) -> None:
+        """Refresh the int32 [B] per-tier lengths the decode kernels read."""
+        for name, n in zip(self._LENGTHS, (self.n_sink, self.n_hist, self.n_recent)):
+            setattr(self, name, torch.full((self.batch_size,), n, dtype=torch.int32, device=self.device))
+
+    def _ensure_history(self, needed: int) -> None:
+        cap = self.hist_k.shape[2]
+        if needed <= cap:
+            return
+        new_cap = -(-max(needed, cap + cap // 4) // HISTORY_CHUNK) * HISTORY_CHUNK
+        for name in ("hist_k", "hist_v", "sz_k", "sz_v"):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            new = torch.zeros(old.shape[:2] + (new_cap,) + old.shape[3:], dtype=old.dtype, device=old.device)
+            new[:, :, : self.n_hist] = old[:, :, : self.n_hist]
+            setattr(self, name, new)
+
+    # ------------------------------------------------------------------------------------------------- writing
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Rotate the new K/V [B, H_kv, n, D], file them into the tiers, and return the rotated chunk (in the input
+        dtype, unquantized: a chunk attends to its own exact K/V). Registers a `Pending` for the attention function."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.batch_size:
+            raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
+        k_rot = reference.rotate(key_states, self.rotation.k)  # [B, H_kv, n, D] k·M_K
+        v_rot = reference.rotate(value_states, self.rotation.v)  # [B, H_kv, n, D] v·M_V
+        n, past_len = k_rot.shape[2], self.get_seq_length()
+        past = self.dense_kv(k_rot.dtype) if n > 1 and past_len > 0 else None
+        self._append(k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE), multi=n > 1)
+        _PENDING.set(Pending(self, k_rot, past, past_len))
+        return k_rot, v_rot
+
+    def _append(self, k: Tensor, v: Tensor, multi: bool) -> None:
+        """Sink first (positions < sink), then recent; demote the oldest recent tokens into the history: a multi-token
+        chunk leaves exactly `recent` of them, a single token triggers a demotion of `flush` at recent + flush."""
+        take = min(k.shape[2], self.sink - self.n_sink)
+        if take > 0:
+            self.sink_k[:, :, self.n_sink : self.n_sink + take] = k[:, :, :take]
+            self.sink_v[:, :, self.n_sink : self.n_sink + take] = v[:, :, :take]
+            self.n_sink += take
+            k, v = k[:, :, take:], v[:, :, take:]
+        m = k.shape[2]
+        if m > 0:
+            total = self.n_recent + m
+            n_demote = total - self.recent if total > self.recent and (multi or total >= self.recent + self.flush) else 0
+            if n_demote == 0:
+                self.recent_k[:, :, self.n_recent : total] = k
+                self.recent_v[:, :, self.n_recent : total] = v
+            else:
+                all_k = torch.cat([self.recent_k[:, :, : self.n_recent], k], dim=2)  # [B, H, total, D]
+                all_v = torch.cat([self.recent_v[:, :, : self.n_recent], v], dim=2)
+                self._append_history(all_k[:, :, :n_demote], all_v[:, :, :n_demote])
+                self.recent_k[:, :, : total - n_demote] = all_k[:, :, n_demote:]
+                self.recent_v[:, :, : total - n_demote] = all_v[:, :, n_demote:]
+                total -= n_demote
+            self.n_recent = total
+        self._sync_lengths()
+
+    def _append_history(self, k: Tensor, v: Tensor) -> None:
+        """Quantize already-rotated BF16 rows [B, H, m, D] (clip → INT2 → pack, no rotation) onto the history."""
+        m = k.shape[2]
+        self._ensure_history(self.n_hist + m)
+        rows = slice(self.n_hist, self.n_hist + m)
+        if self.quantize:
+            self.hist_k[:, :, rows], self.sz_k[:, :, rows] = ops.quantize_pack(k, self.rotation.k_clip, self.group_size)
+            self.hist_v[:, :, rows], self.sz_v[:, :, rows] = ops.quantize_pack(v, self.rotation.v_clip, self.group_size)
+        else:
+            self.hist_k[:, :, rows], self.hist_v[:, :, rows] = k, v
+        self.n_hist += m
+
+    # ------------------------------------------------------------------------------------------------- reading
+
+    def history(self) -> tuple[Tensor, Tensor]:
+        """The live history rows as fp32 K, V [B, H, n_hist, D] (dequantized when quantized)."""
+        rows = slice(0, self.n_hist)
+        if not self.quantize:
+            return self.hist_k[:, :, rows].float(), self.hist_v[:, :, rows].float()
+        k = reference.dequantize_unpack(self.hist_k[:, :, rows], self.sz_k[:, :, rows])
+        v = reference.dequantize_unpack(self.hist_v[:, :, rows], self.sz_v[:, :, rows])
+        return k, v
+
+    def dense_kv(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """All cached tokens in position order as the tiers present them (rotated), K, V [B, H, T, D] in `dtype`."""
+        hist_k, hist_v = self.history()
+        k = [self.sink_k[:, :, : self.n_sink], hist_k, self.recent_k[:, :, : self.n_recent]]
+        v = [self.sink_v[:, :, : self.n_sink], hist_v, self.recent_v[:, :, : self.n_recent]]
+        return torch.cat([t.to(dtype) for t in k], dim=2), torch.cat([t.to(dtype) for t in v], dim=2)
+
+    def tier_args(self) -> tuple[Tensor, ...]:
+        """The tier tensors in `ops.tiered_decode_attention` order, after q and before sm_scale."""
+        return (
+            self.sink_k, self.sink_v, self.sink_len,
+            self.hist_k, self.sz_k, self.hist_v, self.sz_v, self.hist_len,
+            self.recent_k, self.recent_v, self.recent_len,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ transformers API
+
+    def get_seq_length(self) -> int:
+        return self.n_sink + self.n_hist + self.n_recent
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.n_sink = self.n_hist = self.n_recent = 0
+        if self.is_initialized:
+            self._sync_lengths()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("OscarCache cannot be cropped (INT2 demotion is not reversible); use DynamicCache")
+
+    def _map_storage(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for name in self._STORAGE:
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+        self.batch_size = self.sink_k.shape[0]
+        self._sync_lengths()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_storage(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_storage(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._map_storage(lambda t: t[indices])
+
+    def offload(self):
+        raise NotImplementedError("OscarCache does not support offloading")
+
+    def memory_bytes(self) -> int:
+        """Bytes allocated by this layer's cache tensors (tiers, history capacity included, and lengths)."""
+        if not self.is_initialized:
+            return 0
+        names = self._STORAGE + self._LENGTHS
+        return sum(getattr(self, n).nbytes for n in names if getattr(self, n) is not None)
+
+
+class OscarCache(Cache):
+    """The OSCAR INT2 KV cache for `model.generate(..., past_key_values=cache)` (attn_implementation="oscar").
+
+    k_rotation, v_rotation float32 [L, H, D, D] (H = H_kv per head, or 1 shared per layer); k_clip, v_clip float32
+    [L, H]; layer_ids int32 [L]: the model layer each entry belongs to (default 0..L-1). `quantize=False` keeps the
+    history in BF16 (a test switch: with identity rotations generation then reproduces DynamicCache)."""
+
+    def __init__(
+        self,
+        k_rotation: Tensor,
+        v_rotation: Tensor,
+        k_clip: Tensor | float = layout.DEFAULT_K_CLIP,
+        v_clip: Tensor | float = layout.DEFAULT_V_CLIP,
+        layer_ids: Tensor | list[int] | None = None,
+        *,
+        group_size: int = 0,
+        sink: int = layout.SINK,
+        recent: int = layout.RECENT,
+        flush: int = layout.FLUSH,
+        quantize: bool = True,
+        num_layers: int | None = None,
+    ):
+        k_rotation, v_rotation = k_rotation.float(), v_rotation.float()
+        if k_rotation.dim() != 4 or k_rotation.shape[-1] != k_rotation.shape[-2] or v_rotation.shape != k_rotation.shape:
+            raise ValueError(
+                f"k_rotation/v_rotation must both be [L, H, D, D], got {tuple(k_rotation.shape)} and "
+                f"{tuple(v_rotation.shape)}"
+            )
+        L, H, D, _ = k_rotation.shape
+        layout.resolve_group_size(D, group_size)
+        if min(sink, recent) < 0 or flush < 1:
+            raise ValueError(f"need sink ≥ 0, recent ≥ 0 and flush ≥ 1, got sink={sink} recent={recent} flush={flush}")
+        clips = []
+        for name, clip in (("k_clip", k_clip), ("v_clip", v_clip)):
+            clip = torch.as_tensor(clip, dtype=torch.float32)
+            clip = clip.expand(L, H) if clip.dim() == 0 else clip
+            if clip.shape != (L, H):
+                raise ValueError(f"{name} must be a float or [L, H] = [{L}, {H}], got {tuple(clip.shape)}")
+            clips.append(clip)
+        ids = [int(i) for i in (range(L) if layer_ids is None else torch.as_tensor(layer_ids).flatten().tolist())]
+        if len(ids) != L or len(set(ids)) != L or min(ids) < 0:
+            raise ValueError(f"layer_ids must be {L} distinct non-negative model layer indices, got {ids}")
+        n_layers = num_layers if num_layers is not None else max(ids) + 1
+        if max(ids) >= n_layers:
+            raise ValueError(f"layer_ids {ids} reach past num_layers={n_layers}")
+        by_layer = {lid: i for i, lid in enumerate(ids)}
+        layers = []
+        for idx in range(n_layers):
+            i = by_layer.get(idx)
+            rot = None
+            if i is not None:
+                rot = Rotation(k_rotation[i], v_rotation[i], clips[0][i].reshape(H, 1), clips[1][i].reshape(H, 1))
+            layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize))
+        super().__init__(layers=layers)
+        self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush)
+        self.quantize = quantize
+
+    @classmethod
+    def from_folder(cls, path: str | Path, *, quantize: bool = True, **overrides) -> OscarCache:
+        """Build from an artifact folder: `rotations.safetensors` (k_rotation, v_rotation, k_clip, v_clip, layer_ids)
+        and, when present, `manifest.json`'s quant.{group_size, sink, recent, flush}; keyword overrides win.
+        Integrity (checksums, model match) is checked by `oscar_zoo.artifacts`, not here."""
+        from safetensors.torch import load_file
+
+        folder = Path(path)
+        tensors_path = folder / "rotations.safetensors"
+        if not tensors_path.is_file():
+            raise FileNotFoundError(f"{tensors_path} not found: pass an OSCAR artifact folder (oscar-zoo pull/calibrate)")
+        t = load_file(str(tensors_path))
+        missing = {"k_rotation", "v_rotation", "k_clip", "v_clip", "layer_ids"} - set(t)
+        if missing:
+            raise ValueError(f"{tensors_path} lacks tensors {sorted(missing)}; re-export the artifacts")
+        settings = {}
+        manifest = folder / "manifest.json"
+        if manifest.is_file():
+            quant = json.loads(manifest.read_text()).get("quant") or {}
+            settings = {k: int(quant[k]) for k in ("group_size", "sink", "recent", "flush") if quant.get(k) is not None}
+        settings.update(overrides)
+        return cls(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"], quantize=quantize,
+                   **settings)  # fmt: skip
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"model layer {layer_idx} is beyond the {len(self.layers)} layers this OscarCache was built for: the "
+                f"artifacts were made for another model"
+            )
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def memory_bytes(self) -> int:
+        """Bytes actually allocated by the cache tensors of all layers (history capacity included)."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    def bytes_per_token_per_layer(self) -> float:
+        """Allocated bytes per cached token per initialised layer (K and V, all KV heads and batch rows together)."""
+        live = [layer for layer in self.layers if layer.is_initialized]
+        tokens = self.get_seq_length(live[0].layer_idx) if live else 0
+        return self.memory_bytes() / (tokens * len(live)) if tokens else 0.0
