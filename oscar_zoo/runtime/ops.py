@@ -1,14 +1,122 @@
 """Host wrappers of the runtime ops: validate inputs, then run the Triton kernel (CUDA tensors, or CPU tensors under
 TRITON_INTERPRET=1) or fall back to the pure-PyTorch reference. Signatures equal their `reference` twins.
 
-(Skeleton: the Triton dispatch lands with the kernels; until then every op runs its reference.)
+Triton is imported lazily (inside `_kernels()`), so importing this module needs only torch. No op reads a length back
+to the host: split counts come from shapes and the SM count, so decode is CUDA-graph friendly.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+
+import torch
 from torch import Tensor
 
-from . import reference
+from . import layout, reference
+
+LOG2E = 1.4426950408889634
+
+# Launch settings (chosen on an H200, see benchmarks/RESULTS.md).
+INT2_BLOCK_N = 128
+INT2_WARPS = 4
+INT2_STAGES = 3
+INT2_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, KV head, split) programs per SM
+BF16_BLOCK_N = 64
+QUANT_BLOCK_T = 32
+
+
+# ------------------------------------------------------------------------------------------------------- dispatch
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_kernel(t: Tensor) -> bool:
+    """Kernels run on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1; everything else uses the reference."""
+    if not _triton_available():
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and _interpret())
+
+
+def _kernels():
+    from .kernels import decode_bf16, decode_int2, merge, quantize_pack
+
+    return quantize_pack, decode_int2, decode_bf16, merge
+
+
+def _dot_dtype():
+    """bf16 tensor-core dots on the GPU; fp32 under the interpreter (its bf16 arithmetic is wrong)."""
+    import triton.language as tl
+
+    return tl.float32 if _interpret() else tl.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs_target(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: a few splits suffice to exercise the split logic
+    return INT2_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _head_block(group: int) -> int:
+    """Query heads per program, padded to a power of two (≥ 16 for tensor-core dots on the GPU)."""
+    return max(16 if not _interpret() else 1, triton_next_pow2(group))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_tensor(name: str, t: Tensor, dims: int, dtype: torch.dtype | None = None) -> None:
+    _check(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check(t.dim() == dims, f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if dtype is not None:
+        _check(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _check_lengths(name: str, t: Tensor, B: int, device: torch.device) -> Tensor:
+    _check(isinstance(t, Tensor), f"{name} must be an integer tensor [B], got {type(t).__name__}")
+    _check(t.shape == (B,), f"{name} must have shape [B] = [{B}], got {tuple(t.shape)}")
+    _check(not t.is_floating_point() and t.dtype != torch.bool, f"{name} must be an integer tensor, got {t.dtype}")
+    _check(t.device == device, f"{name} is on {t.device}, expected {device} (the device of q)")
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def _last_contiguous(t: Tensor, inner: int) -> Tensor:
+    """The kernels index the innermost `inner` dims densely; copy only if they are not."""
+    expected = 1
+    for d in range(1, inner + 1):
+        if t.shape[-d] > 1 and t.stride(-d) != expected:
+            return t.contiguous()
+        expected *= t.shape[-d]
+    return t
+
+
+# ------------------------------------------------------------------------------------------------- quantize / pack
 
 
 def quantize_pack(
@@ -17,10 +125,312 @@ def quantize_pack(
     """x [B, H_kv, T, D] → packed uint8 [B, H_kv, T, D/4], scale_zero float16 [B, H_kv, T, D/G, 2].
     `clip_ratio`: float or [H_kv, 1] tensor; `rotation`: optional [H_kv, D, D] applied first (result rounded to x's
     dtype, as the cache stores it)."""
-    return reference.quantize_pack_ref(x, clip_ratio, group_size, rotation)
+    _check(isinstance(x, Tensor) and x.is_floating_point(), "x must be a floating-point tensor [..., D]")
+    _check(x.dim() >= 1, "x must have at least one dim")
+    D = x.shape[-1]
+    G = layout.resolve_group_size(D, group_size)
+    if rotation is not None:
+        _check(isinstance(rotation, Tensor), f"rotation must be a tensor [H_kv, D, D] or [D, D], got {type(rotation)}")
+        _check(
+            rotation.dim() in (2, 3) and rotation.shape[-2:] == (D, D),
+            f"rotation must be [H_kv, {D}, {D}] or [{D}, {D}], got {tuple(rotation.shape)}",
+        )
+        _check(rotation.device == x.device, f"rotation is on {rotation.device}, x on {x.device}")
+        if rotation.dim() == 3:
+            _check(
+                x.dim() >= 3 and x.shape[-3] == rotation.shape[0],
+                f"rotation has {rotation.shape[0]} heads but x {tuple(x.shape)} has no matching head dim (-3)",
+            )
+    kernel_ok = layout.is_power_of_two(D) and D >= 16 and x.numel() > 0
+    if not (_use_kernel(x) and kernel_ok):
+        return reference.quantize_pack_ref(x, clip_ratio, group_size, rotation)
+
+    k_rows = reference.clip_index(clip_ratio, D)
+    try:
+        k_rows = k_rows.to(device=x.device, dtype=torch.int32).expand(x.shape[:-1])
+    except RuntimeError as err:
+        raise ValueError(
+            f"clip_ratio of shape {tuple(k_rows.shape)} does not broadcast to the rows of x {tuple(x.shape[:-1])}"
+        ) from err
+    # view x and the clip index as [B, H, T, ·] (leading dims folded into B)
+    x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
+    k3 = k_rows.reshape(x4.shape[:-1])
+    x4 = _last_contiguous(x4, 1)
+    B, H, T, _ = x4.shape
+    codes = torch.empty(B, H, T, D // layout.CODES_PER_BYTE, dtype=layout.CODE_DTYPE, device=x.device)
+    scale_zero = torch.empty(B, H, T, D // G, 2, dtype=layout.SCALE_DTYPE, device=x.device)
+
+    qp = _kernels()[0]
+    import triton
+    import triton.language as tl
+
+    rotate = rotation is not None
+    rot = rotation.contiguous() if rotate else x4  # dummy pointer when not rotating
+    stride_rh = (rot.stride(0) if rot.dim() == 3 else 0) if rotate else 0
+    x_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(x.dtype)
+    _check(x_dtype is not None, f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    block_t = 16 if rotate else QUANT_BLOCK_T
+    grid = (triton.cdiv(T, block_t), B * H)
+    qp._quantize_pack_kernel[grid](
+        x4, rot, k3, codes, scale_zero,
+        H, T,
+        x4.stride(0), x4.stride(1), x4.stride(2), stride_rh,
+        k3.stride(0), k3.stride(1), k3.stride(2),
+        D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
+        REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
+        num_warps=8 if rotate else 4,
+    )  # fmt: skip
+    out_shape = tuple(x.shape[:-1])
+    return codes.reshape(*out_shape, D // 4), scale_zero.reshape(*out_shape, D // G, 2)
 
 
-def tiered_decode_attention(*args, **kwargs) -> tuple[Tensor, Tensor]:
-    """Decode attention over sink / INT2 history / recent tiers; same arguments as
-    `reference.tiered_decode_attention_ref`. Returns o [B, H_q, D] fp32 and lse [B, H_q]."""
-    return reference.tiered_decode_attention_ref(*args, **kwargs)
+# ------------------------------------------------------------------------------------------------- decode attention
+
+
+def _check_q(q: Tensor) -> tuple[int, int, int]:
+    _check_tensor("q", q, 3)
+    _check(q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q must be bf16/fp16/fp32, got {q.dtype}")
+    return tuple(q.shape)
+
+
+def _check_kv(name: str, t: Tensor, q: Tensor, last: tuple[int, ...], dtype: torch.dtype) -> int:
+    """t [B, H_kv, T, *last]; returns H_kv."""
+    B = q.shape[0]
+    _check_tensor(name, t, 3 + len(last), dtype)
+    _check(t.device == q.device, f"{name} is on {t.device}, expected {q.device} (the device of q)")
+    _check(t.shape[0] == B, f"{name} has batch {t.shape[0]}, q has {B}")
+    _check(tuple(t.shape[3:]) == last, f"{name} must end in {last}, got shape {tuple(t.shape)}")
+    H_kv = t.shape[1]
+    _check(H_kv > 0 and q.shape[1] % H_kv == 0, f"{name} has {H_kv} KV heads; H_q = {q.shape[1]} must be a multiple")
+    return H_kv
+
+
+def _int2_splits(B: int, H_kv: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
+    if num_splits is not None:
+        _check(int(num_splits) >= 1, f"num_splits must be ≥ 1, got {num_splits}")
+        return int(num_splits)
+    by_programs = -(-_programs_target(device) // (B * H_kv))
+    by_tokens = -(-T_cap // (2 * INT2_BLOCK_N))  # at least two tiles per split
+    return max(1, min(by_programs, by_tokens))
+
+
+def _kernel_head_dim_ok(D: int) -> bool:
+    return layout.is_power_of_two(D) and D >= 64
+
+
+def _launch_int2(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, o, lse, G):
+    _, decode_int2, _, _ = _kernels()
+    B, H_q, D = q.shape
+    H_kv, S = codes_k.shape[1], o.shape[2]
+    group = H_q // H_kv
+    q = _last_contiguous(q, 1)
+    decode_int2._decode_int2_kernel[(B * H_kv, S)](
+        q, codes_k, sz_k, codes_v, sz_v, hist_len, o, lse,
+        H_kv, group, S, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        codes_k.stride(0), codes_k.stride(1), codes_k.stride(2),
+        sz_k.stride(0), sz_k.stride(1), sz_k.stride(2),
+        codes_v.stride(0), codes_v.stride(1), codes_v.stride(2),
+        sz_v.stride(0), sz_v.stride(1), sz_v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        D=D, G=G, BLOCK_H=_head_block(group), BLOCK_N=INT2_BLOCK_N if q.is_cuda else 16, DOT_DTYPE=_dot_dtype(),
+        num_warps=INT2_WARPS, num_stages=INT2_STAGES,
+    )  # fmt: skip
+
+
+def _launch_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len, sm_scale, o, lse, s_sink):
+    _, _, decode_bf16, _ = _kernels()
+    B, H_q, D = q.shape
+    H_kv, S = sink_k.shape[1], o.shape[2]
+    group = H_q // H_kv
+    q = _last_contiguous(q, 1)
+    decode_bf16._decode_bf16_kernel[(B * H_kv, S)](
+        q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len, o, lse,
+        H_kv, group, s_sink, S - s_sink, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
+        sink_v.stride(0), sink_v.stride(1), sink_v.stride(2),
+        recent_k.stride(0), recent_k.stride(1), recent_k.stride(2),
+        recent_v.stride(0), recent_v.stride(1), recent_v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        D=D, BLOCK_H=_head_block(group), BLOCK_N=BF16_BLOCK_N if q.is_cuda else 16, DOT_DTYPE=_dot_dtype(),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+
+
+def _bf16_splits(T_cap: int, block_n: int) -> int:
+    return max(1, -(-T_cap // block_n))
+
+
+def _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len):
+    B, H_q, D = _check_q(q)
+    _check(D % layout.CODES_PER_BYTE == 0, f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
+    H_kv = _check_kv("codes_k", codes_k, q, (D // 4,), layout.CODE_DTYPE)
+    _check(codes_v.shape == codes_k.shape, f"codes_v {tuple(codes_v.shape)} != codes_k {tuple(codes_k.shape)}")
+    _check_kv("codes_v", codes_v, q, (D // 4,), layout.CODE_DTYPE)
+    _check_tensor("scale_zero_k", scale_zero_k, 5, layout.SCALE_DTYPE)
+    NG = scale_zero_k.shape[-2]
+    _check(NG > 0 and D % NG == 0, f"scale_zero_k has {NG} groups, which does not divide head dim {D}")
+    for name, sz in (("scale_zero_k", scale_zero_k), ("scale_zero_v", scale_zero_v)):
+        _check_kv(name, sz, q, (NG, 2), layout.SCALE_DTYPE)
+        _check(sz.shape[:3] == codes_k.shape[:3], f"{name} {tuple(sz.shape)} does not match codes {tuple(codes_k.shape)}")
+    hist_len = _check_lengths("hist_len", hist_len, B, q.device)
+    return H_kv, D // NG, hist_len
+
+
+def decode_int2_partial(
+    q: Tensor,
+    codes_k: Tensor,
+    scale_zero_k: Tensor,
+    codes_v: Tensor,
+    scale_zero_v: Tensor,
+    hist_len: Tensor,
+    sm_scale: float,
+    num_splits: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Split-K attention over the INT2 history: partial o fp32 [B, H_q, S, D] and lse fp32 [B, H_q, S] (normalised
+    per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`."""
+    H_kv, G, hist_len = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
+    B, H_q, D = q.shape
+    S = _int2_splits(B, H_kv, codes_k.shape[2], q.device, num_splits)
+    if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
+        return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S)
+    o = torch.empty(B, H_q, S, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H_q, S, dtype=torch.float32, device=q.device)
+    _launch_int2(q, _last_contiguous(codes_k, 1), _last_contiguous(scale_zero_k, 2), _last_contiguous(codes_v, 1),
+                 _last_contiguous(scale_zero_v, 2), hist_len, sm_scale, o, lse, G)  # fmt: skip
+    return o, lse
+
+
+def _int2_partial_ref(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, S):
+    """Reference fallback of `decode_int2_partial`: the whole history as split 0, the other splits empty."""
+    B, H_q, D = q.shape
+    k, v = reference.dequantize_unpack(codes_k, sz_k), reference.dequantize_unpack(codes_v, sz_v)
+    o0, lse0 = reference.attention_partial_ref(q, k, v, hist_len, sm_scale)
+    o = torch.zeros(B, H_q, S, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, H_q, S), -math.inf, dtype=torch.float32, device=q.device)
+    o[:, :, 0], lse[:, :, 0] = o0, lse0
+    return o, lse
+
+
+def _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len):
+    B, H_q, D = _check_q(q)
+    H_kv = None
+    for name, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
+        _check_tensor(name, t, 4)
+        _check(t.is_floating_point(), f"{name} must be a floating-point tier (bf16), got {t.dtype}")
+        h = _check_kv(name, t, q, (D,), t.dtype)
+        _check(H_kv is None or h == H_kv, f"{name} has {h} KV heads, the other tiers {H_kv}")
+        H_kv = h
+    _check(sink_v.shape == sink_k.shape, f"sink_v {tuple(sink_v.shape)} != sink_k {tuple(sink_k.shape)}")
+    _check(recent_v.shape == recent_k.shape, f"recent_v {tuple(recent_v.shape)} != recent_k {tuple(recent_k.shape)}")
+    return _check_lengths("sink_len", sink_len, B, q.device), _check_lengths("recent_len", recent_len, B, q.device)
+
+
+def decode_bf16_partial(
+    q: Tensor,
+    sink_k: Tensor,
+    sink_v: Tensor,
+    sink_len: Tensor,
+    recent_k: Tensor,
+    recent_v: Tensor,
+    recent_len: Tensor,
+    sm_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Split-K attention over the BF16 sink and recent tiers in one launch: partial o fp32 [B, H_q, S, D] and lse
+    [B, H_q, S], the sink's splits first."""
+    sink_len, recent_len = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
+    B, H_q, D = q.shape
+    if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
+        parts = [
+            reference.attention_partial_ref(q, sink_k, sink_v, sink_len, sm_scale),
+            reference.attention_partial_ref(q, recent_k, recent_v, recent_len, sm_scale),
+        ]
+        return torch.stack([p[0] for p in parts], 2), torch.stack([p[1] for p in parts], 2)
+    bn = BF16_BLOCK_N if q.is_cuda else 16
+    s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
+    o = torch.empty(B, H_q, s_sink + s_recent, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H_q, s_sink + s_recent, dtype=torch.float32, device=q.device)
+    _launch_bf16(q, _last_contiguous(sink_k, 1), _last_contiguous(sink_v, 1), sink_len, _last_contiguous(recent_k, 1),
+                 _last_contiguous(recent_v, 1), recent_len, sm_scale, o, lse, s_sink)  # fmt: skip
+    return o, lse
+
+
+def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact softmax merge of partials: o [..., S, D], lse [..., S] → o fp32 [..., D], lse fp32 [...]; same contract as
+    `reference.merge_partials_ref` (empty partials contribute nothing; all-empty gives o = 0, lse = −inf)."""
+    _check(isinstance(o, Tensor) and isinstance(lse, Tensor), "o and lse must be tensors")
+    _check(o.dim() >= 2 and lse.shape == o.shape[:-1], f"lse {tuple(lse.shape)} must equal o's {tuple(o.shape)}[:-1]")
+    _check(o.device == lse.device, f"o is on {o.device}, lse on {lse.device}")
+    S, D = o.shape[-2], o.shape[-1]
+    if not (_use_kernel(o) and layout.is_power_of_two(D) and S > 0):
+        return reference.merge_partials_ref(o, lse)
+    lead = o.shape[:-2]
+    o3 = o.float().reshape(-1, S, D)
+    o3 = _last_contiguous(o3, 1)
+    l2 = lse.float().reshape(-1, S)
+    l2 = _last_contiguous(l2, 1)
+    N = o3.shape[0]
+    out = torch.empty(N, D, dtype=torch.float32, device=o.device)
+    out_lse = torch.empty(N, dtype=torch.float32, device=o.device)
+    if N:
+        _launch_merge(o3, l2, out, out_lse)
+    return out.reshape(*lead, D), out_lse.reshape(lead)
+
+
+def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor) -> None:
+    merge = _kernels()[3]
+    N, S, D = o3.shape
+    merge._merge_kernel[(N,)](
+        o3, l2, out, out_lse,
+        S,
+        o3.stride(0), o3.stride(1), l2.stride(0), out.stride(0),
+        D=D, BLOCK_S=min(16, triton_next_pow2(S)), num_warps=4 if D >= 128 else 2,
+    )  # fmt: skip
+
+
+def tiered_decode_attention(
+    q: Tensor,
+    sink_k: Tensor,
+    sink_v: Tensor,
+    sink_len: Tensor,
+    codes_k: Tensor,
+    scale_zero_k: Tensor,
+    codes_v: Tensor,
+    scale_zero_v: Tensor,
+    hist_len: Tensor,
+    recent_k: Tensor,
+    recent_v: Tensor,
+    recent_len: Tensor,
+    sm_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`), exact softmax over their
+    union. q [B, H_q, D] already rotated by M_K. Returns o fp32 [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
+    Three launches: INT2 split-K, BF16 tiers, merge; lengths are read on the device (no host sync)."""
+    H_kv, G, hist_len_i = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
+    sink_len_i, recent_len_i = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
+    _check(sink_k.shape[1] == H_kv, f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
+    B, H_q, D = q.shape
+    if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
+        return reference.tiered_decode_attention_ref(
+            q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
+            recent_k, recent_v, recent_len, sm_scale,
+        )  # fmt: skip
+    s_int2 = _int2_splits(B, H_kv, codes_k.shape[2], q.device, None)
+    bn = BF16_BLOCK_N if q.is_cuda else 16
+    s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
+    S = s_int2 + s_sink + s_recent
+    o_part = torch.empty(B, H_q, S, D, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(B, H_q, S, dtype=torch.float32, device=q.device)
+    _launch_int2(q, _last_contiguous(codes_k, 1), _last_contiguous(scale_zero_k, 2), _last_contiguous(codes_v, 1),
+                 _last_contiguous(scale_zero_v, 2), hist_len_i, sm_scale, o_part[:, :, :s_int2],
+                 lse_part[:, :, :s_int2], G)  # fmt: skip
+    _launch_bf16(q, _last_contiguous(sink_k, 1), _last_contiguous(sink_v, 1), sink_len_i, _last_contiguous(recent_k, 1),
+                 _last_contiguous(recent_v, 1), recent_len_i, sm_scale, o_part[:, :, s_int2:], lse_part[:, :, s_int2:],
+                 s_sink)  # fmt: skip
+    out = torch.empty(B * H_q, D, dtype=torch.float32, device=q.device)
+    out_lse = torch.empty(B * H_q, dtype=torch.float32, device=q.device)
+    _launch_merge(o_part.view(B * H_q, S, D), lse_part.view(B * H_q, S), out, out_lse)
+    return out.view(B, H_q, D), out_lse.view(B, H_q)
