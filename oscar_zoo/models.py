@@ -213,6 +213,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer: `demo`, a local folder, a `.gguf` file, or a Hugging Face id."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # progress is ours to show
 
     torch_dtype = resolve_dtype(dtype)
     model_id, source = name, name

@@ -1,0 +1,64 @@
+"""Capture of what attention reads: post-QK-norm, post-RoPE Q and K, V as projected, and the attention output, for
+every layer, through an attention function registered with transformers (so every supported architecture's own
+RoPE / QK-norm code runs unchanged). The observer sees tensors; nothing is stored here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+CAPTURE_IMPL = "oscar_capture"
+
+# observer(layer_idx, q [B, H_q, T, D], k [B, H_kv, T, D], v [B, H_kv, T, D], out [B, H_q, T, D], scaling)
+Observer = Callable[[int, Tensor, Tensor, Tensor, Tensor, float], None]
+
+_observer: Observer | None = None
+
+
+def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+    if _observer is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        _observer(module.layer_idx, query, key, value, out.transpose(1, 2), scale)
+    return out, weights
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_IMPL, _capture_attention)
+
+
+@contextmanager
+def capturing(model: torch.nn.Module, observer: Observer) -> Iterator[None]:
+    """Within the block, every attention call of `model` reports its inputs/outputs to `observer`."""
+    global _observer
+    _register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE_IMPL)
+    _observer = observer
+    try:
+        yield
+    finally:
+        _observer = None
+        model.set_attn_implementation(previous)
+
+
+def forward_batches(model: torch.nn.Module, input_ids: Tensor, batch_size: int, start: int = 0,
+                    on_batch: Callable[[int], None] | None = None) -> None:
+    """Prefill-only forward passes (no cache, no logits kept) over sequences [start:], `batch_size` at a time;
+    `on_batch(done)` runs after each batch with the number of sequences finished."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for i in range(start, input_ids.shape[0], batch_size):
+            batch = input_ids[i : i + batch_size].to(device)
+            model.base_model(input_ids=batch, use_cache=False)  # the decoder stack only: no logits needed
+            if on_batch:
+                on_batch(min(i + batch_size, input_ids.shape[0]))

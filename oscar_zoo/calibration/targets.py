@@ -1,0 +1,72 @@
+"""Streaming float64 accumulators of the attention-aware targets, per (layer, KV head), mergeable.
+
+A `SecondMoment` holds Σ w·x xᵀ and Σ w per (layer, KV head); `merge` adds two of them, which equals accumulating the
+concatenation (what data-parallel calibration all-reduces). The three targets of METHOD.md §2 are all of this form:
+- key target   C_Q[h] = mean over tokens and the g query heads of group h of q qᵀ      (x = q, w = 1)
+- value target C_S[h] = Σ_t w_t v_t v_tᵀ / Σ_t w_t,  w_t = k_tᵀ C_Q[h] k_t             (x = v, second pass)
+- softmax value target (1/N) Vᵀ SᵀS V = mean over queries of o oᵀ, o = S V the attention output per query head
+  (x = o, w = 1) — so the paper's softmax form needs no extra pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def group_heads(x: Tensor, n_kv_heads: int) -> Tensor:
+    """[B, H, T, D] → [H_kv, B·(H/H_kv)·T, D]: samples of KV head h are query heads [h·g, (h+1)·g) (contiguous GQA)."""
+    B, H, T, D = x.shape
+    g = H // n_kv_heads
+    return x.reshape(B, n_kv_heads, g, T, D).permute(1, 0, 2, 3, 4).reshape(n_kv_heads, B * g * T, D)
+
+
+@dataclass
+class SecondMoment:
+    """Σ w x xᵀ [L, H, D, D] and Σ w [L, H], float64."""
+
+    sums: Tensor
+    weights: Tensor
+
+    @classmethod
+    def zeros(cls, n_layers: int, n_heads: int, dim: int, device: torch.device | str = "cpu") -> SecondMoment:
+        return cls(torch.zeros(n_layers, n_heads, dim, dim, dtype=torch.float64, device=device),
+                   torch.zeros(n_layers, n_heads, dtype=torch.float64, device=device))
+
+    def add(self, layer: int, x: Tensor, w: Tensor | None = None) -> None:
+        """x [H, N, D] samples per head; w [H, N] optional weights."""
+        x = x.to(self.sums.device, torch.float64)
+        if w is None:
+            self.sums[layer] += torch.einsum("hnd,hne->hde", x, x)
+            self.weights[layer] += x.shape[1]
+        else:
+            w = w.to(self.sums.device, torch.float64)
+            self.sums[layer] += torch.einsum("hnd,hne->hde", x * w[..., None], x)
+            self.weights[layer] += w.sum(-1)
+
+    def merge(self, other: SecondMoment) -> SecondMoment:
+        return SecondMoment(self.sums + other.sums.to(self.sums.device), self.weights + other.weights.to(self.sums.device))
+
+    def mean(self) -> Tensor:
+        """The target [L, H, D, D] (zero where nothing was accumulated)."""
+        return self.sums / self.weights.clamp(min=1e-300)[..., None, None]
+
+    def state(self, prefix: str) -> dict[str, Tensor]:
+        return {f"{prefix}.sums": self.sums.cpu(), f"{prefix}.weights": self.weights.cpu()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Tensor], prefix: str, device: torch.device | str = "cpu") -> SecondMoment:
+        return cls(state[f"{prefix}.sums"].to(device), state[f"{prefix}.weights"].to(device))
+
+
+def key_weights(k: Tensor, key_target: Tensor) -> Tensor:
+    """w_t = k_tᵀ C_Q[h] k_t, the expected squared logit of each key: k [H, N, D], key_target [H, D, D] → [H, N]."""
+    k = k.to(key_target.device, torch.float64)
+    return torch.einsum("hnd,hde,hne->hn", k, key_target, k)
+
+
+def per_layer(target: Tensor) -> Tensor:
+    """Per-head targets [L, H, D, D] → the reference code's shared per-layer form [L, 1, D, D] (mean over heads)."""
+    return target.mean(dim=1, keepdim=True)

@@ -1,0 +1,134 @@
+"""`oscar-zoo calibrate [MODEL]`: capture, targets, rotations, clips → an artifact folder; summary table or JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..artifacts import write_artifacts
+from ..calibration.clip_search import DEFAULT_GRID
+from ..calibration.data import load_texts, make_sequences
+from ..calibration.pipeline import CalibrationResult, CalibrationSettings, calibrate
+from ..console import console, err_console, progress_reporter
+from ..errors import InputError
+from ..manifest import ClipMode, Granularity, ValueTarget
+from ..models import DEMO, load_model
+from ..runtime import layout
+from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
+
+
+def calibrate_command(
+    model: ModelArg = DEMO,
+    revision: Revision = None,
+    dataset: Dataset = None,
+    text_field: TextField = None,
+    split: Split = "train",
+    tokens: Annotated[int, typer.Option(help="Calibration tokens (rounded down to whole sequences).")] = 16384,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 512,
+    heldout: Annotated[int, typer.Option(help="Held-out sequences for the clip search.")] = 2,
+    chat_template: Annotated[bool, typer.Option(help="Wrap text blocks in the tokenizer's chat template.")] = False,
+    granularity: Annotated[Granularity, typer.Option(help="One rotation per KV head, or one shared per layer.")] =
+    Granularity.PER_HEAD,
+    value_target: Annotated[ValueTarget, typer.Option(help="weighted (reference code) or softmax (paper figure).")] =
+    ValueTarget.WEIGHTED,
+    clip: Annotated[ClipMode, typer.Option(help="search per (layer, head, K/V), or the fixed ratios.")] =
+    ClipMode.SEARCH,
+    k_clip: Annotated[float, typer.Option(help="Fixed key clip ratio (used by --clip fixed).")] = layout.DEFAULT_K_CLIP,
+    v_clip: Annotated[float, typer.Option(help="Fixed value clip ratio (used by --clip fixed).")] =
+    layout.DEFAULT_V_CLIP,
+    group_size: Annotated[int, typer.Option(help="Quantization group along head_dim; 0 = one group per row.")] = 0,
+    sink: Annotated[int, typer.Option(help="Full-precision sink tokens.")] = layout.SINK,
+    recent: Annotated[int, typer.Option(help="Full-precision recent tokens.")] = layout.RECENT,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed for the document order.")] = 0,
+    device: Device = "auto",
+    dtype: Dtype = "bfloat16",
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: artifacts/<model>).")] = None,
+    json_output: Json = False,
+) -> None:
+    """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact folder."""
+    start = time.perf_counter()
+    for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if value <= 0:
+            raise InputError(f"{name} must be positive, got {value}")
+    if clip == ClipMode.SEARCH and heldout <= 0:
+        raise InputError("--clip search needs held-out sequences (--heldout ≥ 1)", "or use --clip fixed")
+    n_sequences = tokens // seq_len
+    if n_sequences == 0:
+        raise InputError(f"--tokens {tokens} is less than one sequence of --seq-len {seq_len}")
+
+    say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
+    loaded = load_model(model, revision=revision, device=device, dtype=dtype, progress=say)
+    say(f"model {loaded.identity.id}: {loaded.info.num_layers} layers, {loaded.info.num_q_heads} query / "
+        f"{loaded.info.num_kv_heads} KV heads, head_dim {loaded.info.head_dim} on {loaded.model.device}")
+    texts, source = load_texts(dataset, split=split, text_field=text_field)
+    seqs = make_sequences(loaded.tokenizer, texts, seq_len, n_sequences, heldout, seed, chat_template, source)
+    settings = CalibrationSettings(granularity=granularity.value, value_target=value_target.value, clip=clip.value,
+                                   k_clip=k_clip, v_clip=v_clip, grid=DEFAULT_GRID, group_size=group_size, sink=sink,
+                                   recent=recent, batch_size=batch_size, seed=seed)
+    with progress_reporter(enabled=not json_output) as report:
+        result = calibrate(loaded, seqs, settings, progress=report)
+    out = out or Path("artifacts") / _slug(loaded.identity.id)
+    wall = time.perf_counter() - start
+    manifest = result.manifest.model_copy(
+        update={"calibration": result.manifest.calibration.model_copy(update={"wall_seconds": round(wall, 3)})})
+    manifest = write_artifacts(out, manifest, result.rotations)
+    if json_output:
+        console.print_json(json.dumps(_summary(result, out, wall)))
+        return
+    console.print(_table(result))
+    reused = "all accumulators reused from the cache" if not result.forward_passes else \
+        f"forward passes run: {', '.join(result.forward_passes)}"
+    console.print(f"BPE: {manifest.bits_per_element['32768']:.3f} at 32K, {manifest.bits_per_element['131072']:.3f} "
+                  f"at 128K · {seqs.input_ids.numel():,} tokens · {reused} · {wall:.1f} s")
+    console.print(f"[green]wrote[/] {out}/ (manifest.json, rotations.safetensors)")
+    console.print(f"next: [bold]oscar-zoo inspect {out}[/]")
+
+
+def _slug(model_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", model_id.split("/")[-1]).strip("-").lower() or "model"
+
+
+def _summary(result: CalibrationResult, out: Path, wall: float) -> dict:
+    r, m = result.rotations, result.manifest
+    return {
+        "out": str(out),
+        "model": m.model.id,
+        "granularity": m.rotation.granularity.value,
+        "value_target": m.rotation.value_target.value,
+        "clip": m.clip.mode.value,
+        "tokens": m.calibration.tokens,
+        "bits_per_element": m.bits_per_element,
+        "forward_passes": result.forward_passes,
+        "wall_seconds": round(wall, 3),
+        "layers": [
+            {"layer": int(lid), "k_spectrum_ratio": round(float(ks), 3), "v_spectrum_ratio": round(float(vs), 3),
+             "k_clip": [round(float(c), 4) for c in kc], "v_clip": [round(float(c), 4) for c in vc]}
+            for lid, ks, vs, kc, vc in zip(r.layer_ids, result.k_spectrum, result.v_spectrum, r.k_clip, r.v_clip)
+        ],
+    }
+
+
+def _table(result: CalibrationResult) -> Table:
+    r = result.rotations
+    table = Table(title=f"{result.manifest.model.id}: OSCAR rotations ({result.manifest.rotation.granularity.value})")
+    for col in ("layer", "K λmax/λmean", "V λmax/λmean", "K clip", "V clip"):
+        table.add_column(col, justify="right")
+    for lid, ks, vs, kc, vc in zip(r.layer_ids, result.k_spectrum, result.v_spectrum, r.k_clip, r.v_clip):
+        table.add_row(str(int(lid)), f"{ks:.1f}", f"{vs:.1f}", _clips(kc), _clips(vc))
+    return table
+
+
+def _clips(c) -> str:
+    values = sorted({round(float(x), 2) for x in c})
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate")(calibrate_command)

@@ -1,0 +1,60 @@
+"""The small interface both hub clients implement, and the redaction every hub message passes through.
+
+A client moves bytes and names commits; it knows nothing about manifests. `publish.py` decides which files move.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Protocol
+
+HUBS = ("hf", "modelscope")
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+class HubClient(Protocol):
+    name: str  # "hf" | "modelscope"
+    endpoint: str
+
+    def has_token(self) -> bool:
+        """Whether a token is configured in the client's usual places (environment, saved login)."""
+
+    def ensure_repo(self, repo_id: str, private: bool) -> None:
+        """Create the model repo unless it exists (needs a token)."""
+
+    def ensure_branch(self, repo_id: str, revision: str) -> None:
+        """Create branch `revision` from the default branch unless it exists."""
+
+    def head(self, repo_id: str, revision: str | None) -> str:
+        """The commit id `revision` (branch, tag or commit; None = default branch) points to."""
+
+    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False) -> Path | None:
+        """Download one file at `commit` into the client's cache and return its local path; None if absent there."""
+
+    def commit(self, repo_id: str, files: dict[str, Path], message: str, revision: str | None,
+               parent: str | None) -> str:
+        """Upload `files` (path in repo -> local file) as one commit on `revision`; fail if the branch moved away
+        from `parent`. Returns the new commit id."""
+
+    def web_url(self, repo_id: str, subfolder: str = "") -> str:
+        """Where a person can look at the repo (or the subfolder) in a browser."""
+
+
+def redact(text: str, secrets: list[str | None]) -> str:
+    """Replace every occurrence of a secret (a token) in `text`; hub messages go through this before they are shown."""
+    for s in secrets:
+        if s and len(s) >= 4:
+            text = text.replace(s, "***")
+    return re.sub(r"(?i)(bearer\s+|m_session_id=)[^\s;,'\"]+", r"\1***", text)
+
+
+def first_line(text: str, limit: int = 200) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def split_repo_path(spec: str) -> tuple[str, str]:
+    """`owner/name[/sub/dir]` -> (`owner/name`, `sub/dir`)."""
+    parts = [p for p in spec.strip("/").split("/") if p]
+    return "/".join(parts[:2]), "/".join(parts[2:])

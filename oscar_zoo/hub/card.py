@@ -1,0 +1,101 @@
+"""The generated model card (`README.md`) pushed beside an artifact folder, and the zoo card at a zoo repo's root.
+
+YAML front matter (base_model, library_name, tags) so the hubs index the repo; the body says what the rotations are,
+with which settings, how many bits per element they buy, how well they verified, and how to pull and use them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..manifest import Manifest
+from ..runtime import layout
+from .zoo import ZooIndex, format_value, verification_rows, verification_summary
+
+TAGS = ["oscar-zoo", "kv-cache", "quantization", "int2", "rotation"]
+CONTEXTS = (32768, 131072)
+
+
+def _front_matter(base_models: list[str]) -> str:
+    lines = ["---"]
+    if base_models:
+        lines.append("base_model:")
+        lines += [f"- {json.dumps(m)}" for m in base_models]
+    lines.append("library_name: oscar-zoo")
+    lines.append("tags:")
+    lines += [f"- {t}" for t in TAGS]
+    lines.append("---")
+    return "\n".join(lines) + "\n"
+
+
+def render_model_card(manifest: Manifest, repo_id: str, subfolder: str, hub: str) -> str:
+    m, q, r, c, cal = manifest.model, manifest.quant, manifest.rotation, manifest.clip, manifest.calibration
+    G = layout.resolve_group_size(m.head_dim, q.group_size)
+    source = f"{repo_id}/{subfolder}" if subfolder else repo_id
+    hub_flag = "" if hub == "hf" else f" --hub {hub}"
+    out = [_front_matter([m.id]), f"# OSCAR 2-bit KV-cache rotations for {m.id}\n",
+           "Offline, attention-aware rotations (OSCAR, arXiv 2605.17757) that let this model keep its KV cache in "
+           "2-bit integers with little loss: keys and values are rotated by `M = U·H·P` (eigenvectors of the "
+           "attention targets, a Hadamard mix, an eigenvalue-sorted bit-reversal permutation), clipped and "
+           "quantized to INT2 with float16 scale/zero; the first and last tokens stay BF16.\n",
+           "## Settings\n",
+           "| | |", "|---|---|",
+           f"| base model | `{m.id}`{f' @ `{m.revision}`' if m.revision else ''} ({m.architecture}) |",
+           f"| geometry | {m.num_layers} layers, {m.num_q_heads} query / {m.num_kv_heads} KV heads, head_dim "
+           f"{m.head_dim} |",
+           f"| rotation | {r.composition}, {r.granularity.value}, key target {r.key_target}, value target "
+           f"{r.value_target.value}, mixing {r.hadamard} |",
+           f"| clipping | {c.mode.value} (K default {c.k_default}, V default {c.v_default}) |",
+           f"| quantization | INT{q.bits}, group {G}, scale {q.scale_dtype}, {q.packing} packing, {q.codebook} "
+           f"levels |",
+           f"| cache tiers | sink {q.sink} + recent {q.recent} tokens BF16, flush every {q.flush} |",
+           f"| calibration | {cal.tokens:,} tokens of `{cal.dataset}` ({cal.sequences}×{cal.seq_len}), seed "
+           f"{cal.seed} |",
+           ""]
+    out += ["## Bits per element\n", "| context | bits/element (K and V) | vs BF16 |", "|---:|---:|---:|"]
+    for ctx in CONTEXTS:
+        bpe = layout.bits_per_element(ctx, G, q.sink, q.recent)
+        out.append(f"| {ctx // 1024}K | {bpe:.2f} | {16 / bpe:.1f}× smaller |")
+    out.append("")
+    out += ["## Verification\n", *_verification_section(manifest), ""]
+    out += ["## Files\n", "| file | bytes | sha256 |", "|---|---:|---|"]
+    out += [f"| `{a.path}` | {a.bytes:,} | `{a.sha256}` |" for a in manifest.artifacts]
+    out += ["| `manifest.json` | | lists every file with its checksum |", ""]
+    out += ["## Use\n", "```bash", "pip install oscar-zoo",
+            f"oscar-zoo pull {source}{hub_flag} --dest rotations/   # checks every sha256",
+            "oscar-zoo inspect rotations/",
+            "oscar-zoo export rotations/ --format sglang --out sglang/   # reference-runtime .pt files + settings",
+            "```", "",
+            "In Python, `oscar_zoo.runtime.OscarCache` serves the rotations with `model.generate` (see the "
+            "oscar-zoo README).", ""]
+    return "\n".join(out)
+
+
+def _verification_section(manifest: Manifest) -> list[str]:
+    report = manifest.verification
+    if report is None:
+        return ["Not verified: these artifacts were published with `--allow-unverified`. Run `oscar-zoo verify` "
+                "before relying on them."]
+    lines = [f"Summary: **{verification_summary(report)}**", ""]
+    settings = {k: v for k, v in report.items() if k not in ("methods", "passed") and not isinstance(v, (dict, list))}
+    if settings and isinstance(report.get("methods"), (dict, list)):
+        lines += ["Setup: " + ", ".join(f"{k} = {format_value(v)}" for k, v in settings.items()), ""]
+    columns, rows = verification_rows(report)
+    if rows:
+        lines += ["| method | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+        lines += [f"| {name} | " + " | ".join(format_value(metrics[c]) if c in metrics else "" for c in columns)
+                  + " |" for name, metrics in rows]
+    return lines
+
+
+def render_zoo_card(index: ZooIndex, repo_id: str, hub: str) -> str:
+    """The root README of a zoo repo: one row per model subfolder, regenerated on every push."""
+    hub_flag = "" if hub == "hf" else f" --hub {hub}"
+    out = [_front_matter(sorted({m.model_id for m in index.models})), f"# {repo_id}: OSCAR rotation zoo\n",
+           "2-bit KV-cache rotations made and checked with oscar-zoo, one folder per model. `zoo.json` is the "
+           "machine-readable index.\n",
+           "| folder | model | granularity | bits/element @128K | verification |", "|---|---|---|---:|---|"]
+    out += [f"| [`{m.subfolder}`]({m.subfolder}) | `{m.model_id}` | {m.granularity} | {m.bits_per_element_128k:.2f} | "
+            f"{m.verification} |" for m in index.models]
+    out += ["", "```bash", f"oscar-zoo pull {repo_id}/<folder>{hub_flag} --dest rotations/", "```", ""]
+    return "\n".join(out)

@@ -1,0 +1,122 @@
+"""The zoo catalog: one JSON per published entry (the artifact manifest plus where to pull it from), shipped in the
+wheel as package data `oscar_zoo/catalog/*.json` (the repo-root `manifests/` is a symlink to that folder).
+
+`OSCAR_ZOO_CATALOG=/some/folder` replaces the bundled catalog (private zoos, tests). Pulling by name checks that the
+downloaded manifest is byte-for-byte the one the catalog recorded (its sha256), so a catalog name pins content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..errors import InputError, IntegrityError
+from ..manifest import Manifest
+
+CATALOG_SCHEMA_VERSION = 1
+CATALOG_ENV = "OSCAR_ZOO_CATALOG"
+
+
+class HubLocation(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hub: Literal["hf", "modelscope"]
+    repo_id: str
+    subfolder: str = ""
+    revision: str | None = None  # a commit id pins the entry; None follows the default branch
+    published: bool  # False: the planned location, not uploaded yet
+
+    @property
+    def spec(self) -> str:
+        return f"{self.repo_id}/{self.subfolder}" if self.subfolder else self.repo_id
+
+
+class CatalogEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    catalog_version: Literal[1] = CATALOG_SCHEMA_VERSION
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    description: str
+    locations: list[HubLocation] = Field(min_length=1)
+    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    manifest: Manifest
+
+    @model_validator(mode="after")
+    def _sha_matches(self) -> CatalogEntry:
+        digest = manifest_sha256(self.manifest)
+        if digest != self.manifest_sha256:
+            raise ValueError(f"manifest_sha256 {self.manifest_sha256[:12]}… does not match the embedded manifest "
+                             f"({digest[:12]}…)")
+        return self
+
+    def location(self, hub: str | None) -> HubLocation:
+        """The published location on `hub` (any hub when None); InputError when there is none."""
+        candidates = [loc for loc in self.locations if hub in (None, loc.hub)]
+        published = [loc for loc in candidates if loc.published]
+        if published:
+            return published[0]
+        if candidates:
+            loc = candidates[0]
+            raise InputError(f"catalog entry {self.name!r} is not published yet (planned: {loc.hub}:{loc.spec})",
+                             "calibrate it yourself: `oscar-zoo calibrate " + self.manifest.model.id + "`")
+        raise InputError(f"catalog entry {self.name!r} has no location on {hub}",
+                         f"available: {', '.join(sorted({loc.hub for loc in self.locations}))}")
+
+    def to_json(self) -> str:
+        data = self.model_dump(mode="json")
+        return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def manifest_sha256(manifest: Manifest) -> str:
+    """sha256 of the manifest's canonical JSON: what `manifest.json` holds byte for byte."""
+    return hashlib.sha256(manifest.to_json().encode()).hexdigest()
+
+
+def catalog_files() -> list[tuple[str, str]]:
+    """(source name, text) of every catalog JSON, sorted by name."""
+    override = os.environ.get(CATALOG_ENV)
+    if override:
+        folder = Path(override)
+        if not folder.is_dir():
+            raise InputError(f"{CATALOG_ENV}={override} is not a folder")
+        return [(str(p), p.read_text()) for p in sorted(folder.glob("*.json"))]
+    root = resources.files("oscar_zoo") / "catalog"
+    if not root.is_dir():
+        return []
+    return [(f"catalog/{p.name}", p.read_text()) for p in sorted(root.iterdir(), key=lambda p: p.name)
+            if p.name.endswith(".json")]
+
+
+def parse_entry(text: str, source: str) -> CatalogEntry:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if isinstance(data, dict) and data.get("catalog_version") != CATALOG_SCHEMA_VERSION:
+        raise IntegrityError(f"{source} has catalog_version {data.get('catalog_version')!r}; this oscar-zoo reads "
+                             f"version {CATALOG_SCHEMA_VERSION}", "upgrade oscar-zoo")
+    try:
+        return CatalogEntry.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(root)"
+        raise IntegrityError(f"{source} is invalid at '{where}': {first['msg']}") from None
+
+
+def load_catalog() -> list[CatalogEntry]:
+    entries = [parse_entry(text, source) for source, text in catalog_files()]
+    names = [e.name for e in entries]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise IntegrityError(f"the catalog has duplicate names: {', '.join(dupes)}")
+    return entries
+
+
+def find_entry(name: str) -> CatalogEntry | None:
+    return next((e for e in load_catalog() if e.name == name), None)

@@ -1,0 +1,122 @@
+"""`zoo.json`: the index a zoo repo keeps at its root, one entry per model subfolder (read-modify-written by push).
+
+Also the one place that turns a manifest's free-form `verification` report into a short summary and a table, so the
+model card, zoo.json and `oscar-zoo list` all say the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import IntegrityError
+from ..manifest import Manifest, canonical_json
+from ..runtime import layout
+
+ZOO_NAME = "zoo.json"
+ZOO_SCHEMA_VERSION = 1
+CONTEXT_128K = 131072
+
+
+class ZooModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    subfolder: str  # "" when the model lives at the repo root
+    model_id: str
+    model_revision: str | None = None
+    granularity: str
+    manifest_sha256: str
+    bits_per_element_128k: float
+    verification: str  # one-line summary, "unverified" when the manifest has none
+    updated: str  # ISO time of the push that wrote this entry
+
+
+class ZooIndex(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = ZOO_SCHEMA_VERSION
+    tool: Literal["oscar-zoo"] = "oscar-zoo"
+    models: list[ZooModel] = []
+
+    def with_model(self, entry: ZooModel) -> ZooIndex:
+        """A new index with `entry` replacing any entry of the same subfolder; entries sorted by subfolder."""
+        kept = [m for m in self.models if m.subfolder != entry.subfolder]
+        return ZooIndex(models=sorted([*kept, entry], key=lambda m: m.subfolder))
+
+    def to_json(self) -> str:
+        return canonical_json(self.model_dump(mode="json"))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = ZOO_NAME) -> ZooIndex:
+        try:
+            return cls.model_validate(json.loads(text))
+        except (json.JSONDecodeError, ValidationError) as exc:
+            raise IntegrityError(f"{source} is not a valid oscar-zoo index: {str(exc).splitlines()[0]}",
+                                 "fix or delete zoo.json in the repo, then push again") from None
+
+
+def bpe_128k(manifest: Manifest) -> float:
+    q = manifest.quant
+    G = layout.resolve_group_size(manifest.model.head_dim, q.group_size)
+    return round(layout.bits_per_element(CONTEXT_128K, G, q.sink, q.recent), 4)
+
+
+def zoo_entry(manifest: Manifest, subfolder: str, manifest_sha256: str, updated: str) -> ZooModel:
+    return ZooModel(subfolder=subfolder, model_id=manifest.model.id, model_revision=manifest.model.revision,
+                    granularity=manifest.rotation.granularity.value, manifest_sha256=manifest_sha256,
+                    bits_per_element_128k=bpe_128k(manifest), verification=verification_summary(
+                        manifest.verification), updated=updated)
+
+
+# -- verification reports, read generically ---------------------------------------------------------------------------
+def verification_rows(report: dict[str, Any] | None) -> tuple[list[str], list[tuple[str, dict[str, Any]]]]:
+    """(metric names, [(method, {metric: value})]) from a verify report of unknown exact shape.
+
+    Understood: `{"methods": {name: {metric: value}}}`, `{"methods": [{"name"|"method": ..., metric: value}]}`, or a
+    flat `{metric: value}` (one row named "oscar"). Nested dicts and lists inside a method are skipped."""
+    if not report:
+        return [], []
+    methods = report.get("methods")
+    rows: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(methods, dict):
+        rows = [(str(k), v) for k, v in methods.items() if isinstance(v, dict)]
+    elif isinstance(methods, list):
+        for i, v in enumerate(methods):
+            if isinstance(v, dict):
+                name = v.get("name", v.get("method", f"method {i}"))
+                rows.append((str(name), {k: x for k, x in v.items() if k not in ("name", "method")}))
+    else:
+        rows = [("oscar", {k: v for k, v in report.items() if _scalar(v)})]
+    rows = [(name, {k: v for k, v in metrics.items() if _scalar(v)}) for name, metrics in rows]
+    columns: list[str] = []
+    for _, metrics in rows:
+        columns += [k for k in metrics if k not in columns]
+    return columns, rows
+
+
+def verification_summary(report: dict[str, Any] | None, max_metrics: int = 3) -> str:
+    """One line: `passed · kl 0.0123 · top1 0.981` for the OSCAR row (or the first row); `unverified` for None."""
+    if report is None:
+        return "unverified"
+    columns, rows = verification_rows(report)
+    parts = []
+    if isinstance(report.get("passed"), bool):
+        parts.append("passed" if report["passed"] else "FAILED")
+    if rows:
+        name, metrics = next(((n, m) for n, m in rows if n.lower().startswith("oscar")), rows[0])
+        parts += [f"{k} {format_value(v)}" for k, v in list(metrics.items())[:max_metrics]]
+    return " · ".join(parts) or "verified"
+
+
+def format_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool)) or v is None
