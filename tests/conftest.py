@@ -1,0 +1,60 @@
+"""Project-wide test set-up: offline hubs, tests marked `gpu` skipped without CUDA, and shared model fixtures
+(random-weight models of real architectures built from configs, and the real bundled SmolLM2)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests downloads
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+TINY = dict(hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=4096)
+
+
+def tiny_config(model_type: str = "llama", **overrides):
+    """A small config of a real architecture (GQA group 3, head_dim 64) with random weights to come."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**TINY, **overrides})
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, dtype=torch.float32, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-weight Llama saved as a local folder, with a real tokenizer (the bundled SmolLM2's, vocab 49152)."""
+    from oscar_zoo.models import ensure_demo_model
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_demo_model())
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real pretrained demo model (bf16, CPU), converted once into the oscar-zoo cache and reused."""
+    from oscar_zoo.models import load_model
+
+    return load_model("demo", device="cpu")
