@@ -20,8 +20,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import ops, reference
-from .cache import take_pending
+from . import ops
+from .cache import rotate_heads, take_pending
 
 ATTN_IMPLEMENTATION = "oscar"
 
@@ -87,7 +87,7 @@ def oscar_attention(
 
     layer, n, H_q = pending.layer, query.shape[2], query.shape[1]
     rot = layer.rotation
-    q_rot = reference.rotate(query, rot.per_query_head(rot.k, H_q))  # [B, H_q, n, D] q·M_K
+    q_rot = rotate_heads(query, rot.per_query_head(rot.k, H_q))  # [B, H_q, n, D] q·M_K
     if n == 1 and layer.quantize and softcap is None:
         o, _ = ops.tiered_decode_attention(q_rot[:, :, 0], *layer.tier_args(), scale)  # [B, H_q, D] fp32
         o = o.unsqueeze(2)
@@ -99,7 +99,7 @@ def oscar_attention(
         if pending.past is not None:
             k, v = torch.cat([pending.past[0], key], dim=2), torch.cat([pending.past[1], value], dim=2)
         o = dense_attention(q_rot, k, v, scale, softcap, q_offset=pending.past_len)
-    out = reference.rotate(o.float(), rot.per_query_head(rot.v, H_q).transpose(-1, -2))  # o·M_Vᵀ per query head
+    out = rotate_heads(o.float(), rot.per_query_head(rot.v, H_q).transpose(-1, -2))  # o·M_Vᵀ per query head
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

@@ -22,6 +22,13 @@ from . import layout, ops, reference
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 
 
+def rotate_heads(x: Tensor, M: Tensor) -> Tensor:
+    """`reference.rotate` for x [B, H, T, D] and M [H, D, D] (or [1, D, D]) as one batched GEMM, fp32 math, result in
+    x's dtype; equals stacking `reference.rotate(x[:, h], M[h])` over heads (bit-equal on CPU). (reference.rotate's per-head path
+    broadcasts M over T, materialising [B, H, T, D, D]: far too much memory for a long prefill.)"""
+    return (x.float() @ M.float()).to(x.dtype)
+
+
 @dataclass
 class Rotation:
     """One layer's fixed OSCAR tensors: rotations float32 [H, D, D] (H = H_kv, or 1 shared), clip ratios [H, 1]."""
@@ -151,8 +158,8 @@ class OscarLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
-        k_rot = reference.rotate(key_states, self.rotation.k)  # [B, H_kv, n, D] k·M_K
-        v_rot = reference.rotate(value_states, self.rotation.v)  # [B, H_kv, n, D] v·M_V
+        k_rot = rotate_heads(key_states, self.rotation.k)  # [B, H_kv, n, D] k·M_K
+        v_rot = rotate_heads(value_states, self.rotation.v)  # [B, H_kv, n, D] v·M_V
         n, past_len = k_rot.shape[2], self.get_seq_length()
         past = self.dense_kv(k_rot.dtype) if n > 1 and past_len > 0 else None
         self._append(k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE), multi=n > 1)

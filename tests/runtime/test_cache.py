@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oscar_zoo.runtime import layout, reference
-from oscar_zoo.runtime.cache import OscarCache
+from oscar_zoo.runtime.cache import OscarCache, rotate_heads
 
 B, H, D = 2, 3, 64
 
@@ -17,6 +17,19 @@ def _rotations(L: int, heads: int = H, seed: int = 0) -> torch.Tensor:
     """Random orthogonal float32 [L, heads, D, D]."""
     mats = [reference.random_orthogonal(D, seed=seed + i) for i in range(L * heads)]
     return torch.stack(mats).float().reshape(L, heads, D, D)
+
+
+def rotate_ref(x: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] · M[h] per head through reference.rotate's matrix path (M [H or 1, D, D])."""
+    return torch.stack([reference.rotate(x[:, h], M[h % M.shape[0]]) for h in range(x.shape[1])], dim=1)
+
+
+def rotated_as_fed(x: torch.Tensor, M: torch.Tensor, prompt: int) -> torch.Tensor:
+    """What the cache stores for x fed as a `prompt` chunk then token by token, rounded to the tier dtype. Rotated by
+    the cache's own GEMM with the same chunks (its last bit can depend on chunk shape); `test_rotate_heads_matches_
+    reference` ties that GEMM to reference.rotate, so the tier checks can be bit-exact."""
+    chunks = [x[:, :, :prompt]] + [x[:, :, t : t + 1] for t in range(prompt, x.shape[2])]
+    return torch.cat([rotate_heads(c, M) for c in chunks], dim=2).to(layout.TIER_DTYPE)
 
 
 def _cache(L: int = 1, heads: int = H, **kw) -> tuple[OscarCache, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,6 +55,16 @@ def _kv(T: int, dtype=torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, torc
     return k.to(dtype), v.to(dtype)
 
 
+@pytest.mark.parametrize("T", [1, 15, 400])
+@pytest.mark.parametrize("heads", [H, 1])
+def test_rotate_heads_matches_reference(T, heads):
+    M = _rotations(1, heads)[0]
+    x = torch.randn(B, H, T, D)
+    torch.testing.assert_close(rotate_heads(x, M), rotate_ref(x, M), rtol=0, atol=1e-5)
+    xb = x.to(torch.bfloat16)  # bf16 in, bf16 out: at most one bf16 ulp apart
+    torch.testing.assert_close(rotate_heads(xb, M).float(), rotate_ref(xb, M).float(), rtol=2**-7, atol=1e-5)
+
+
 @pytest.mark.parametrize("group_size", [0, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiers_equal_requantized_rotated_history(group_size, dtype):
@@ -55,8 +78,7 @@ def test_tiers_equal_requantized_rotated_history(group_size, dtype):
     _feed(cache, k, v, T_prompt, on_step=lambda layer: recent_lens.append(layer.n_recent))
     layer = cache.layers[0]
 
-    rk = reference.rotate(k, Mk[0]).to(layout.TIER_DTYPE)  # what the cache must store, rounded as it stores it
-    rv = reference.rotate(v, Mv[0]).to(layout.TIER_DTYPE)
+    rk, rv = rotated_as_fed(k, Mk[0], T_prompt), rotated_as_fed(v, Mv[0], T_prompt)
     T = T_prompt + steps
     assert (layer.n_sink, layer.n_sink + layer.n_hist + layer.n_recent) == (64, T)
     assert layout.RECENT <= layer.n_recent < layout.RECENT + layout.FLUSH
@@ -99,7 +121,7 @@ def test_short_prompt_fills_sink_before_recent():
     _feed(cache, k, v, 10)
     layer = cache.layers[0]
     assert (layer.n_sink, layer.n_hist, layer.n_recent) == (64, 0, 6)
-    rk = reference.rotate(k, Mk[0]).to(layout.TIER_DTYPE)
+    rk = rotated_as_fed(k, Mk[0], 10)
     assert torch.equal(layer.sink_k, rk[:, :, :64]) and torch.equal(layer.recent_k[:, :, :6], rk[:, :, 64:])
 
 
@@ -111,7 +133,7 @@ def test_second_chunk_demotes_to_recent_window():
     cache.update(k[:, :, 300:], v[:, :, 300:], 0)
     layer = cache.layers[0]
     assert (layer.n_sink, layer.n_hist, layer.n_recent) == (64, 380, 256)
-    rk = reference.rotate(k, Mk[0]).to(layout.TIER_DTYPE)
+    rk = torch.cat([rotate_heads(k[:, :, :300], Mk[0]), rotate_heads(k[:, :, 300:], Mk[0])], 2).to(layout.TIER_DTYPE)
     codes, _ = reference.quantize_pack_ref(rk[:, :, 64:444], k_clip[0].reshape(H, 1))
     assert torch.equal(layer.hist_k[:, :, :380], codes)
 
@@ -123,7 +145,7 @@ def test_shared_rotation_and_small_tiers():
     _feed(cache, k, v, 30)
     layer = cache.layers[0]
     assert layer.n_sink == 8 and 16 <= layer.n_recent < 20 and layer.get_seq_length() == 60
-    rk = reference.rotate(k, Mk[0]).to(layout.TIER_DTYPE)
+    rk = rotated_as_fed(k, Mk[0], 30)
     codes, _ = reference.quantize_pack_ref(rk[:, :, 8 : 8 + layer.n_hist], k_clip[0].reshape(1, 1))
     assert torch.equal(layer.hist_k[:, :, : layer.n_hist], codes)
 
@@ -133,7 +155,7 @@ def test_unquantized_switch_keeps_history_bf16():
     k, v = _kv(420)
     _feed(cache, k, v, 400)
     layer = cache.layers[0]
-    rk = reference.rotate(k, Mk[0]).to(layout.TIER_DTYPE)
+    rk = rotated_as_fed(k, Mk[0], 400)
     dk, _ = layer.dense_kv(torch.bfloat16)
     assert layer.sz_k is None and torch.equal(dk, rk)
 
