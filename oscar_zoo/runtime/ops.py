@@ -86,6 +86,11 @@ def triton_next_pow2(n: int) -> int:
 # ------------------------------------------------------------------------------------------------------ validation
 
 
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every buffer a kernel writes (tests replace this to poison outputs before the kernels run)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -157,8 +162,8 @@ def quantize_pack(
     k3 = k_rows.reshape(x4.shape[:-1])
     x4 = _last_contiguous(x4, 1)
     B, H, T, _ = x4.shape
-    codes = torch.empty(B, H, T, D // layout.CODES_PER_BYTE, dtype=layout.CODE_DTYPE, device=x.device)
-    scale_zero = torch.empty(B, H, T, D // G, 2, dtype=layout.SCALE_DTYPE, device=x.device)
+    codes = _alloc((B, H, T, D // layout.CODES_PER_BYTE), layout.CODE_DTYPE, x.device)
+    scale_zero = _alloc((B, H, T, D // G, 2), layout.SCALE_DTYPE, x.device)
 
     qp = _kernels()[0]
     import triton
@@ -297,8 +302,8 @@ def decode_int2_partial(
     S = _int2_splits(B, H_kv, codes_k.shape[2], q.device, num_splits)
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S)
-    o = torch.empty(B, H_q, S, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, H_q, S, dtype=torch.float32, device=q.device)
+    o = _alloc((B, H_q, S, D), torch.float32, q.device)
+    lse = _alloc((B, H_q, S), torch.float32, q.device)
     _launch_int2(q, _last_contiguous(codes_k, 1), _last_contiguous(scale_zero_k, 2), _last_contiguous(codes_v, 1),
                  _last_contiguous(scale_zero_v, 2), hist_len, sm_scale, o, lse, G)  # fmt: skip
     return o, lse
@@ -351,8 +356,8 @@ def decode_bf16_partial(
         return torch.stack([p[0] for p in parts], 2), torch.stack([p[1] for p in parts], 2)
     bn = BF16_BLOCK_N if q.is_cuda else 16
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
-    o = torch.empty(B, H_q, s_sink + s_recent, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, H_q, s_sink + s_recent, dtype=torch.float32, device=q.device)
+    o = _alloc((B, H_q, s_sink + s_recent, D), torch.float32, q.device)
+    lse = _alloc((B, H_q, s_sink + s_recent), torch.float32, q.device)
     _launch_bf16(q, _last_contiguous(sink_k, 1), _last_contiguous(sink_v, 1), sink_len, _last_contiguous(recent_k, 1),
                  _last_contiguous(recent_v, 1), recent_len, sm_scale, o, lse, s_sink)  # fmt: skip
     return o, lse
@@ -373,8 +378,8 @@ def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     l2 = lse.float().reshape(-1, S)
     l2 = _last_contiguous(l2, 1)
     N = o3.shape[0]
-    out = torch.empty(N, D, dtype=torch.float32, device=o.device)
-    out_lse = torch.empty(N, dtype=torch.float32, device=o.device)
+    out = _alloc((N, D), torch.float32, o.device)
+    out_lse = _alloc((N,), torch.float32, o.device)
     if N:
         _launch_merge(o3, l2, out, out_lse)
     return out.reshape(*lead, D), out_lse.reshape(lead)
@@ -422,15 +427,15 @@ def tiered_decode_attention(
     bn = BF16_BLOCK_N if q.is_cuda else 16
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
     S = s_int2 + s_sink + s_recent
-    o_part = torch.empty(B, H_q, S, D, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(B, H_q, S, dtype=torch.float32, device=q.device)
+    o_part = _alloc((B, H_q, S, D), torch.float32, q.device)
+    lse_part = _alloc((B, H_q, S), torch.float32, q.device)
     _launch_int2(q, _last_contiguous(codes_k, 1), _last_contiguous(scale_zero_k, 2), _last_contiguous(codes_v, 1),
                  _last_contiguous(scale_zero_v, 2), hist_len_i, sm_scale, o_part[:, :, :s_int2],
                  lse_part[:, :, :s_int2], G)  # fmt: skip
     _launch_bf16(q, _last_contiguous(sink_k, 1), _last_contiguous(sink_v, 1), sink_len_i, _last_contiguous(recent_k, 1),
                  _last_contiguous(recent_v, 1), recent_len_i, sm_scale, o_part[:, :, s_int2:], lse_part[:, :, s_int2:],
                  s_sink)  # fmt: skip
-    out = torch.empty(B * H_q, D, dtype=torch.float32, device=q.device)
-    out_lse = torch.empty(B * H_q, dtype=torch.float32, device=q.device)
+    out = _alloc((B * H_q, D), torch.float32, q.device)
+    out_lse = _alloc((B * H_q,), torch.float32, q.device)
     _launch_merge(o_part.view(B * H_q, S, D), lse_part.view(B * H_q, S), out, out_lse)
     return out.view(B, H_q, D), out_lse.view(B, H_q)

@@ -1,0 +1,181 @@
+"""INT2 and BF16 split-K decode kernels (`ops.tiered_decode_attention`, `ops.decode_int2_partial`,
+`ops.decode_bf16_partial`) against `reference.tiered_decode_attention_ref` on the same dequantized cache.
+
+Tolerance rule (STYLE.md): the kernel's max error vs the fp32 reference is at most 2× that of a plain bf16 PyTorch run of
+the same math (plus 1e-5 absolute, for cases where bf16 happens to be exact, e.g. a single token)."""
+
+import math
+
+import pytest
+import torch
+
+from oscar_zoo.runtime import layout, ops, reference
+
+SINK_CAP, RECENT_CAP = layout.SINK, layout.RECENT + layout.FLUSH
+
+
+def _tier_lengths(L: int) -> tuple[int, int, int]:
+    """Sink / history / recent lengths of a context of L tokens, as the cache lays them out (8-token flushes)."""
+    sink = min(L, layout.SINK)
+    rest = L - sink
+    hist = max(0, rest - layout.RECENT) // layout.FLUSH * layout.FLUSH
+    return sink, hist, rest - hist
+
+
+def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0):
+    """A random three-tier cache for per-batch contexts; memory past each length holds garbage (NaN for the kernel,
+    finite for the reference, whose masked einsum would turn 0·NaN into NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(contexts)
+    lens = torch.tensor([_tier_lengths(L) for L in contexts], dtype=torch.int32)  # [B, 3]
+    T_cap = hist_cap or max(8, int(lens[:, 1].max()) + 5)
+    scale = torch.rand(B, H_kv, 1, 1, generator=g) + 0.5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    sink_k, sink_v = (rand(B, H_kv, SINK_CAP, D) * scale).bfloat16(), rand(B, H_kv, SINK_CAP, D).bfloat16()
+    rec_k, rec_v = (rand(B, H_kv, RECENT_CAP, D) * scale).bfloat16(), rand(B, H_kv, RECENT_CAP, D).bfloat16()
+    ck, szk = reference.quantize_pack_ref(rand(B, H_kv, T_cap, D) * scale, 0.96, group_size)
+    cv, szv = reference.quantize_pack_ref(rand(B, H_kv, T_cap, D), 0.92, group_size)
+    clean = dict(sink_k=sink_k, sink_v=sink_v, sink_len=lens[:, 0], codes_k=ck, scale_zero_k=szk, codes_v=cv,
+                 scale_zero_v=szv, hist_len=lens[:, 1], recent_k=rec_k, recent_v=rec_v, recent_len=lens[:, 2])  # fmt: skip
+    dirty = {k: v.clone() for k, v in clean.items()}
+    for b in range(B):
+        s, h, r = (int(x) for x in lens[b])
+        dirty["sink_k"][b, :, s:] = float("nan")
+        dirty["sink_v"][b, :, s:] = float("nan")
+        dirty["recent_k"][b, :, r:] = float("nan")
+        dirty["recent_v"][b, :, r:] = float("nan")
+        dirty["scale_zero_k"][b, :, h:] = float("nan")
+        dirty["scale_zero_v"][b, :, h:] = float("nan")
+    return clean, {k: v.to(device) for k, v in dirty.items()}
+
+
+def _bf16_run(q, c, sm_scale):
+    """Plain bf16 PyTorch attention over the union of the tiers (history dequantized, then rounded to bf16)."""
+    H_q = q.shape[1]
+    hist_k = reference.dequantize_unpack(c["codes_k"], c["scale_zero_k"])
+    hist_v = reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"])
+    k = torch.cat([c["sink_k"].float(), hist_k, c["recent_k"].float()], 2).bfloat16()
+    v = torch.cat([c["sink_v"].float(), hist_v, c["recent_v"].float()], 2).bfloat16()
+    ar = lambda n: torch.arange(n)[None, :]  # noqa: E731
+    valid = torch.cat([ar(SINK_CAP) < c["sink_len"][:, None], ar(hist_k.shape[2]) < c["hist_len"][:, None],
+                       ar(RECENT_CAP) < c["recent_len"][:, None]], 1)  # fmt: skip
+    kx, vx = k.repeat_interleave(H_q // k.shape[1], 1), v.repeat_interleave(H_q // k.shape[1], 1)
+    logits = torch.einsum("bhd,bhtd->bht", q.bfloat16(), kx) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(logits, -1)
+    p = torch.softmax(logits, -1).nan_to_num(0.0)
+    return torch.einsum("bht,bhtd->bhd", p, vx).float(), lse.float()
+
+
+def _check_against_reference(q, clean, dirty, sm_scale):
+    o, lse = ops.tiered_decode_attention(q, **{k: v for k, v in dirty.items()}, sm_scale=sm_scale)
+    o_ref, lse_ref = reference.tiered_decode_attention_ref(q.cpu().float(), **clean, sm_scale=sm_scale)
+    o_bf, lse_bf = _bf16_run(q.cpu(), clean, sm_scale)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32 and o.shape == q.shape
+    o, lse = o.cpu(), lse.cpu()
+    assert torch.isfinite(o).all()
+    empty = torch.isinf(lse_ref)
+    assert torch.equal(torch.isinf(lse), empty)
+    fin = ~empty
+    err, err_bf = (o - o_ref).abs().max(), (o_bf - o_ref).abs().max()
+    assert err <= 2 * err_bf + 1e-5, f"o error {err:.3g} vs bf16 run {err_bf:.3g}"
+    lerr, lerr_bf = (lse - lse_ref)[fin].abs().max(), (lse_bf - lse_ref)[fin].abs().max()
+    assert lerr <= 2 * lerr_bf + 1e-5, f"lse error {lerr:.3g} vs bf16 run {lerr_bf:.3g}"
+    assert (o[empty] == 0).all()
+
+
+def _query(B, H_q, D, device, seed):
+    return torch.randn(B, H_q, D, generator=torch.Generator().manual_seed(seed)).bfloat16().to(device)
+
+
+@pytest.mark.parametrize("L", [1, 63, 64, 320, 321, 327, 328, 700])
+def test_tier_boundaries(device, L):
+    H_kv, group, D = 2, 3, 64
+    clean, dirty = _cache([L], H_kv, D, device, seed=L)
+    _check_against_reference(_query(1, H_kv * group, D, device, L), clean, dirty, D**-0.5)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 8])
+def test_gqa_groups(device, group):
+    H_kv, D = 2, 64
+    clean, dirty = _cache([500], H_kv, D, device, seed=group)
+    _check_against_reference(_query(1, H_kv * group, D, device, group), clean, dirty, D**-0.5)
+
+
+def test_head_dim_128_ragged_batch(device):
+    """Ragged batch: one sequence with an empty history, one with only a sink, one long; D = 128."""
+    H_kv, group, D = 2, 4, 128
+    clean, dirty = _cache([330, 40, 600], H_kv, D, device, seed=128)
+    _check_against_reference(_query(3, H_kv * group, D, device, 3), clean, dirty, D**-0.5)
+
+
+def test_group_size_below_head_dim(device):
+    H_kv, group, D = 2, 2, 64
+    clean, dirty = _cache([400, 350], H_kv, D, device, seed=32, group_size=32)
+    _check_against_reference(_query(2, H_kv * group, D, device, 4), clean, dirty, D**-0.5)
+
+
+def test_all_empty_rows_give_zero(device):
+    clean, dirty = _cache([0, 5], 1, 64, device, seed=0)
+    o, lse = ops.tiered_decode_attention(_query(2, 2, 64, device, 0), **dirty, sm_scale=0.125)
+    assert torch.equal(o[0].cpu(), torch.zeros(2, 64)) and torch.isinf(lse[0]).all() and (lse[0] < 0).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_int2_empty_splits(device):
+    """More splits than populated blocks: the empty ones write o = 0, lse = −inf; the merge still equals the reference."""
+    H_kv, group, D = 2, 3, 64
+    clean, dirty = _cache([64 + 256 + 24, 64 + 256 + 8], H_kv, D, device, seed=9)
+    q = _query(2, H_kv * group, D, device, 9)
+    args = [dirty[k] for k in ("codes_k", "scale_zero_k", "codes_v", "scale_zero_v", "hist_len")]
+    o, lse = ops.decode_int2_partial(q, *args, sm_scale=D**-0.5, num_splits=8)
+    assert o.shape == (2, H_kv * group, 8, D) and lse.shape == (2, H_kv * group, 8)
+    o, lse = o.cpu(), lse.cpu()
+    empty = torch.isinf(lse)
+    assert empty[:, :, -1].all() and (~empty[:, :, 0]).all()  # tail splits are empty, the first is not
+    assert (o[empty] == 0).all() and torch.isfinite(o).all()
+    hk = reference.dequantize_unpack(clean["codes_k"], clean["scale_zero_k"])
+    hv = reference.dequantize_unpack(clean["codes_v"], clean["scale_zero_v"])
+    o_ref, lse_ref = reference.attention_partial_ref(q.cpu().float(), hk, hv, clean["hist_len"], D**-0.5)
+    o_m, lse_m = reference.merge_partials_ref(o, lse)
+    torch.testing.assert_close(o_m, o_ref, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse_m, lse_ref, atol=2e-2, rtol=0)
+
+
+def test_bf16_partial_matches_reference(device):
+    H_kv, group, D = 2, 4, 64
+    clean, dirty = _cache([200, 64 + 256 + 5], H_kv, D, device, seed=2)
+    q = _query(2, H_kv * group, D, device, 2)
+    names = ("sink_k", "sink_v", "sink_len", "recent_k", "recent_v", "recent_len")
+    o, lse = ops.decode_bf16_partial(q, *[dirty[k] for k in names], sm_scale=D**-0.5)
+    o_m, lse_m = reference.merge_partials_ref(o.cpu(), lse.cpu())
+    parts = [reference.attention_partial_ref(q.cpu().float(), clean[f"{t}_k"], clean[f"{t}_v"], clean[f"{t}_len"],
+                                             D**-0.5) for t in ("sink", "recent")]  # fmt: skip
+    o_ref, lse_ref = reference.merge_partials_ref(torch.stack([p[0] for p in parts], 2),
+                                                  torch.stack([p[1] for p in parts], 2))  # fmt: skip
+    torch.testing.assert_close(o_m, o_ref, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse_m, lse_ref, atol=2e-2, rtol=0)
+
+
+def test_bad_inputs_raise():
+    clean, _ = _cache([400], 2, 64, "cpu", seed=1)
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(ValueError, match="codes_k"):
+        ops.tiered_decode_attention(q, **{**clean, "codes_k": clean["codes_k"].int()}, sm_scale=0.125)
+    with pytest.raises(ValueError, match="KV heads"):
+        ops.tiered_decode_attention(torch.randn(1, 3, 64), **clean, sm_scale=0.125)
+    with pytest.raises(ValueError, match="hist_len"):
+        ops.tiered_decode_attention(q, **{**clean, "hist_len": clean["hist_len"].float()}, sm_scale=0.125)
+    with pytest.raises(ValueError, match="scale_zero_v"):
+        ops.tiered_decode_attention(q, **{**clean, "scale_zero_v": clean["scale_zero_v"][:, :, :3]}, sm_scale=0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [4096, 40000])
+def test_long_contexts_cuda(L):
+    H_kv, group, D = 8, 4, 128
+    clean, dirty = _cache([L, L // 3], H_kv, D, "cuda", seed=L)
+    _check_against_reference(_query(2, H_kv * group, D, "cuda", L), clean, dirty, D**-0.5)

@@ -1,0 +1,59 @@
+"""The lse merge kernel (`ops.merge_partials`) against `reference.merge_partials_ref`: exact softmax over the union of
+partials, invariant to the number and the order of splits, empty partials ignored, all-empty rows → (0, −inf)."""
+
+import math
+
+import pytest
+import torch
+
+from oscar_zoo.runtime import ops, reference
+
+
+def _attention_splits(q, k, v, bounds, sm_scale):
+    """Partial (o, lse) of q over the token ranges [bounds[i], bounds[i+1]) of k/v [N, T, D]: o [N, S, D], lse [N, S]."""
+    os_, lses = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        logits = torch.einsum("nd,ntd->nt", q, k[:, a:b]) * sm_scale
+        lse = torch.logsumexp(logits, -1) if b > a else torch.full(q.shape[:1], -math.inf)
+        p = torch.exp(logits - lse[:, None]) if b > a else logits
+        os_.append(torch.einsum("nt,ntd->nd", p, v[:, a:b]))
+        lses.append(lse)
+    return torch.stack(os_, 1), torch.stack(lses, 1)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_merge_equals_full_softmax_for_any_split(device, D):
+    g = torch.Generator().manual_seed(D)
+    N, T = 6, 97
+    q, k, v = torch.randn(N, D, generator=g), torch.randn(N, T, D, generator=g), torch.randn(N, T, D, generator=g)
+    full_o, full_lse = _attention_splits(q, k, v, [0, T], D**-0.5)
+    for bounds in ([0, T], [0, 10, 10, 50, T], [0, 1, 2, 3, 40, 41, 90, T, T], list(range(0, T, 5)) + [T]):
+        o, lse = _attention_splits(q, k, v, bounds, D**-0.5)
+        perm = torch.randperm(o.shape[1], generator=g)
+        for oo, ll in ((o, lse), (o[:, perm], lse[:, perm])):
+            m, m_lse = ops.merge_partials(oo.to(device), ll.to(device))
+            torch.testing.assert_close(m.cpu(), full_o[:, 0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(m_lse.cpu(), full_lse[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_merge_matches_reference_with_empty_and_all_empty(device):
+    g = torch.Generator().manual_seed(0)
+    B, H, S, D = 2, 3, 37, 64  # S > the kernel's split block: several chunks
+    o = torch.randn(B, H, S, D, generator=g)
+    lse = torch.randn(B, H, S, generator=g) * 5
+    empty = torch.rand(B, H, S, generator=g) < 0.4
+    lse[empty] = -math.inf
+    o[empty] = 0.0
+    lse[1, 2] = -math.inf  # an all-empty row
+    o[1, 2] = 0.0
+    m, m_lse = ops.merge_partials(o.to(device), lse.to(device))
+    r, r_lse = reference.merge_partials_ref(o, lse)
+    assert m.shape == (B, H, D) and m_lse.shape == (B, H)
+    torch.testing.assert_close(m.cpu(), r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m_lse.cpu(), r_lse)
+    assert torch.equal(m[1, 2].cpu(), torch.zeros(D)) and m_lse[1, 2].item() == -math.inf
+
+
+def test_merge_bad_shapes():
+    with pytest.raises(ValueError, match="lse"):
+        ops.merge_partials(torch.randn(2, 4, 8), torch.randn(2, 5))
