@@ -3,3 +3,5 @@
 from . import calibrate, inspect
 
 COMMAND_MODULES = [calibrate, inspect]
+from . import export, import_oscar, list_cmd, pull, push  # noqa: E402  (publishing and interchange commands)
+COMMAND_MODULES += [push, pull, list_cmd, import_oscar, export]

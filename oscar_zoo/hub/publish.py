@@ -1,0 +1,238 @@
+"""Push and pull: exactly the files a manifest lists (plus the manifest, a model card and the zoo index), checked
+before upload and after download, never a glob of a folder.
+
+push: check every sha256 and shape, refuse unverified artifacts unless asked, pin the branch head, read-modify-write
+`zoo.json`, and upload everything in one commit whose parent is that head (a concurrent push fails cleanly).
+pull: resolve a catalog name or `REPO_ID[/SUBDIR]` to a commit, fetch the manifest, then the files it lists at that
+commit, check schema and every sha256 in a temp folder next to the destination, and only then move it into place.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+
+from ..artifacts import atomic_write_text, check_files, load_artifacts, sha256_file
+from ..errors import HubError, InputError, IntegrityError, VerificationFailed
+from ..manifest import MANIFEST_NAME, Manifest
+from .base import HUBS, HubClient, split_repo_path
+from .card import render_model_card, render_zoo_card
+from .catalog import CatalogEntry, find_entry, manifest_sha256
+from .zoo import ZOO_NAME, ZooIndex, verification_summary, zoo_entry
+
+Progress = Callable[[str], None]
+CARD_NAME = "README.md"
+
+
+def make_client(hub: str) -> HubClient:
+    if hub == "hf":
+        from .huggingface import HuggingFaceHub
+
+        return HuggingFaceHub()
+    if hub == "modelscope":
+        from .modelscope import ModelScopeHub
+
+        return ModelScopeHub()
+    raise InputError(f"unknown hub {hub!r}", f"use one of {', '.join(HUBS)}")
+
+
+def default_subfolder(manifest: Manifest) -> str:
+    """`HuggingFaceTB/SmolLM2-135M-Instruct` -> `smollm2-135m-instruct` (per-layer artifacts get `-per-layer`)."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", manifest.model.id.rstrip("/").split("/")[-1].lower()).strip("-")
+    return name + ("-per-layer" if manifest.rotation.granularity.value == "per-layer" else "")
+
+
+def _check_repo_path(subfolder: str) -> str:
+    sub = subfolder.strip("/")
+    parts = PurePosixPath(sub).parts if sub else ()
+    if any(p in ("..", ".") for p in parts) or "\\" in sub or (parts and parts[0] == ZOO_NAME):
+        raise InputError(f"--path-in-repo {subfolder!r} is not a plain folder path inside the repo")
+    return sub
+
+
+def _in_repo(subfolder: str, name: str) -> str:
+    return f"{subfolder}/{name}" if subfolder else name
+
+
+# -- push -------------------------------------------------------------------------------------------------------------
+@dataclass
+class PushPlan:
+    hub: str
+    repo_id: str
+    subfolder: str
+    revision: str | None
+    manifest: Manifest
+    files: dict[str, Path]  # path in repo -> local file (the zoo index and root card are added at commit time)
+    manifest_sha256: str
+    commit: str | None = None
+    url: str = ""
+    zoo_models: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, int, str]]:
+        return [(p, f.stat().st_size, sha256_file(f)) for p, f in sorted(self.files.items())]
+
+
+def plan_push(artifacts: Path, repo_id: str, hub: str, subfolder: str | None, revision: str | None,
+              allow_unverified: bool, workdir: Path) -> PushPlan:
+    """Check the artifact folder and list what push would upload; writes the model card into `workdir`."""
+    if hub not in HUBS:
+        raise InputError(f"unknown hub {hub!r}", f"use one of {', '.join(HUBS)}")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise InputError(f"repo id {repo_id!r} must look like `owner/name`", "put a subfolder in --path-in-repo")
+    manifest, _ = load_artifacts(artifacts)  # schema, every sha256, tensor shapes and orthogonality (exit 4)
+    if manifest.verification is None and not allow_unverified:
+        raise VerificationFailed(f"{artifacts} has not been verified (manifest.verification is null)",
+                                 f"run `oscar-zoo verify {artifacts} --write`, or push with --allow-unverified")
+    if (manifest.verification or {}).get("passed") is False and not allow_unverified:
+        raise VerificationFailed(f"{artifacts} failed its verification ({verification_summary(manifest.verification)})",
+                                 "re-calibrate, or push with --allow-unverified to publish it anyway")
+    sub = _check_repo_path(default_subfolder(manifest) if subfolder is None else subfolder)
+    files = {_in_repo(sub, a.path): Path(artifacts) / a.path for a in manifest.artifacts}
+    files[_in_repo(sub, MANIFEST_NAME)] = Path(artifacts) / MANIFEST_NAME
+    card = workdir / "model-card.md"
+    atomic_write_text(card, render_model_card(manifest, repo_id, sub, hub))
+    files[_in_repo(sub, CARD_NAME)] = card
+    return PushPlan(hub, repo_id, sub, revision, manifest, files, sha256_file(Path(artifacts) / MANIFEST_NAME))
+
+
+def push(plan: PushPlan, private: bool, workdir: Path, client: HubClient | None = None,
+         progress: Progress = lambda msg: None) -> PushPlan:
+    """Upload a checked plan as one commit, merging the model into the repo's zoo.json."""
+    client = client or make_client(plan.hub)
+    if not client.has_token():
+        advice = ("set HF_TOKEN or run `hf auth login`" if plan.hub == "hf"
+                  else "set MODELSCOPE_API_TOKEN or run `modelscope login`")
+        raise HubError(f"no {plan.hub} token found: pushing needs one with write access", advice)
+    progress(f"creating {plan.hub}:{plan.repo_id} if needed")
+    client.ensure_repo(plan.repo_id, private=private)
+    if plan.revision:
+        client.ensure_branch(plan.repo_id, plan.revision)
+    parent = client.head(plan.repo_id, plan.revision)
+    progress(f"reading {ZOO_NAME} at {parent[:12]}")
+    index = read_zoo(client, plan.repo_id, parent)
+    now = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    index = index.with_model(zoo_entry(plan.manifest, plan.subfolder, plan.manifest_sha256, now))
+    files = dict(plan.files)
+    atomic_write_text(workdir / ZOO_NAME, index.to_json())
+    files[ZOO_NAME] = workdir / ZOO_NAME
+    if plan.subfolder:  # a zoo repo: the root card lists every model; a single-model repo has its card at the root
+        atomic_write_text(workdir / "zoo-card.md", render_zoo_card(index, plan.repo_id, plan.hub))
+        files[CARD_NAME] = workdir / "zoo-card.md"
+    progress(f"uploading {len(files)} files in one commit")
+    message = f"oscar-zoo: {plan.manifest.model.id} rotations in {plan.subfolder or '/'}"
+    plan.commit = client.commit(plan.repo_id, files, message, plan.revision, parent)
+    plan.url = client.web_url(plan.repo_id, plan.subfolder)
+    plan.zoo_models = [m.subfolder or "/" for m in index.models]
+    return plan
+
+
+def read_zoo(client: HubClient, repo_id: str, commit: str) -> ZooIndex:
+    path = client.fetch(repo_id, ZOO_NAME, commit, force=True)
+    if path is None:
+        return ZooIndex()
+    return ZooIndex.from_json(path.read_text(), source=f"{client.name}:{repo_id}/{ZOO_NAME}")
+
+
+# -- pull -------------------------------------------------------------------------------------------------------------
+@dataclass
+class PullSource:
+    hub: str
+    repo_id: str
+    subfolder: str
+    revision: str | None
+    entry: CatalogEntry | None = None
+
+
+def resolve_source(source: str, hub: str | None, revision: str | None) -> PullSource:
+    """A catalog name (no `/`) or `REPO_ID[/SUBDIR]`; `--hub` picks the catalog location or the hub of a repo id."""
+    if hub is not None and hub not in HUBS:
+        raise InputError(f"unknown hub {hub!r}", f"use one of {', '.join(HUBS)}")
+    if "/" not in source:
+        entry = find_entry(source)
+        if entry is None:
+            raise InputError(f"{source!r} is neither a catalog name nor a repo id",
+                             "see `oscar-zoo list`, or pass OWNER/REPO[/SUBFOLDER]")
+        loc = entry.location(hub)
+        return PullSource(loc.hub, loc.repo_id, loc.subfolder, revision or loc.revision, entry)
+    repo_id, sub = split_repo_path(source)
+    if repo_id.count("/") != 1:
+        raise InputError(f"{source!r} is not a repo id", "pass OWNER/REPO[/SUBFOLDER]")
+    return PullSource(hub or "hf", repo_id, _check_repo_path(sub), revision)
+
+
+@dataclass
+class PullResult:
+    source: PullSource
+    commit: str
+    dest: Path
+    manifest: Manifest
+    files: list[tuple[str, int, str]]
+
+
+def pull(src: PullSource, dest: Path | None, client: HubClient | None = None, force_download: bool = False,
+         progress: Progress = lambda msg: None) -> PullResult:
+    client = client or make_client(src.hub)
+    dest = Path(dest) if dest is not None else Path(src.subfolder.split("/")[-1] or src.repo_id.split("/")[-1])
+    _check_dest(dest)
+    commit = client.head(src.repo_id, src.revision)
+    where = f"{src.hub}:{src.repo_id}/{src.subfolder}".rstrip("/") + f"@{commit[:12]}"
+    progress(f"reading {MANIFEST_NAME} from {where}")
+    manifest_path = client.fetch(src.repo_id, _in_repo(src.subfolder, MANIFEST_NAME), commit, force=force_download)
+    if manifest_path is None:
+        raise HubError(f"{where} has no {MANIFEST_NAME}: it is not an oscar-zoo artifact folder",
+                       "pass REPO_ID/SUBFOLDER for a zoo repo (its zoo.json lists the folders)")
+    text = manifest_path.read_text()
+    manifest = Manifest.from_json(text, source=f"{where}/{MANIFEST_NAME}")  # schema first (exit 4)
+    if src.entry is not None and sha256_file(manifest_path) != src.entry.manifest_sha256:
+        raise IntegrityError(f"{where}/{MANIFEST_NAME} differs from the catalog's copy of {src.entry.name!r}",
+                             "the hub copy changed after it was catalogued; pull by repo id to accept it")
+    local: dict[str, Path] = {}
+    for i, art in enumerate(manifest.artifacts, 1):
+        if Path(art.path).is_absolute() or ".." in PurePosixPath(art.path).parts:
+            raise IntegrityError(f"{where}/{MANIFEST_NAME} lists a file outside its folder: {art.path}")
+        progress(f"downloading {art.path} ({art.bytes:,} bytes) [{i}/{len(manifest.artifacts)}]")
+        path = client.fetch(src.repo_id, _in_repo(src.subfolder, art.path), commit, force=force_download)
+        if path is None:
+            raise HubError(f"{where}: {art.path} is listed in the manifest but missing from the repo")
+        local[art.path] = path
+    _install(dest, manifest_path, local, manifest)
+    files = [(a.path, a.bytes, a.sha256) for a in manifest.artifacts]
+    return PullResult(src, commit, dest, manifest, files)
+
+
+def _check_dest(dest: Path) -> None:
+    """Pull may replace an earlier pull (a folder holding manifest.json), never a folder of someone else's files."""
+    if dest.exists() and not dest.is_dir():
+        raise InputError(f"--dest {dest} exists and is not a folder")
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / MANIFEST_NAME).is_file():
+        raise InputError(f"--dest {dest} is a non-empty folder that is not an artifact folder; nothing was changed",
+                         "pick a new or empty folder")
+
+
+def _install(dest: Path, manifest_path: Path, files: dict[str, Path], manifest: Manifest) -> None:
+    """Copy into a temp folder beside `dest`, check every sha256 and shape there, then swap it into place."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".pull", dir=dest.parent))
+    try:
+        shutil.copyfile(manifest_path, tmp / MANIFEST_NAME)
+        for rel, src in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, tmp / rel)
+        check_files(tmp, manifest)  # IntegrityError names the file whose sha256 differs
+        load_artifacts(tmp)  # tensor names, shapes, orthogonality
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

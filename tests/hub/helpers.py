@@ -1,0 +1,87 @@
+"""Helpers for hub and export tests: artifact folders built from random orthogonal matrices (no calibration) and
+`run_cli` (the real CLI boundary, in process)."""
+
+from __future__ import annotations
+
+import io
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import torch
+
+from oscar_zoo.artifacts import Rotations, write_artifacts
+from oscar_zoo.manifest import (CalibrationRecord, ClipSpec, Manifest, ModelIdentity, QuantSpec, RotationSpec)
+
+HF_TOKEN = "hf_TestTokenDoNotLeak0123456789abcdef"
+MS_TOKEN = "ms-TestTokenDoNotLeak-9876543210fedcba"
+
+VERIFICATION = {
+    "context": 4096, "passed": True,
+    "methods": {"oscar": {"kl": 0.0123, "top1": 0.981, "ppl_increase": 0.021},
+                "naive-int2": {"kl": 1.52, "top1": 0.41, "ppl_increase": 3.2}},
+}
+
+
+def make_manifest(model_id: str = "org/Tiny-Llama", granularity: str = "per-head", L: int = 2, H_kv: int = 2,
+                  D: int = 16, verification: dict | None = VERIFICATION, model_type: str = "llama") -> Manifest:
+    return Manifest(
+        model=ModelIdentity(id=model_id, revision="abc123", architecture="LlamaForCausalLM", model_type=model_type,
+                            num_layers=L, num_q_heads=H_kv * 3, num_kv_heads=H_kv, head_dim=D, qk_norm=False,
+                            rope_theta=10000.0, config_sha256="0" * 64),
+        quant=QuantSpec(group_size=D, sink=64, recent=256, flush=8),
+        rotation=RotationSpec(granularity=granularity, value_target="weighted", hadamard="sylvester",
+                              layer_ids=list(range(L))),
+        clip=ClipSpec(mode="fixed", grid=[], k_default=0.96, v_default=0.92, objective="fixed"),
+        calibration=CalibrationRecord(dataset="test", token_ids_sha256="1" * 64, tokens=1024, sequences=2,
+                                      seq_len=512, heldout_tokens=0, chat_template=False, seed=0, device="cpu",
+                                      dtype="float32", versions={"oscar-zoo": "test"},
+                                      created="2026-01-01T00:00:00Z", wall_seconds=1.0),
+        bits_per_element={"32768": 2.38, "131072": 2.28},
+        verification=verification,
+    )
+
+
+def random_rotations(L: int, H: int, D: int, seed: int = 0, spread: float = 0.0) -> torch.Tensor:
+    """[L, H, D, D] orthogonal (QR of Gaussians); `spread` > 0 makes heads small perturbations of head 0."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(L, 1, D, D, generator=g, dtype=torch.float64)
+    noise = torch.randn(L, H, D, D, generator=g, dtype=torch.float64)
+    A = base + spread * noise if spread else noise
+    Q, R = torch.linalg.qr(A)
+    return (Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+
+
+def make_rotations(manifest: Manifest, seed: int = 0, spread: float = 0.0) -> Rotations:
+    m = manifest.model
+    L, D = len(manifest.rotation.layer_ids), m.head_dim
+    H = m.num_kv_heads if manifest.rotation.granularity.value == "per-head" else 1
+    eig = torch.sort(torch.rand(L, H, D, generator=torch.Generator().manual_seed(seed + 7)), dim=-1).values
+    return Rotations(
+        k_rotation=random_rotations(L, H, D, seed, spread), v_rotation=random_rotations(L, H, D, seed + 1, spread),
+        k_eigenvalues=eig, v_eigenvalues=eig * 2, k_clip=torch.full((L, H), 0.96), v_clip=torch.full((L, H), 0.92),
+        layer_ids=torch.arange(L, dtype=torch.int32))
+
+
+def make_artifacts(folder: Path, seed: int = 0, spread: float = 0.0, **kw) -> Manifest:
+    manifest = make_manifest(**kw)
+    return write_artifacts(folder, manifest, make_rotations(manifest, seed, spread))
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    """Run `oscar-zoo ARGS` through cli.main (the real error boundary) and return (exit code, stdout, stderr)."""
+    from oscar_zoo import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = ["oscar-zoo", *args]
+    code = 0
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                cli.main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    return code, out.getvalue(), err.getvalue()
