@@ -87,9 +87,10 @@ def rotate(x: Tensor, M: Tensor) -> Tensor:
 
 
 def clip_index(ratio: float | Tensor, d: int) -> Tensor:
-    """k = ⌊r·d⌋ clamped to [0, d−1]; the clip threshold is the k-th smallest |x| of the row. −1 means no clip (r ≤ 0)."""
+    """k = ⌊r·d⌋ clamped to [0, d−1]; the clip threshold is the k-th smallest |x| of the row. −1 means no clip (r ≤ 0).
+    A tolerance of 1e-6 makes ratios stored as float32 (0.96 → 0.95999998) give the same k as their decimal value."""
     r = torch.as_tensor(ratio, dtype=torch.float64)
-    k = torch.floor(r * d).clamp(0, d - 1).long()
+    k = torch.floor(r * d + 1e-6).clamp(0, d - 1).long()
     return torch.where(r > 0, k, torch.full_like(k, -1))
 
 

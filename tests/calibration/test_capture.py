@@ -1,0 +1,134 @@
+"""What calibration captures, checked against the model's own projections captured another way (forward hooks on
+q_proj/k_proj/v_proj or the QK-norms, plus an explicit RoPE written here), and rotation invariance of real models."""
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from oscar_zoo.calibration.data import TokenSequences
+from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate
+from oscar_zoo.models import LoadedModel, arch_info, model_identity
+from oscar_zoo.runtime import reference as R
+
+from ..conftest import tiny_model
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _independent_qkv(model, ids):
+    """Per layer: post-norm post-RoPE q [B,H_q,T,D], k, and v, from hooks on the projection/norm modules."""
+    info = arch_info(model.config)
+    grabbed = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q_src = attn.q_norm if info.qk_norm else attn.q_proj
+        k_src = attn.k_norm if info.qk_norm else attn.k_proj
+        for name, mod in (("q", q_src), ("k", k_src), ("v", attn.v_proj)):
+            hooks.append(mod.register_forward_hook(lambda m, a, out, i=i, name=name: grabbed.__setitem__((i, name), out)))
+    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    with torch.no_grad():
+        model(ids)
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=model.dtype), pos)
+    for h in hooks:
+        h.remove()
+    B, T, D = ids.shape[0], ids.shape[1], info.head_dim
+    out = {}
+    for i in range(info.num_layers):
+        q = grabbed[(i, "q")].reshape(B, T, -1, D).transpose(1, 2)
+        k = grabbed[(i, "k")].reshape(B, T, -1, D).transpose(1, 2)
+        v = grabbed[(i, "v")].reshape(B, T, -1, D).transpose(1, 2)
+        out[i] = (_rope(q, cos, sin), _rope(k, cos, sin), v)
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_calibrated_key_and_value_targets_equal_independent_products(model_type, tmp_path):
+    model = tiny_model(model_type)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (3, 40))
+    info = arch_info(model.config)
+    loaded = LoadedModel(model, None, info, model_identity("tiny", None, model.config), "memory")
+    seqs = TokenSequences(ids[:2], ids[2:], "random", False)
+    key, value, soft, heldout, ran = accumulate(loaded, seqs, CalibrationSettings(batch_size=1),
+                                                AccumulatorStore(tmp_path), lambda *a, **k: None)
+    assert ran == ["pass1", "heldout", "pass2"]
+    qkv = _independent_qkv(model, ids[:2])
+    g = info.group
+    for layer, (q, k, v) in qkv.items():
+        for h in range(info.num_kv_heads):
+            qs = q[:, h * g : (h + 1) * g].reshape(-1, info.head_dim).double()
+            C_Q = qs.T @ qs / qs.shape[0]
+            assert torch.allclose(key.mean()[layer, h], C_Q, rtol=1e-5, atol=1e-7)
+            ks, vs = k[:, h].reshape(-1, info.head_dim).double(), v[:, h].reshape(-1, info.head_dim).double()
+            w = torch.einsum("nd,de,ne->n", ks, C_Q, ks)
+            w = w / w.mean()
+            C_S = (vs * w[:, None]).T @ vs / vs.shape[0]
+            assert torch.allclose(value.mean()[layer, h], C_S, rtol=1e-4, atol=1e-7)
+    held_q, held_k, _ = _independent_qkv(model, ids[2:])[1]
+    assert torch.allclose(heldout["1.q"], held_q, atol=1e-5) and torch.allclose(heldout["1.k"], held_k, atol=1e-5)
+
+
+_ROTATIONS = {}
+
+
+def _rotated_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Rotate q, k by M_K and v by M_V per KV head, attend, un-rotate the output with M_Vᵀ (METHOD.md §4)."""
+    M_K, M_V = _ROTATIONS[module.layer_idx]
+    g = query.shape[1] // key.shape[1]
+    qr = R.rotate(query, M_K.repeat_interleave(g, 0))
+    kr, vr = R.rotate(key, M_K), R.rotate(value, M_V)
+    out, w = sdpa_attention_forward(module, qr, kr, vr, attention_mask, scaling=scaling, **kwargs)  # [B, T, H_q, D]
+    M_Vt = M_V.transpose(-1, -2).repeat_interleave(g, 0)
+    return R.rotate(out.transpose(1, 2), M_Vt).transpose(1, 2), w
+
+
+def _random_rotations(n_layers, n_heads, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(n_layers):
+        mats = [torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0] for _ in range(2 * n_heads)]
+        C = torch.stack(mats) @ torch.stack(mats).transpose(-1, -2)  # any SPD target
+        M = R.rotation_from_target(C + torch.eye(d, dtype=torch.float64))[0].float()
+        out[layer] = (M[:n_heads], M[n_heads:])
+    return out
+
+
+def _logits_with_rotations(model, ids, rotations):
+    AttentionInterface.register("test_rotated", _rotated_attention)
+    _ROTATIONS.clear()
+    _ROTATIONS.update(rotations)
+    previous = model.config._attn_implementation
+    with torch.no_grad():
+        base = model(ids).logits.float()
+        model.set_attn_implementation("test_rotated")
+        try:
+            rotated = model(ids).logits.float()
+        finally:
+            model.set_attn_implementation(previous)
+    return base, rotated
+
+
+def test_rotation_only_leaves_random_qwen3_logits_unchanged():
+    model = tiny_model("qwen3")
+    info = arch_info(model.config)
+    ids = torch.randint(0, 512, (2, 64))
+    base, rotated = _logits_with_rotations(model, ids, _random_rotations(info.num_layers, info.num_kv_heads, 64))
+    assert (base - rotated).abs().max() < 1e-4 * base.abs().max()  # fp32 model: round-off only
+
+
+def test_rotation_only_leaves_smollm2_logits_unchanged(smollm2):
+    info = smollm2.info
+    ids = smollm2.tokenizer("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise "
+                            "him.", return_tensors="pt")["input_ids"]
+    base, rotated = _logits_with_rotations(smollm2.model, ids,
+                                           _random_rotations(info.num_layers, info.num_kv_heads, info.head_dim))
+    # bf16 model: rotation changes the rounding of q·k and of the output; within bf16 noise, same predictions
+    rel = (base - rotated).norm() / base.norm()
+    assert rel < 0.02, rel
+    assert (base.argmax(-1) == rotated.argmax(-1)).float().mean() > 0.9
