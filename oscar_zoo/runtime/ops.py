@@ -329,6 +329,8 @@ def _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len):
         h = _check_kv(name, t, q, (D,), t.dtype)
         _check(H_kv is None or h == H_kv, f"{name} has {h} KV heads, the other tiers {H_kv}")
         H_kv = h
+    dtypes = {t.dtype for t in (sink_k, sink_v, recent_k, recent_v)}
+    _check(len(dtypes) == 1, f"sink and recent tiers must share one dtype (bf16), got {sorted(map(str, dtypes))}")
     _check(sink_v.shape == sink_k.shape, f"sink_v {tuple(sink_v.shape)} != sink_k {tuple(sink_k.shape)}")
     _check(recent_v.shape == recent_k.shape, f"recent_v {tuple(recent_v.shape)} != recent_k {tuple(recent_k.shape)}")
     return _check_lengths("sink_len", sink_len, B, q.device), _check_lengths("recent_len", recent_len, B, q.device)

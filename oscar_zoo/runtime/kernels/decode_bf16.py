@@ -61,22 +61,25 @@ def _decode_bf16_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
 
+    # both branches must yield identically typed values (integer args equal to 1 are specialised to constants)
+    zero32 = tl.zeros([], tl.int32)
+    zero64 = tl.zeros([], tl.int64)
     if pid_s < S_SINK:
         k_base = sk_ptr + b64 * stride_skb + h64 * stride_skh
         v_base = sv_ptr + b64 * stride_svb + h64 * stride_svh
-        stride_kt = stride_skt
-        stride_vt = stride_svt
+        stride_kt = stride_skt + zero64
+        stride_vt = stride_svt + zero64
         L = tl.load(slen_ptr + b)
-        S = S_SINK
-        split = pid_s
+        S = S_SINK + zero32
+        split = pid_s + zero32
     else:
         k_base = rk_ptr + b64 * stride_rkb + h64 * stride_rkh
         v_base = rv_ptr + b64 * stride_rvb + h64 * stride_rvh
-        stride_kt = stride_rkt
-        stride_vt = stride_rvt
+        stride_kt = stride_rkt + zero64
+        stride_vt = stride_rvt + zero64
         L = tl.load(rlen_ptr + b)
-        S = S_RECENT
-        split = pid_s - S_SINK
+        S = S_RECENT + zero32
+        split = pid_s - S_SINK + zero32
     per = tl.cdiv(tl.cdiv(L, S), BLOCK_N) * BLOCK_N
     start = split * per
     end = tl.minimum(start + per, L)

@@ -1,0 +1,166 @@
+"""GPU benchmark: OSCAR tiered INT2 decode attention (`ops.tiered_decode_attention`) vs same-run BF16 SDPA.
+
+Each row: one decode step of one layer, median of `triton.testing.do_bench`, rotating among several cache buffers so L2
+never serves a repeat; bytes moved = what the op must read (packed codes + fp16 scale/zero + BF16 tiers + q) plus its
+partial (o, lse) traffic; bandwidth as a fraction of a same-run measured device copy. Details go to $OUT/bench_decode.json
+when OUT is set. Usage: PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from oscar_zoo.runtime import layout, ops
+
+SHAPES = [(32, 8, 128), (9, 3, 64)]  # (H_q, H_kv, D): Llama-3-8B/Qwen3-8B class, SmolLM2-135M
+BATCHES = [1, 8, 32]
+CONTEXTS = [4096, 16384, 32768, 65536, 100_000, 131072]
+MEM_BUDGET = 90e9  # bytes of cache buffers per row (all rotations, both formats)
+
+
+def copy_bandwidth() -> float:
+    """Same-run device copy bandwidth (bytes read + written per second) over a 4 GiB buffer."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    del src, dst
+    return 2 * (1 << 31) / (ms * 1e-3)
+
+
+def int2_cache(B, H_kv, D, L, gen):
+    """A fresh random three-tier cache of L tokens (random codes and scale/zero: timing does not depend on values)."""
+    sink, recent = layout.SINK, layout.RECENT
+    hist = L - sink - recent
+    dev = "cuda"
+    c = dict(
+        sink_k=torch.randn(B, H_kv, sink, D, device=dev, dtype=torch.bfloat16, generator=gen),
+        sink_v=torch.randn(B, H_kv, sink, D, device=dev, dtype=torch.bfloat16, generator=gen),
+        sink_len=torch.full((B,), sink, dtype=torch.int32, device=dev),
+        codes_k=torch.randint(0, 256, (B, H_kv, hist, D // 4), dtype=torch.uint8, device=dev, generator=gen),
+        scale_zero_k=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
+        codes_v=torch.randint(0, 256, (B, H_kv, hist, D // 4), dtype=torch.uint8, device=dev, generator=gen),
+        scale_zero_v=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
+        hist_len=torch.full((B,), hist, dtype=torch.int32, device=dev),
+        recent_k=torch.randn(B, H_kv, recent + layout.FLUSH, D, device=dev, dtype=torch.bfloat16, generator=gen),
+        recent_v=torch.randn(B, H_kv, recent + layout.FLUSH, D, device=dev, dtype=torch.bfloat16, generator=gen),
+        recent_len=torch.full((B,), recent, dtype=torch.int32, device=dev),
+    )
+    return c
+
+
+def int2_bytes(B, H_q, H_kv, D, L) -> int:
+    hist = L - layout.SINK - layout.RECENT
+    cache = 2 * B * H_kv * (hist * layout.bytes_per_token(D, D) + (layout.SINK + layout.RECENT) * D * 2)
+    S = ops._int2_splits(B, H_kv, hist, torch.device("cuda"), None) + 1 + 5
+    partials = 2 * B * H_q * S * (D + 1) * 4  # written once, read once by the merge
+    return cache + partials + B * H_q * D * 2
+
+
+def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
+    bf16_bytes = 2 * B * H_kv * L * D * 2
+    int2_b = int2_bytes(B, H_q, H_kv, D, L)
+    n_buf = int(max(2, min(4, MEM_BUDGET // (bf16_bytes + int2_b))))
+    if bf16_bytes * 1 + int2_b * 2 > MEM_BUDGET:
+        return None
+    sm_scale = D**-0.5
+    q = torch.randn(B, H_q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    # OSCAR
+    caches = [int2_cache(B, H_kv, D, L, gen) for _ in range(n_buf)]
+    it = [0]
+
+    def run_int2():
+        c = caches[it[0] % n_buf]
+        it[0] += 1
+        return ops.tiered_decode_attention(q, **c, sm_scale=sm_scale)
+
+    ms_int2 = triton.testing.do_bench(run_int2, warmup=25, rep=200)
+    del caches
+
+    # same-run BF16 baseline
+    n_bf = int(max(1, min(4, (MEM_BUDGET - int2_b) // bf16_bytes)))
+    kv = [
+        (
+            torch.randn(B, H_kv, L, D, device="cuda", dtype=torch.bfloat16, generator=gen),
+            torch.randn(B, H_kv, L, D, device="cuda", dtype=torch.bfloat16, generator=gen),
+        )
+        for _ in range(n_bf)
+    ]
+    q4 = q.unsqueeze(2)
+    it[0] = 0
+
+    def run_sdpa():
+        k, v = kv[it[0] % n_bf]
+        it[0] += 1
+        return F.scaled_dot_product_attention(q4, k, v, scale=sm_scale, enable_gqa=True)
+
+    ms_sdpa = triton.testing.do_bench(run_sdpa, warmup=25, rep=200)
+    del kv
+    torch.cuda.empty_cache()
+    bw = int2_b / (ms_int2 * 1e-3)
+    return dict(
+        H_q=H_q, H_kv=H_kv, D=D, batch=B, context=L, oscar_us=ms_int2 * 1e3, sdpa_us=ms_sdpa * 1e3,
+        speedup=ms_sdpa / ms_int2, oscar_bytes=int2_b, bf16_bytes=bf16_bytes, oscar_GBps=bw / 1e9,
+        oscar_bw_frac=bw / copy_bw, sdpa_bw_frac=bf16_bytes / (ms_sdpa * 1e-3) / copy_bw,
+        floor_us=int2_b / copy_bw * 1e6, buffers=n_buf,
+    )  # fmt: skip
+
+
+def sweep(gen, copy_bw):
+    """Try launch settings on the headline rows (B=1 100K and B=32 32K, 32/8 heads, d=128)."""
+    out = []
+    for bn, warps, stages, per_sm in [(128, 4, 3, 4), (64, 4, 3, 4), (128, 4, 4, 4), (128, 8, 3, 2), (256, 8, 3, 2),
+                                      (64, 2, 3, 8), (128, 4, 3, 8), (128, 4, 2, 4)]:  # fmt: skip
+        ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = bn, warps, stages, per_sm
+        for B, L in [(1, 100_000), (32, 32768)]:
+            r = bench_row(32, 8, 128, B, L, gen, copy_bw)
+            r.update(block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
+            out.append(r)
+            print(f"sweep bn={bn} w={warps} st={stages} per_sm={per_sm} B={B} L={L}: {r['oscar_us']:.1f} us "
+                  f"({r['oscar_bw_frac']:.0%} bw, {r['speedup']:.2f}x)", flush=True)  # fmt: skip
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="headline rows only")
+    ap.add_argument("--sweep", action="store_true", help="try launch settings first")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+    result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, torch=torch.__version__,
+                  triton=triton.__version__, rows=[])  # fmt: skip
+    if args.sweep:
+        defaults = (ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM)
+        result["sweep"] = sweep(gen, copy_bw)
+        ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = defaults
+    combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
+    if args.quick:
+        combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768)]
+    for (H_q, H_kv, D), B, L in combos:
+        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
+        if r is None:
+            print(f"skip {H_q}/{H_kv} d={D} B={B} L={L}: does not fit", flush=True)
+            continue
+        result["rows"].append(r)
+        print(f"{H_q}/{H_kv} d={D} B={B} L={L}: oscar {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us", flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_decode.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    print("\n| heads q/kv | d | batch | context | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw | floor µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| {r['H_q']}/{r['H_kv']} | {r['D']} | {r['batch']} | {r['context']} | {r['oscar_us']:.1f} | "
+              f"{r['sdpa_us']:.1f} | {r['speedup']:.2f}x | {r['oscar_bytes'] / 1e6:.1f} | {r['oscar_GBps']:.0f} | "
+              f"{r['oscar_bw_frac']:.0%} | {r['floor_us']:.1f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
