@@ -31,6 +31,7 @@ class HubState:
         self.repos: dict[str, dict] = {}
         self.lock = threading.Lock()
         self.requests: list[str] = []
+        self.connections: set = set()  # open sockets, closed by stop() so keep-alive clients see the server go away
 
     def create(self, repo_id: str, private: bool) -> None:
         first = _new_commit_id()
@@ -57,6 +58,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:  # keep test output quiet
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.state.connections.add(self.connection)
+
+    def finish(self) -> None:
+        self.state.connections.discard(self.connection)
+        super().finish()
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def _body(self) -> bytes:
@@ -141,7 +150,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         repo_id = f"{body['organization']}/{body['name']}" if body.get("organization") else f"user/{body['name']}"
         if repo_id in self.state.repos:
-            return self._error(409, None, "You already created this model repo")
+            return self._json(409, {"error": "You already created this model repo",
+                                    "url": f"http://{self.headers['Host']}/{repo_id}"})
         self.state.create(repo_id, body.get("visibility") == "private" or body.get("private") is True)
         self._json(200, {"url": f"http://{self.headers['Host']}/{repo_id}", "name": repo_id})
 
@@ -263,5 +273,12 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        import socket
+
         self.server.shutdown()
         self.server.server_close()
+        for conn in list(self.state.connections):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -24,3 +24,141 @@ def test_push_pull_round_trip_is_byte_identical(hf_hub, artifacts, tmp_path):
     assert code == 0, err
     assert json.loads(out)["commit"] == pushed["commit"]
     assert _files(tmp_path / "pulled") == _files(artifacts)
+
+
+def test_second_model_joins_the_zoo_index(hf_hub, tmp_path):
+    make_artifacts(tmp_path / "a", model_id="org/Alpha-1B")
+    make_artifacts(tmp_path / "b", model_id="org/Beta-2B", granularity="per-layer", seed=3)
+    assert run_cli("push", str(tmp_path / "a"), "zoo/rotations")[0] == 0
+    code, out, err = run_cli("push", str(tmp_path / "b"), "zoo/rotations", "--json")
+    assert code == 0, err
+    repo = hf_hub.state.repos["zoo/rotations"]
+    head = repo["commits"][repo["branches"]["main"]]
+    zoo = json.loads(head["zoo.json"])
+    assert [(m["subfolder"], m["model_id"], m["granularity"]) for m in zoo["models"]] == [
+        ("alpha-1b", "org/Alpha-1B", "per-head"), ("beta-2b-per-layer", "org/Beta-2B", "per-layer")]
+    assert all(m["verification"].startswith("passed · kl 0.0123") for m in zoo["models"])
+    assert "alpha-1b" in head["README.md"].decode() and "beta-2b-per-layer" in head["README.md"].decode()
+    assert json.loads(out)["zoo"] == ["alpha-1b", "beta-2b-per-layer"]
+    # re-pushing a model replaces its entry instead of duplicating it
+    assert run_cli("push", str(tmp_path / "a"), "zoo/rotations")[0] == 0
+    zoo = json.loads(repo["commits"][repo["branches"]["main"]]["zoo.json"])
+    assert [m["subfolder"] for m in zoo["models"]] == ["alpha-1b", "beta-2b-per-layer"]
+
+
+def test_pull_of_altered_file_fails_and_leaves_destination_untouched(hf_hub, artifacts, tmp_path):
+    assert run_cli("push", str(artifacts), "zoo/rotations")[0] == 0
+    fresh = tmp_path / "fresh"
+    data = bytearray((artifacts / "rotations.safetensors").read_bytes())
+    data[-5] ^= 0x01  # same size, one bit flipped
+    hf_hub.state.tamper("zoo/rotations", "tiny-llama/rotations.safetensors", bytes(data))
+    code, out, err = run_cli("pull", "zoo/rotations/tiny-llama", "--dest", str(fresh))
+    assert code == 4, err
+    assert "rotations.safetensors sha256" in err and "does not match" in err
+    assert not fresh.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp folder left behind
+    # an earlier good pull in the destination survives a failed one byte for byte
+    earlier = tmp_path / "earlier"
+    make_artifacts(earlier, seed=9)
+    before = _files(earlier)
+    code, _, err = run_cli("pull", "zoo/rotations/tiny-llama", "--dest", str(earlier), "--force-download")
+    assert code == 4, err
+    assert _files(earlier) == before
+
+
+def test_pull_refuses_a_foreign_folder(hf_hub, artifacts, tmp_path):
+    assert run_cli("push", str(artifacts), "zoo/rotations")[0] == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    code, _, err = run_cli("pull", "zoo/rotations/tiny-llama", "--dest", str(mine))
+    assert code == 2 and "nothing was changed" in err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_hub_failures_are_one_line_exit_5(hf_hub, artifacts, tmp_path):
+    assert run_cli("push", str(artifacts), "zoo/rotations")[0] == 0
+    cases = [
+        (("pull", "zoo/missing/tiny-llama"), "repository not found"),
+        (("pull", "zoo/rotations/tiny-llama", "--revision", "no-such-branch"), "revision not found"),
+        (("pull", "zoo/rotations/other-model"), "has no manifest.json"),
+    ]
+    for args, text in cases:
+        code, out, err = run_cli(*args, "--dest", str(tmp_path / "x"))
+        assert code == 5, (args, err)
+        assert text in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) <= 2  # error line + hint line
+    hf_hub.stop()
+    code, _, err = run_cli("pull", "zoo/rotations/tiny-llama", "--dest", str(tmp_path / "x"))
+    assert code == 5 and "cannot reach" in err, err
+
+
+def test_push_refuses_unverified_and_damaged_artifacts(hf_hub, tmp_path):
+    make_artifacts(tmp_path / "raw", verification=None)
+    code, _, err = run_cli("push", str(tmp_path / "raw"), "zoo/rotations")
+    assert code == 3 and "not been verified" in err
+    assert "zoo/rotations" not in hf_hub.state.repos
+    code, _, err = run_cli("push", str(tmp_path / "raw"), "zoo/rotations", "--allow-unverified")
+    assert code == 0, err
+    card = hf_hub.state.repos["zoo/rotations"]["commits"][hf_hub.state.repos["zoo/rotations"]["branches"]["main"]]
+    assert b"Not verified" in card["tiny-llama/README.md"]
+    make_artifacts(tmp_path / "bad")
+    with open(tmp_path / "bad" / "rotations.safetensors", "r+b") as f:
+        f.seek(-3, 2)
+        f.write(b"\x00\x01\x02")
+    code, _, err = run_cli("push", str(tmp_path / "bad"), "zoo/other", "--allow-unverified")
+    assert code == 4 and "rotations.safetensors" in err
+    assert "zoo/other" not in hf_hub.state.repos
+
+
+def test_dry_run_touches_no_network(hf_hub, artifacts, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    code, out, err = run_cli("push", str(artifacts), "zoo/rotations", "--dry-run", "--path-in-repo", "x/y")
+    assert code == 0, err
+    assert "would upload" in out and "x/y/rotations.safetensors" in out and "nothing was uploaded" in out
+    assert hf_hub.state.requests == []
+
+
+def test_model_card_renders_verification_table(hf_hub, artifacts):
+    assert run_cli("push", str(artifacts), "zoo/rotations", "--path-in-repo", "")[0] == 0
+    repo = hf_hub.state.repos["zoo/rotations"]
+    head = repo["commits"][repo["branches"]["main"]]
+    card = head["README.md"].decode()  # single-model repo: the model card sits at the root
+    assert card.startswith("---\nbase_model:\n- \"org/Tiny-Llama\"\nlibrary_name: oscar-zoo\ntags:\n")
+    # manifest JSON is canonical (sorted keys), so methods and metrics come back in sorted order
+    assert "| method | kl | ppl_increase | top1 |\n|---|---:|---:|---:|\n| naive-int2 | 1.52 | 3.2 | 0.41 |\n" \
+           "| oscar | 0.0123 | 0.021 | 0.981 |" in card
+    assert "Summary: **passed · kl 0.0123 · ppl_increase 0.021 · top1 0.981**" in card
+    assert "oscar-zoo pull zoo/rotations --dest rotations/" in card
+    assert "| 128K | 4.03 |" in card  # G = head_dim 16 here: 2 + 32/16 bits, plus the BF16 windows
+    assert json.loads(head["zoo.json"])["models"][0]["subfolder"] == ""
+
+
+def test_concurrent_commit_is_a_clear_error(hf_hub, artifacts, tmp_path):
+    from oscar_zoo.errors import HubError
+    from oscar_zoo.hub.huggingface import HuggingFaceHub
+    from oscar_zoo.hub.publish import plan_push, push
+
+    class Racing(HuggingFaceHub):
+        def head(self, repo_id, revision):
+            sha = super().head(repo_id, revision)  # someone else commits right after we pinned the parent
+            HuggingFaceHub().commit(repo_id, {"other.txt": artifacts / "manifest.json"}, "other", None, None)
+            return sha
+
+    plan = plan_push(artifacts, "zoo/rotations", "hf", None, None, False, tmp_path)
+    import pytest
+
+    with pytest.raises(HubError, match="concurrent commit"):
+        push(plan, private=False, workdir=tmp_path, client=Racing())
+    repo = hf_hub.state.repos["zoo/rotations"]
+    assert "zoo.json" not in repo["commits"][repo["branches"]["main"]]
+
+
+def test_branch_revision_and_private_repo(hf_hub, artifacts, tmp_path):
+    code, out, err = run_cli("push", str(artifacts), "zoo/private", "--private", "--revision", "v1", "--json")
+    assert code == 0, err
+    repo = hf_hub.state.repos["zoo/private"]
+    assert repo["private"] and repo["branches"]["v1"] == json.loads(out)["commit"]
+    assert "zoo.json" not in repo["commits"][repo["branches"]["main"]]
+    code, _, err = run_cli("pull", "zoo/private/tiny-llama", "--revision", "v1", "--dest", str(tmp_path / "p"))
+    assert code == 0, err
