@@ -97,7 +97,8 @@ def oscar_attention(
     else:  # a chunk: earlier tokens through their tiers (if any), then its own exact K/V
         k, v = key, value
         if pending.past is not None:
-            k, v = torch.cat([pending.past[0], key], dim=2), torch.cat([pending.past[1], value], dim=2)
+            past_k, past_v = pending.past  # fp32, dequantized history included
+            k, v = torch.cat([past_k, key.to(past_k.dtype)], dim=2), torch.cat([past_v, value.to(past_v.dtype)], dim=2)
         o = dense_attention(q_rot, k, v, scale, softcap, q_offset=pending.past_len)
     out = rotate_heads(o.float(), rot.per_query_head(rot.v, H_q).transpose(-1, -2))  # o·M_Vᵀ per query head
     return out.to(query.dtype).transpose(1, 2).contiguous(), None

@@ -161,7 +161,7 @@ class OscarLayer(CacheLayerMixin):
         k_rot = rotate_heads(key_states, self.rotation.k)  # [B, H_kv, n, D] k·M_K
         v_rot = rotate_heads(value_states, self.rotation.v)  # [B, H_kv, n, D] v·M_V
         n, past_len = k_rot.shape[2], self.get_seq_length()
-        past = self.dense_kv(k_rot.dtype) if n > 1 and past_len > 0 else None
+        past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
         self._append(k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE), multi=n > 1)
         _PENDING.set(Pending(self, k_rot, past, past_len))
         return k_rot, v_rot

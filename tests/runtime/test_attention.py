@@ -1,0 +1,272 @@
+"""The "oscar" attention with OscarCache: decode/prefill against dense references, and whole-model generation on
+random-weight transformers models of real shapes (GQA 9 q / 3 kv heads, head_dim 64) against DynamicCache."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from oscar_zoo.runtime import attention, layout, reference
+from oscar_zoo.runtime.attention import enable_oscar, oscar_attention
+from oscar_zoo.runtime.cache import OscarCache, rotate_heads
+
+H_Q, H_KV, D = 9, 3, 64
+SCALE = D**-0.5
+STUB = SimpleNamespace(layer_idx=0, training=False)  # what oscar_attention reads from the attention module
+
+
+def _rotations(L: int, seed: int = 0) -> torch.Tensor:
+    mats = [reference.random_orthogonal(D, seed=seed + i) for i in range(L * H_KV)]
+    return torch.stack(mats).float().reshape(L, H_KV, D, D)
+
+
+def _identity(L: int) -> torch.Tensor:
+    return torch.eye(D).expand(L, H_KV, D, D).clone()
+
+
+def _dense_ref(q, k_hat, v_hat, Mk, Mv, q_offset, scale=SCALE, softcap=None):
+    """float64 causal attention of q [B, H_q, n, D] over rotated k_hat/v_hat [B, H_kv, S, D]: (q·M_K)(k̂)ᵀ, softmax,
+    ·v̂, ·M_Vᵀ per query head. Returns [B, n, H_q, D]."""
+    g = H_Q // H_KV
+    Mk_q, Mv_q = Mk.double().repeat_interleave(g, 0), Mv.double().repeat_interleave(g, 0)
+    qr = q.double() @ Mk_q
+    kx, vx = k_hat.double().repeat_interleave(g, 1), v_hat.double().repeat_interleave(g, 1)
+    logits = qr @ kx.transpose(-1, -2) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    n, S = q.shape[2], k_hat.shape[2]
+    allowed = torch.arange(S)[None, :] <= (q_offset + torch.arange(n))[:, None]
+    o = torch.softmax(logits.masked_fill(~allowed, -math.inf), -1) @ vx
+    return (o @ Mv_q.transpose(-1, -2)).transpose(1, 2)
+
+
+def _kv(B: int, T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(B, H_KV, T, D, generator=g) * 2 + torch.randn(1, H_KV, 1, D, generator=g)).bfloat16()
+    return k, torch.randn(B, H_KV, T, D, generator=g).bfloat16()
+
+
+# ------------------------------------------------------------------------------------ attention vs dense references
+
+
+def test_quantized_decode_matches_dense_reference(monkeypatch):
+    """A decode step (through ops.tiered_decode_attention) equals float64 attention over the sequence as the tiers
+    present it (reference.fake_quant_tiers of the rotated K/V), within fp32 noise; and equals
+    reference.tiered_decode_attention_ref on the cache tensors."""
+    calls = []
+    real = attention.ops.tiered_decode_attention
+    monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a: calls.append(1) or real(*a))
+    B, prompt, steps = 2, 400, 13
+    Mk, Mv = _rotations(1), _rotations(1, seed=7)
+    k_clip, v_clip = torch.tensor([[0.94, 0.96, 0.9]]), torch.full((1, H_KV), 0.92)
+    cache = OscarCache(Mk, Mv, k_clip, v_clip)
+    k, v = _kv(B, prompt + steps)
+    cache.update(k[:, :, :prompt], v[:, :, :prompt], 0)
+    for t in range(prompt, prompt + steps):
+        key, value = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+    q = torch.randn(B, H_Q, 1, D)
+    out, weights = oscar_attention(STUB, q, key, value, None, scaling=SCALE)
+    assert calls == [1] and weights is None and out.shape == (B, 1, H_Q, D)
+
+    layer = cache.layers[0]
+    chunks = [slice(0, prompt)] + [slice(t, t + 1) for t in range(prompt, prompt + steps)]
+    rk = torch.cat([rotate_heads(k[:, :, c], Mk[0]) for c in chunks], 2)  # as the cache rotated it
+    rv = torch.cat([rotate_heads(v[:, :, c], Mv[0]) for c in chunks], 2)
+    k_hat = reference.fake_quant_tiers(rk.float(), k_clip[0], sink=layout.SINK, recent=layer.n_recent)
+    v_hat = reference.fake_quant_tiers(rv.float(), v_clip[0], sink=layout.SINK, recent=layer.n_recent)
+    expected = _dense_ref(q, k_hat, v_hat, Mk[0], Mv[0], q_offset=prompt + steps - 1)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+    q_rot = rotate_heads(q[:, :, 0:1], Mk[0].repeat_interleave(3, 0))[:, :, 0]
+    o_ref, _ = reference.tiered_decode_attention_ref(q_rot, *layer.tier_args(), SCALE)
+    o_ref = rotate_heads(o_ref.unsqueeze(2), Mv[0].repeat_interleave(3, 0).transpose(-1, -2)).transpose(1, 2)
+    torch.testing.assert_close(out, o_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_second_chunk_attends_tiers_and_its_own_exact_kv():
+    """A 150-token chunk after a 400-token prefill sees the earlier tokens through their tiers (INT2 history
+    dequantized) and its own K/V unquantized, causally."""
+    B, n1, n2 = 1, 400, 150
+    Mk, Mv = _rotations(1), _rotations(1, seed=7)
+    cache = OscarCache(Mk, Mv, 0.96, 0.92)
+    k, v = _kv(B, n1 + n2, seed=3)
+    cache.update(k[:, :, :n1], v[:, :, :n1], 0)
+    key, value = cache.update(k[:, :, n1:], v[:, :, n1:], 0)
+    q = torch.randn(B, H_Q, n2, D)
+    out, _ = oscar_attention(STUB, q, key, value, None, scaling=SCALE)
+
+    rk1, rv1 = rotate_heads(k[:, :, :n1], Mk[0]), rotate_heads(v[:, :, :n1], Mv[0])
+    k_hat = torch.cat([reference.fake_quant_tiers(rk1.float(), torch.full((H_KV,), 0.96)), key.float()], 2)
+    v_hat = torch.cat([reference.fake_quant_tiers(rv1.float(), torch.full((H_KV,), 0.92)), value.float()], 2)
+    expected = _dense_ref(q, k_hat, v_hat, Mk[0], Mv[0], q_offset=n1)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+    assert cache.layers[0].n_recent == layout.RECENT and cache.get_seq_length() == n1 + n2
+
+
+def test_softcap_and_scaling_are_respected():
+    """Gemma-style logit softcap and a non-default scale, on the dense path (decode with softcap included)."""
+    Mk, Mv = _rotations(1), _rotations(1, seed=7)
+    cache = OscarCache(Mk, Mv, 0.96, 0.92)
+    k, v = _kv(1, 101, seed=5)
+    key, value = cache.update(k[:, :, :100], v[:, :, :100], 0)
+    q = torch.randn(1, H_Q, 100, D) * 3
+    out, _ = oscar_attention(STUB, q, key, value, None, scaling=0.2, softcap=5.0)
+    expected = _dense_ref(q, key, value, Mk[0], Mv[0], 0, scale=0.2, softcap=5.0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+    key, value = cache.update(k[:, :, 100:], v[:, :, 100:], 0)
+    q1 = torch.randn(1, H_Q, 1, D) * 3
+    out, _ = oscar_attention(STUB, q1, key, value, None, scaling=0.2, softcap=5.0)
+    k_all, v_all = cache.layers[0].dense_kv()
+    expected = _dense_ref(q1, k_all, v_all, Mk[0], Mv[0], 100, scale=0.2, softcap=5.0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------------- whole models
+
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+
+
+def _model(arch: str = "llama", layers: int = 2, dtype=torch.float32, **extra):
+    """A random-weight model of real attention shape (9 q / 3 kv heads, head_dim 64), small elsewhere. The larger
+    init spread keeps greedy generation from collapsing onto one repeated token."""
+    sizes = dict(vocab_size=512, hidden_size=144, intermediate_size=288, num_hidden_layers=layers,
+                 num_attention_heads=H_Q, num_key_value_heads=H_KV, head_dim=D, max_position_embeddings=1024,
+                 initializer_range=0.1)  # fmt: skip
+    sizes.update(extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch](**sizes), attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # always generate the full count
+    return model.to(dtype).eval()
+
+
+def _prompt(B: int = 1, T: int = 400, vocab: int = 512, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, cache, n):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache, attention_mask=torch.ones_like(ids))
+
+
+@torch.no_grad()
+def _teacher_forced_logits(model, ids, prompt, cache):
+    """Logits [steps, V] of a prefill of ids[:, :prompt] then one token at a time over the rest of ids."""
+    out = [model(ids[:, :prompt], cache=cache).logits[:, -1]]
+    for t in range(prompt, ids.shape[1]):
+        out.append(model(ids[:, t : t + 1], cache=cache).logits[:, -1])
+    return torch.stack(out, 1)[0].float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_identity_unquantized_generation_reproduces_dynamic_cache(arch):
+    """Identity rotations + BF16 history: a bf16 model generates the same 20 tokens as with DynamicCache, from a
+    400-token prompt (sink + history + recent, two demotions during decode)."""
+    model = _model(arch, dtype=torch.bfloat16)
+    ids = _prompt()
+    expected = _generate(model, ids, DynamicCache(), 20)
+    enable_oscar(model)
+    cache = OscarCache(_identity(2), _identity(2), quantize=False)
+    got = _generate(model, ids, cache, 20)
+    assert len(set(expected[0, 400:].tolist())) > 5  # a non-degenerate continuation
+    assert torch.equal(got, expected)
+    layer = cache.layers[1]
+    assert (layer.n_sink, layer.n_hist, layer.n_recent) == (64, 96, 259)
+
+
+def test_rotated_unquantized_logits_equal_plain_model():
+    """Random orthogonal rotations + BF16 history, fp32 model, teacher-forced: the prefill logits equal the plain
+    model's to fp32 noise (the chunk attends to its exact rotated K/V); decode logits, read from BF16 tiers, stay
+    within 2× the error that identity rotations + BF16 tiers show (the bf16 storage noise; STYLE.md's 2× rule).
+    Observed: prefill max |Δ| ≈ 1e-6; decode ≈ 0.8-1.2× the identity error."""
+    model = _model("llama")
+    ids = _prompt(T=410)
+    expected = _teacher_forced_logits(model, ids, 400, DynamicCache())
+    enable_oscar(model)
+    ident = _teacher_forced_logits(model, ids, 400, OscarCache(_identity(2), _identity(2), quantize=False))
+    rotated = _teacher_forced_logits(model, ids, 400, OscarCache(_rotations(2), _rotations(2, 50), quantize=False))
+    scale = expected.abs().max()
+    torch.testing.assert_close(rotated[0], expected[0], rtol=0, atol=1e-5 * scale)
+    err_rot, err_id = (rotated[1:] - expected[1:]).abs().max(), (ident[1:] - expected[1:]).abs().max()
+    assert 0 < err_id < 1e-2 * scale
+    assert err_rot <= 2 * err_id
+
+
+def test_no_cache_forward_is_exact():
+    """Without an OscarCache (use_cache=False), "oscar" is plain causal attention: logits equal sdpa's."""
+    model = _model("qwen2")
+    ids = _prompt(T=50)
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        got = enable_oscar(model)(ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_equal_length_batch_matches_rows_and_padding_is_refused():
+    model = enable_oscar(_model("mistral", dtype=torch.bfloat16))
+    ids = _prompt(B=2, T=350)
+    both = _generate(model, ids, OscarCache(_rotations(2), _rotations(2, 50)), 10)
+    for b in range(2):
+        row = _generate(model, ids[b : b + 1], OscarCache(_rotations(2), _rotations(2, 50)), 10)
+        assert torch.equal(both[b : b + 1], row)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with pytest.raises(NotImplementedError, match="padded batches"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache=OscarCache(_rotations(2), _rotations(2)))
+
+
+def test_gemma2_scaling_softcap_and_sliding_window_guard():
+    """Gemma2 (query_pre_attn_scalar ≠ head_dim, logit softcap, alternating sliding layers): identity + BF16
+    history matches the eager model's prefill logits; a context beyond the sliding window raises."""
+    cfg = Gemma2Config(vocab_size=512, hidden_size=144, intermediate_size=288, num_hidden_layers=2,
+                       num_attention_heads=H_Q, num_key_value_heads=H_KV, head_dim=D, query_pre_attn_scalar=32,
+                       attn_logit_softcapping=20.0, sliding_window=96, initializer_range=0.1)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = _prompt(T=80)
+    with torch.no_grad():
+        expected = model(ids).logits
+        enable_oscar(model)
+        got = model(ids, cache=OscarCache(_identity(2), _identity(2), quantize=False)).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        with pytest.raises(NotImplementedError, match="sliding-window"):
+            model(_prompt(T=120), cache=OscarCache(_identity(2), _identity(2)))
+
+
+def test_smollm2_shaped_generation_uses_int2_decode(monkeypatch):
+    """A random-weight Llama of SmolLM2-135M's exact layer shape (hidden 576, 9 q / 3 kv heads, head_dim 64, MLP 1536,
+    vocab 49152; 4 of its 30 layers), bf16, OSCAR-style rotations U·H·P: a quantized 420-token generate runs every
+    decode step through ops.tiered_decode_attention, keeps the tiers as specified and uses less memory than BF16."""
+    calls = []
+    real = attention.ops.tiered_decode_attention
+    monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a: calls.append(1) or real(*a))
+    L = 4
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=L,
+                      num_attention_heads=H_Q, num_key_value_heads=H_KV, head_dim=D, rope_theta=100000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).eval()
+    ids = _prompt(T=400, vocab=49152)
+    expected = _generate(model, ids, DynamicCache(), 1)
+    enable_oscar(model)
+    Mk = reference.compose_rotation(_rotations(L, seed=3).double()).float()  # M = U·H·P for random U
+    Mv = reference.compose_rotation(_rotations(L, seed=9).double()).float()
+    cache = OscarCache(Mk, Mv, 0.96, 0.92)
+    got = _generate(model, ids, cache, 20)
+    assert got.shape == (1, 420) and torch.equal(got[:, :401], expected)  # prefill is exact up to rotation rounding
+    assert len(calls) == L * 19
+    layer = cache.layers[L - 1]
+    assert (layer.n_sink, layer.n_hist + layer.n_recent) == (64, 419 - 64)
+    assert layout.RECENT <= layer.n_recent < layout.RECENT + layout.FLUSH
+    bf16_bytes = 2 * H_KV * D * 2  # K and V, per token per layer
+    assert cache.bytes_per_token_per_layer() < bf16_bytes
