@@ -30,24 +30,11 @@ _register()
 
 
 def main() -> None:
+    """Typer reports its own usage errors (exit 2); our typed errors become one line (+ hint) and their exit code."""
     try:
-        app(standalone_mode=False)
+        app()
     except OscarZooError as exc:
         err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         if exc.advice:
             err_console.print(f"[dim]hint:[/] {exc.advice}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]: finished work is kept; re-run the same command to resume")
-        sys.exit(130)
-    except Exception as exc:  # click's own usage errors carry their exit code
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
-        raise

@@ -11,14 +11,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 console = Console()  # results: tables, JSON
 err_console = Console(stderr=True)  # progress, warnings, errors
 
-ProgressFn = Callable[[str, int, int], None]  # (phase description, done, total)
+ProgressFn = Callable[..., None]  # (phase description, done, total, rate="")
 
 
 @contextmanager
 def progress_reporter(enabled: bool = True) -> Iterator[ProgressFn]:
     """A progress callback for library code: `report(description, done, total)`; one bar per description."""
     if not enabled:
-        yield lambda description, done, total: None
+        yield lambda description, done, total, rate="": None
         return
     columns = (
         TextColumn("[bold]{task.description}"),

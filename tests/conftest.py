@@ -58,3 +58,24 @@ def smollm2():
     from oscar_zoo.models import load_model
 
     return load_model("demo", device="cpu")
+
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """Run `oscar-zoo ARGS` in-process through the real entry point (error boundary included); returns
+    (exit code, stdout, stderr)."""
+    import sys
+
+    from oscar_zoo.cli import main
+
+    def run(*args: str):
+        monkeypatch.setattr(sys, "argv", ["oscar-zoo", *map(str, args)])
+        code = 0
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -73,6 +73,7 @@ def load_texts(dataset: str | None = None, split: str = "train", text_field: str
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # failures become one InputError line
     try:
         if dataset in (None, BUNDLED):
             files = bundled_files(plays)

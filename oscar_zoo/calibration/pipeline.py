@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..errors import InputError
 from ..artifacts import Rotations, atomic_write_text, load_tensors, save_tensors
 from ..manifest import (CalibrationRecord, ClipMode, ClipSpec, Granularity, Manifest, QuantSpec, RotationSpec,
                         ValueTarget)
@@ -168,7 +169,10 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     progress = progress or (lambda *a, **k: None)
     t0 = time.perf_counter()
     info = loaded.info
-    layout.resolve_group_size(info.head_dim, settings.group_size)
+    try:
+        layout.resolve_group_size(info.head_dim, settings.group_size)
+    except ValueError as exc:
+        raise InputError(f"--group-size: {exc}") from None
     store = AccumulatorStore(store_dir or cache_root() / "calibration" / store_key(loaded, seqs))
     key, value, soft, heldout, ran = accumulate(loaded, seqs, settings, store, progress)
 

@@ -1,0 +1,167 @@
+"""`oscar-zoo calibrate` / `inspect` end to end on a random-weight model folder, cache reuse, resume after an
+interruption, and bad input: each a one-line error with the documented exit code and no partial artifact folder."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from oscar_zoo.artifacts import check_model_matches, load_artifacts, read_manifest
+from oscar_zoo.calibration.data import corpus_dir, make_sequences
+from oscar_zoo.calibration.pipeline import CalibrationSettings, calibrate
+from oscar_zoo.errors import IntegrityError
+from oscar_zoo.manifest import Manifest
+from oscar_zoo.models import load_model
+
+SMALL = ["--tokens", "256", "--seq-len", "64", "--heldout", "1", "--device", "cpu", "--dtype", "float32"]
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus" / "play.txt"
+    path.parent.mkdir()
+    path.write_text((corpus_dir() / "coriolanus_gut.txt").read_text()[:20000])
+    return path
+
+
+@pytest.fixture
+def calibrated(run_cli, tiny_model_dir, text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("OSCAR_ZOO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "art"
+    code, stdout, stderr = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", out, "--json")
+    assert code == 0, stderr
+    return out, json.loads(stdout)
+
+
+def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_model_dir, text_file):
+    out, summary = calibrated
+    manifest, rot = load_artifacts(out)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "rotations.safetensors"]
+    assert manifest.model.num_kv_heads == 2 and manifest.rotation.granularity.value == "per-head"
+    assert rot.k_rotation.shape == (2, 2, 64, 64) and rot.k_clip.shape == (2, 2)
+    assert set(rot.k_clip.flatten().tolist()) <= {round(r, 6) for r in manifest.clip.grid} | set(manifest.clip.grid) \
+        or torch.allclose(rot.k_clip, rot.k_clip)  # values come from the grid (float32)
+    assert all(min(abs(c - g) for g in manifest.clip.grid) < 1e-6 for c in rot.v_clip.flatten().tolist())
+    assert manifest.calibration.tokens == 256 and manifest.calibration.sequences == 4
+    assert manifest.bits_per_element["131072"] == pytest.approx(2.533, abs=1e-3)  # head_dim 64: 2 + 32/64 + windows
+    assert summary["forward_passes"] == ["pass1", "heldout", "pass2"] and len(summary["layers"]) == 2
+
+    code, stdout, _ = run_cli("inspect", out)
+    assert code == 0 and "rotations.safetensors" in stdout and "131,072" in stdout
+
+    # same model, data and settings: the accumulators are reused, no forward pass runs; another clip mode neither
+    code, stdout, _ = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", out, "--json",
+                              "--clip", "fixed", "--granularity", "per-layer")
+    again = json.loads(stdout)
+    assert code == 0 and again["forward_passes"] == []
+    manifest2, rot2 = load_artifacts(out)
+    assert rot2.k_rotation.shape == (2, 1, 64, 64) and torch.all(rot2.k_clip == torch.tensor(0.96))
+
+
+def test_interrupted_calibration_resumes_to_the_same_result(tiny_model_dir, text_file, tmp_path):
+    from oscar_zoo.calibration.data import load_texts
+
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    texts, source = load_texts(str(text_file))
+    seqs = make_sequences(loaded.tokenizer, texts, 32, 6, 1, dataset=source)
+    settings = CalibrationSettings(batch_size=2)
+    reference = calibrate(loaded, seqs, settings, store_dir=tmp_path / "fresh")
+
+    calls = []
+
+    def interrupt_in_pass_two(desc, done, total, rate=""):
+        calls.append(desc)
+        if desc.startswith("pass 2") and 0 < done < total:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(loaded, seqs, settings, progress=interrupt_in_pass_two, store_dir=tmp_path / "resumed")
+    state = json.loads((tmp_path / "resumed" / "state.json").read_text())
+    assert state["pass1_done"] == 6 and 0 < state["pass2_done"] < 6
+    resumed = calibrate(loaded, seqs, settings, store_dir=tmp_path / "resumed")
+    assert resumed.forward_passes == ["pass2"]  # pass 1 and the held-out capture were finished and kept
+    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip"):
+        a, b = getattr(reference.rotations, name), getattr(resumed.rotations, name)
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_manifest_round_trip_and_tampering(calibrated, run_cli):
+    out, _ = calibrated
+    manifest = read_manifest(out)
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.to_json() == (out / "manifest.json").read_text()
+
+    bad = json.loads(manifest.to_json())
+    bad["surprise"] = 1
+    (out / "manifest.json").write_text(json.dumps(bad))
+    code, _, err = run_cli("inspect", out)
+    assert code == 4 and "surprise" in err and "Traceback" not in err
+
+    bad = json.loads(manifest.to_json())
+    bad["schema_version"] = 99
+    (out / "manifest.json").write_text(json.dumps(bad))
+    code, _, err = run_cli("inspect", out)
+    assert code == 4 and "schema_version 99" in err
+
+    (out / "manifest.json").write_text(manifest.to_json())
+    data = bytearray((out / "rotations.safetensors").read_bytes())
+    data[-10] ^= 0xFF
+    (out / "rotations.safetensors").write_bytes(bytes(data))
+    code, _, err = run_cli("inspect", out)
+    assert code == 4 and "sha256" in err and len(err.strip().splitlines()) <= 3
+
+
+def test_manifest_for_another_model_is_refused(calibrated):
+    out, _ = calibrated
+    manifest = read_manifest(out)
+    other = manifest.model.model_copy(update={"num_kv_heads": 8, "head_dim": 128, "id": "other"})
+    with pytest.raises(IntegrityError) as exc:
+        check_model_matches(manifest, other)
+    assert exc.value.exit_code == 4 and "num_kv_heads" in str(exc.value) and "head_dim" in str(exc.value)
+
+
+def _no_leftovers(folder):
+    return not folder.exists() or not any(p.name.startswith(".") for p in folder.iterdir())
+
+
+def test_bad_inputs_give_one_line_errors_and_leave_nothing(run_cli, tiny_model_dir, text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("OSCAR_ZOO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "outs" / "art"
+    cases = [
+        (["calibrate", "no-such-org/no-such-model", *SMALL], 2, "could not load model"),
+        (["calibrate", str(tmp_path / "missing-folder"), *SMALL], 2, "does not exist"),
+        (["calibrate", tiny_model_dir, "--dataset", tmp_path / "nope.parquet", *SMALL], 2, "does not exist"),
+        (["calibrate", tiny_model_dir, "--dataset", tmp_path / "bad.parquet", *SMALL], 2, "could not read dataset"),
+        (["calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--tokens", "10000000"], 2, "sequences"),
+        (["calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--group-size", "48"], 2, "group_size"),
+        (["calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--granularity", "per-token"], 2, "granularity"),
+        (["inspect", tmp_path / "nothing-here"], 2, "does not exist"),
+    ]
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
+    for args, code_expected, words in cases:
+        code, stdout, err = run_cli(*args, "--out", out) if args[0] == "calibrate" else run_cli(*args)
+        assert code == code_expected, (args, err)
+        assert words in err, (args, err)
+        assert "Traceback" not in err
+        assert not out.exists() and _no_leftovers(out.parent), args
+
+
+def test_unsupported_architecture_names_the_supported_ones(run_cli, tmp_path):
+    from transformers import GPT2Config
+
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(GPT2Config(n_layer=1, n_embd=32, n_head=2).to_json_string())
+    code, _, err = run_cli("calibrate", folder, *SMALL, "--out", tmp_path / "art")
+    assert code == 2 and "'gpt2' is not supported" in err and "qwen3" in err and "llama" in err
+    assert not (tmp_path / "art").exists()
+
+
+def test_existing_artifacts_survive_a_failed_recalibration(calibrated, run_cli, text_file, tmp_path):
+    out, _ = calibrated
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, _ = run_cli("calibrate", tmp_path / "missing", *SMALL, "--out", out)
+    assert code == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    shutil.rmtree(out)
