@@ -65,12 +65,28 @@ class HuggingFaceHub:
             sha = self._api().repo_info(repo_id, revision=revision, repo_type="model").sha
         if not sha:
             raise HubError(f"hf: {repo_id} answered without a commit id for revision {revision!r}")
+        self._remember_ref(repo_id, revision, sha)
         return sha
 
-    def _cached_ref(self, repo_id: str, revision: str) -> str:
+    @staticmethod
+    def _ref_path(repo_id: str, revision: str) -> Path:
         from huggingface_hub import constants
 
-        ref = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "refs" / revision
+        return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "refs" / revision
+
+    def _remember_ref(self, repo_id: str, revision: str, sha: str) -> None:
+        """Record branch -> commit in the hub cache (its `refs/` layout), as hf_hub_download does for the revisions
+        it is given: pulls download by commit id, and an offline pull of the branch must find that commit."""
+        ref = self._ref_path(repo_id, revision)
+        try:
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            if not ref.is_file() or ref.read_text() != sha:
+                ref.write_text(sha)
+        except OSError:  # a read-only cache only costs the offline shortcut
+            pass
+
+    def _cached_ref(self, repo_id: str, revision: str) -> str:
+        ref = self._ref_path(repo_id, revision)
         if not ref.is_file():
             raise HubError(
                 f"hf: offline (HF_HUB_OFFLINE=1) and {repo_id}@{revision} is not in the cache",

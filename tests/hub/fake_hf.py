@@ -122,6 +122,9 @@ class Handler(BaseHTTPRequestHandler):
         path = unquote(urlsplit(self.path).path)
         self.state.requests.append(f"{method} {path}")
         with self.state.lock:
+            if self._token() is not None and self._token() not in self.state.tokens:  # like the Hub: a bad token
+                self._body()  # is refused on every request, reads of public repos included
+                return self._error(401, None, "Invalid credentials in Authorization header", head=(method == "HEAD"))
             if method == "POST" and path == "/api/repos/create":
                 return self._create_repo()
             if method == "POST" and path == "/api/validate-yaml":
