@@ -77,10 +77,9 @@ def rotation_from_target(C: Tensor) -> tuple[Tensor, Tensor]:
 
 def rotate(x: Tensor, M: Tensor) -> Tensor:
     """x·M per KV head: x [..., H, T, D], M [H, D, D] (or [D, D]); fp32 math, result in x's dtype."""
-    if M.dim() == 3:
-        M = M.unsqueeze(-3)  # [H, 1, D, D] broadcasts over T
-        return (x.float().unsqueeze(-2) @ M.float()).squeeze(-2).to(x.dtype)
-    return (x.float() @ M.float()).to(x.dtype)
+    if M.dim() == 3 and M.shape[0] > 1:
+        return torch.einsum("...htd,hde->...hte", x.float(), M.float()).to(x.dtype)
+    return (x.float() @ M.float().reshape(M.shape[-2:])).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------ clipping
