@@ -128,7 +128,13 @@ def test_rotation_only_leaves_smollm2_logits_unchanged(smollm2):
                             "him.", return_tensors="pt")["input_ids"]
     base, rotated = _logits_with_rotations(smollm2.model, ids,
                                            _random_rotations(info.num_layers, info.num_kv_heads, info.head_dim))
-    # bf16 model: rotation changes the rounding of q·k and of the output; within bf16 noise, same predictions
+    # bf16 model: rotation changes only rounding. The noise scale is how far the same bf16 model is from its own fp32
+    # copy; the rotated run must stay within 2× of that (the project's tolerance rule), with the same predictions.
+    import copy
+
+    with torch.no_grad():
+        exact = copy.deepcopy(smollm2.model).float()(ids).logits.float()
+    noise = (base - exact).norm() / exact.norm()
     rel = (base - rotated).norm() / base.norm()
-    assert rel < 0.02, rel
+    assert rel < 2 * noise, (rel, noise)
     assert (base.argmax(-1) == rotated.argmax(-1)).float().mean() > 0.9
