@@ -29,8 +29,10 @@ class HubClient(Protocol):
     def head(self, repo_id: str, revision: str | None) -> str:
         """The commit id `revision` (branch, tag or commit; None = default branch) points to."""
 
-    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False) -> Path | None:
-        """Download one file at `commit` into the client's cache and return its local path; None if absent there."""
+    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False,
+              expected: tuple[str, int] | None = None) -> Path | None:
+        """Download one file at `commit` into the client's cache and return its local path; None if absent there.
+        `expected` = (sha256, bytes) when known: a client that can verify on download does (the caller re-checks)."""
 
     def commit(self, repo_id: str, files: dict[str, Path], message: str, revision: str | None,
                parent: str | None) -> str:

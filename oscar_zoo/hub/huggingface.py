@@ -94,7 +94,8 @@ class HuggingFaceHub:
             )
         return ref.read_text().strip()
 
-    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False) -> Path | None:
+    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False,
+              expected: tuple[str, int] | None = None) -> Path | None:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
 

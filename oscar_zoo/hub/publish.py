@@ -197,7 +197,8 @@ def pull(src: PullSource, dest: Path | None, client: HubClient | None = None, fo
         if Path(art.path).is_absolute() or ".." in PurePosixPath(art.path).parts:
             raise IntegrityError(f"{where}/{MANIFEST_NAME} lists a file outside its folder: {art.path}")
         progress(f"downloading {art.path} ({art.bytes:,} bytes) [{i}/{len(manifest.artifacts)}]")
-        path = client.fetch(src.repo_id, _in_repo(src.subfolder, art.path), commit, force=force_download)
+        path = client.fetch(src.repo_id, _in_repo(src.subfolder, art.path), commit, force=force_download,
+                            expected=(art.sha256, art.bytes))
         if path is None:
             raise HubError(f"{where}: {art.path} is listed in the manifest but missing from the repo")
         local[art.path] = path

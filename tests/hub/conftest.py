@@ -51,8 +51,11 @@ def hf_hub(hub_env, monkeypatch):
 
 @pytest.fixture
 def ms_hub(hub_env, monkeypatch):
+    import modelscope_hub.config
+
     from .fake_modelscope import FakeModelScope
 
+    monkeypatch.setattr(modelscope_hub.config, "_default_config", None)  # process-wide; caches the cache dir
     hub = FakeModelScope(tokens={MS_TOKEN}).start()
     monkeypatch.setenv("MODELSCOPE_ENDPOINT", hub.url)
     monkeypatch.setenv("MODELSCOPE_API_TOKEN", MS_TOKEN)

@@ -1,0 +1,136 @@
+"""ModelScope client: the `modelscope` package's `HubApi` (repo creation, one upload_folder commit, file downloads).
+
+Tokens come from MODELSCOPE_API_TOKEN or `modelscope login`; the endpoint from MODELSCOPE_ENDPOINT. ModelScope's
+commit API has no parent-commit precondition and its file API names branches, not commit ids, so here:
+`head` returns the branch name, pulls pin content through the manifest's sha256 (every file is downloaded with its
+expected sha256 and size, and the client re-checks them), and push re-reads zoo.json just before committing to narrow
+(not close) the window in which a concurrent push could be overwritten.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
+
+from ..errors import HubError, IntegrityError
+from .base import first_line, redact
+
+DEFAULT_ENDPOINT = "https://www.modelscope.cn"
+DEFAULT_BRANCH = "master"
+
+
+class ModelScopeHub:
+    name = "modelscope"
+
+    def __init__(self, endpoint: str | None = None, token: str | None = None):
+        self.endpoint = (endpoint or os.environ.get("MODELSCOPE_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+        self._explicit_token = token
+
+    def _token(self) -> str | None:
+        if self._explicit_token:
+            return self._explicit_token
+        from modelscope_hub.config import HubConfig  # installed with `modelscope`; env var, then the saved login
+
+        return HubConfig().token or None
+
+    def has_token(self) -> bool:
+        return bool(self._token())
+
+    def _api(self):
+        from modelscope.hub.api import HubApi
+
+        return HubApi(endpoint=self.endpoint, token=self._token() or None)
+
+    # -- repos and commits ------------------------------------------------------------------------------------------
+    def ensure_repo(self, repo_id: str, private: bool) -> None:
+        with self._errors(repo_id):
+            api = self._api()
+            if not api.repo_exists(repo_id, repo_type="model"):
+                api.create_repo(repo_id, repo_type="model", visibility="private" if private else "public",
+                                exist_ok=True)
+
+    def ensure_branch(self, repo_id: str, revision: str) -> None:
+        if revision != DEFAULT_BRANCH:
+            raise HubError("modelscope: pushing to a branch other than master is not supported by oscar-zoo yet",
+                           "omit --revision for ModelScope")
+
+    def head(self, repo_id: str, revision: str | None) -> str:
+        """The branch name itself (see the module docstring); checks that the repo is visible first."""
+        with self._errors(repo_id, revision):
+            if not self._api().repo_exists(repo_id, repo_type="model"):
+                raise HubError(f"modelscope:{repo_id}: repository not found (or private and this token cannot "
+                               "see it)", "check the repo id; for a private repo set MODELSCOPE_API_TOKEN")
+        return revision or DEFAULT_BRANCH
+
+    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False,
+              expected: tuple[str, int] | None = None) -> Path | None:
+        """Files with an expected sha256 are verified (and cache hits validated) by the client; the cache is keyed by
+        branch name, so files without one (manifest, zoo.json) are always downloaded afresh."""
+        from modelscope_hub.errors import NotExistError
+
+        sha, size = expected or (None, None)
+        with self._errors(repo_id, commit):
+            try:
+                local = self._api().download_file(repo_id, "model", path, revision=commit,
+                                                  force=force or sha is None, expected_sha256=sha, file_size=size)
+            except NotExistError:
+                return None
+        return Path(local)
+
+    def commit(self, repo_id: str, files: dict[str, Path], message: str, revision: str | None,
+               parent: str | None) -> str:
+        """One upload_folder call over a staging folder that mirrors the repo layout (only the given files)."""
+        revision = revision or DEFAULT_BRANCH
+        with tempfile.TemporaryDirectory(prefix="oscar-zoo-ms-") as tmp:
+            stage = Path(tmp) / "stage"
+            for path_in_repo, local in files.items():
+                (stage / path_in_repo).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(local, stage / path_in_repo)
+            # upload_folder print()s a report on stdout; keep stdout for our tables and --json
+            with self._errors(repo_id, revision, committing=True), redirect_stdout(io.StringIO()):
+                result = self._api().upload_folder(repo_id=repo_id, folder_path=str(stage), path_in_repo="",
+                                                   commit_message=message, revision=revision, use_cache=False,
+                                                   disable_tqdm=True, tracker_path=str(Path(tmp) / "tracker"))
+        if isinstance(result, list):  # the client split the upload into several commits (many files)
+            result = result[-1] if result else None
+        commit = (result or {}).get("CommitId") or (result or {}).get("commit_id") if isinstance(result, dict) else None
+        return str(commit or revision)
+
+    def web_url(self, repo_id: str, subfolder: str = "") -> str:
+        return f"{self.endpoint}/models/{repo_id}" + (f"/files?path={subfolder}" if subfolder else "")
+
+    # -- errors -----------------------------------------------------------------------------------------------------
+    @contextmanager
+    def _errors(self, repo_id: str, revision: str | None = None, committing: bool = False) -> Iterator[None]:
+        from modelscope_hub import errors as e
+
+        where = f"modelscope:{repo_id}" + (f"@{revision}" if revision else "")
+        try:
+            yield
+        except e.FileIntegrityError as exc:
+            raise IntegrityError(f"{where}: a downloaded file does not match the manifest "
+                                 f"({self._clean(first_line(str(exc)))})",
+                                 "the hub copy was altered or corrupted; do not use it") from None
+        except e.AuthenticationError:
+            raise HubError(f"{where}: ModelScope rejected the token",
+                           "set a valid MODELSCOPE_API_TOKEN or run `modelscope login`") from None
+        except e.PermissionDeniedError:
+            raise HubError(f"{where}: permission denied (private repo, or no write access for this token)",
+                           "check MODELSCOPE_API_TOKEN and the repo owner") from None
+        except e.NotExistError:
+            raise HubError(f"{where}: repository or revision not found", "check the repo id and --revision") from None
+        except e.NetworkError as exc:
+            raise HubError(f"{where}: cannot reach {self.endpoint} ({self._clean(first_line(str(exc)))})",
+                           "check the network or MODELSCOPE_ENDPOINT") from None
+        except e.HubError as exc:
+            raise HubError(f"{where}: hub request failed: {self._clean(first_line(str(exc)))}") from None
+        except (OSError, ValueError) as exc:
+            raise HubError(f"{where}: {type(exc).__name__}: {self._clean(first_line(str(exc)))}") from None
+
+    def _clean(self, text: str) -> str:
+        return redact(text, [self._explicit_token, os.environ.get("MODELSCOPE_API_TOKEN")])
