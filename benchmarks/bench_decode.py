@@ -9,6 +9,7 @@ when OUT is set. Usage: PYTHONPATH=. python benchmarks/bench_decode.py [--quick]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -31,6 +32,28 @@ def copy_bandwidth() -> float:
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
     del src, dst
     return 2 * (1 << 31) / (ms * 1e-3)
+
+
+def time_rotating(calls) -> tuple[float, float]:
+    """Median ms of one call, rotating over `calls` (one per cache buffer): eager launches, and CUDA-graph replays
+    (the way a decode step is served: host launch overhead removed for both OSCAR and SDPA)."""
+    it = itertools.count()
+    eager = triton.testing.do_bench(lambda: calls[next(it) % len(calls)](), warmup=25, rep=200)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for c in calls:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            c()
+        graphs.append(g)
+    graph = triton.testing.do_bench(lambda: graphs[next(it) % len(graphs)].replay(), warmup=25, rep=200)
+    del graphs
+    return eager, graph
 
 
 def int2_cache(B, H_kv, D, L, gen):
@@ -73,15 +96,9 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
 
     # OSCAR
     caches = [int2_cache(B, H_kv, D, L, gen) for _ in range(n_buf)]
-    it = [0]
-
-    def run_int2():
-        c = caches[it[0] % n_buf]
-        it[0] += 1
-        return ops.tiered_decode_attention(q, **c, sm_scale=sm_scale)
-
-    ms_int2 = triton.testing.do_bench(run_int2, warmup=25, rep=200)
-    del caches
+    calls = [lambda c=c: ops.tiered_decode_attention(q, **c, sm_scale=sm_scale) for c in caches]
+    eager_int2, ms_int2 = time_rotating(calls)
+    del caches, calls
 
     # same-run BF16 baseline
     n_bf = int(max(1, min(4, (MEM_BUDGET - int2_b) // bf16_bytes)))
@@ -93,36 +110,33 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
         for _ in range(n_bf)
     ]
     q4 = q.unsqueeze(2)
-    it[0] = 0
-
-    def run_sdpa():
-        k, v = kv[it[0] % n_bf]
-        it[0] += 1
-        return F.scaled_dot_product_attention(q4, k, v, scale=sm_scale, enable_gqa=True)
-
-    ms_sdpa = triton.testing.do_bench(run_sdpa, warmup=25, rep=200)
-    del kv
+    calls = [lambda k=k, v=v: F.scaled_dot_product_attention(q4, k, v, scale=sm_scale, enable_gqa=True) for k, v in kv]
+    eager_sdpa, ms_sdpa = time_rotating(calls)
+    del kv, calls
     torch.cuda.empty_cache()
     bw = int2_b / (ms_int2 * 1e-3)
     return dict(
         H_q=H_q, H_kv=H_kv, D=D, batch=B, context=L, oscar_us=ms_int2 * 1e3, sdpa_us=ms_sdpa * 1e3,
         speedup=ms_sdpa / ms_int2, oscar_bytes=int2_b, bf16_bytes=bf16_bytes, oscar_GBps=bw / 1e9,
         oscar_bw_frac=bw / copy_bw, sdpa_bw_frac=bf16_bytes / (ms_sdpa * 1e-3) / copy_bw,
-        floor_us=int2_b / copy_bw * 1e6, buffers=n_buf,
+        floor_us=int2_b / copy_bw * 1e6, buffers=n_buf, oscar_eager_us=eager_int2 * 1e3,
+        sdpa_eager_us=eager_sdpa * 1e3, eager_speedup=eager_sdpa / eager_int2,
     )  # fmt: skip
 
 
 def sweep(gen, copy_bw):
     """Try launch settings on the headline rows (B=1 100K and B=32 32K, 32/8 heads, d=128)."""
     out = []
-    for bn, warps, stages, per_sm in [(128, 4, 3, 4), (64, 4, 3, 4), (128, 4, 4, 4), (128, 8, 3, 2), (256, 8, 3, 2),
-                                      (64, 2, 3, 8), (128, 4, 3, 8), (128, 4, 2, 4)]:  # fmt: skip
+    for asm, bn, warps, stages, per_sm in [(False, 128, 4, 3, 4), (True, 128, 4, 3, 4), (True, 64, 4, 3, 4),
+                                           (True, 128, 4, 2, 2), (True, 128, 8, 3, 2), (True, 256, 8, 3, 2),
+                                           (True, 64, 2, 3, 8), (True, 128, 4, 3, 8)]:  # fmt: skip
+        ops.INT2_ASM_UNPACK = asm
         ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = bn, warps, stages, per_sm
         for B, L in [(1, 100_000), (32, 32768)]:
             r = bench_row(32, 8, 128, B, L, gen, copy_bw)
-            r.update(block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
+            r.update(asm=asm, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
             out.append(r)
-            print(f"sweep bn={bn} w={warps} st={stages} per_sm={per_sm} B={B} L={L}: {r['oscar_us']:.1f} us "
+            print(f"sweep asm={ops.INT2_ASM_UNPACK} bn={bn} w={warps} st={stages} per_sm={per_sm} B={B} L={L}: {r['oscar_us']:.1f} us "
                   f"({r['oscar_bw_frac']:.0%} bw, {r['speedup']:.2f}x)", flush=True)  # fmt: skip
     return out
 
@@ -138,9 +152,9 @@ def main():
     result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, torch=torch.__version__,
                   triton=triton.__version__, rows=[])  # fmt: skip
     if args.sweep:
-        defaults = (ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM)
+        defaults = (ops.INT2_ASM_UNPACK, ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM)
         result["sweep"] = sweep(gen, copy_bw)
-        ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = defaults
+        ops.INT2_ASM_UNPACK, ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = defaults
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768)]
@@ -154,12 +168,14 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_decode.json"), "w") as f:
             json.dump(result, f, indent=2)
-    print("\n| heads q/kv | d | batch | context | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw | floor µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\nCUDA-graph replays (eager launches in the last two columns)")
+    print("| heads q/kv | d | batch | context | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw | floor µs "
+          "| eager OSCAR µs | eager SDPA µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         print(f"| {r['H_q']}/{r['H_kv']} | {r['D']} | {r['batch']} | {r['context']} | {r['oscar_us']:.1f} | "
               f"{r['sdpa_us']:.1f} | {r['speedup']:.2f}x | {r['oscar_bytes'] / 1e6:.1f} | {r['oscar_GBps']:.0f} | "
-              f"{r['oscar_bw_frac']:.0%} | {r['floor_us']:.1f} |")  # fmt: skip
+              f"{r['oscar_bw_frac']:.0%} | {r['floor_us']:.1f} | {r['oscar_eager_us']:.1f} | {r['sdpa_eager_us']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

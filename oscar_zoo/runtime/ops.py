@@ -23,6 +23,7 @@ INT2_BLOCK_N = 128
 INT2_WARPS = 4
 INT2_STAGES = 3
 INT2_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, KV head, split) programs per SM
+INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 BF16_BLOCK_N = 64
 QUANT_BLOCK_T = 32
 
@@ -91,23 +92,24 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg) -> None:
+    """Raise ValueError(msg) unless cond; `msg` may be a callable, so hot paths do not format messages that pass."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def _check_tensor(name: str, t: Tensor, dims: int, dtype: torch.dtype | None = None) -> None:
-    _check(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _check(t.dim() == dims, f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    _check(isinstance(t, Tensor), lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check(t.dim() == dims, lambda: f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
     if dtype is not None:
-        _check(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+        _check(t.dtype == dtype, lambda: f"{name} must be {dtype}, got {t.dtype}")
 
 
 def _check_lengths(name: str, t: Tensor, B: int, device: torch.device) -> Tensor:
-    _check(isinstance(t, Tensor), f"{name} must be an integer tensor [B], got {type(t).__name__}")
-    _check(t.shape == (B,), f"{name} must have shape [B] = [{B}], got {tuple(t.shape)}")
-    _check(not t.is_floating_point() and t.dtype != torch.bool, f"{name} must be an integer tensor, got {t.dtype}")
-    _check(t.device == device, f"{name} is on {t.device}, expected {device} (the device of q)")
+    _check(isinstance(t, Tensor), lambda: f"{name} must be an integer tensor [B], got {type(t).__name__}")
+    _check(t.shape == (B,), lambda: f"{name} must have shape [B] = [{B}], got {tuple(t.shape)}")
+    _check(not t.is_floating_point() and t.dtype != torch.bool, lambda: f"{name} must be an integer tensor, got {t.dtype}")
+    _check(t.device == device, lambda: f"{name} is on {t.device}, expected {device} (the device of q)")
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
@@ -135,16 +137,16 @@ def quantize_pack(
     D = x.shape[-1]
     G = layout.resolve_group_size(D, group_size)
     if rotation is not None:
-        _check(isinstance(rotation, Tensor), f"rotation must be a tensor [H_kv, D, D] or [D, D], got {type(rotation)}")
+        _check(isinstance(rotation, Tensor), lambda: f"rotation must be a tensor [H_kv, D, D] or [D, D], got {type(rotation)}")
         _check(
             rotation.dim() in (2, 3) and rotation.shape[-2:] == (D, D),
-            f"rotation must be [H_kv, {D}, {D}] or [{D}, {D}], got {tuple(rotation.shape)}",
+            lambda: f"rotation must be [H_kv, {D}, {D}] or [{D}, {D}], got {tuple(rotation.shape)}",
         )
-        _check(rotation.device == x.device, f"rotation is on {rotation.device}, x on {x.device}")
+        _check(rotation.device == x.device, lambda: f"rotation is on {rotation.device}, x on {x.device}")
         if rotation.dim() == 3:
             _check(
                 x.dim() >= 3 and x.shape[-3] == rotation.shape[0],
-                f"rotation has {rotation.shape[0]} heads but x {tuple(x.shape)} has no matching head dim (-3)",
+                lambda: f"rotation has {rotation.shape[0]} heads but x {tuple(x.shape)} has no matching head dim (-3)",
             )
     kernel_ok = layout.is_power_of_two(D) and D >= 16 and x.numel() > 0
     if not (_use_kernel(x) and kernel_ok):
@@ -173,7 +175,7 @@ def quantize_pack(
     rot = rotation.contiguous() if rotate else x4  # dummy pointer when not rotating
     stride_rh = (rot.stride(0) if rot.dim() == 3 else 0) if rotate else 0
     x_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(x.dtype)
-    _check(x_dtype is not None, f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    _check(x_dtype is not None, lambda: f"x must be bfloat16, float16 or float32, got {x.dtype}")
     block_t = 16 if rotate else QUANT_BLOCK_T
     grid = (triton.cdiv(T, block_t), B * H)
     qp._quantize_pack_kernel[grid](
@@ -194,7 +196,7 @@ def quantize_pack(
 
 def _check_q(q: Tensor) -> tuple[int, int, int]:
     _check_tensor("q", q, 3)
-    _check(q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q must be bf16/fp16/fp32, got {q.dtype}")
+    _check(q.dtype in (torch.bfloat16, torch.float16, torch.float32), lambda: f"q must be bf16/fp16/fp32, got {q.dtype}")
     return tuple(q.shape)
 
 
@@ -202,17 +204,17 @@ def _check_kv(name: str, t: Tensor, q: Tensor, last: tuple[int, ...], dtype: tor
     """t [B, H_kv, T, *last]; returns H_kv."""
     B = q.shape[0]
     _check_tensor(name, t, 3 + len(last), dtype)
-    _check(t.device == q.device, f"{name} is on {t.device}, expected {q.device} (the device of q)")
-    _check(t.shape[0] == B, f"{name} has batch {t.shape[0]}, q has {B}")
-    _check(tuple(t.shape[3:]) == last, f"{name} must end in {last}, got shape {tuple(t.shape)}")
+    _check(t.device == q.device, lambda: f"{name} is on {t.device}, expected {q.device} (the device of q)")
+    _check(t.shape[0] == B, lambda: f"{name} has batch {t.shape[0]}, q has {B}")
+    _check(tuple(t.shape[3:]) == last, lambda: f"{name} must end in {last}, got shape {tuple(t.shape)}")
     H_kv = t.shape[1]
-    _check(H_kv > 0 and q.shape[1] % H_kv == 0, f"{name} has {H_kv} KV heads; H_q = {q.shape[1]} must be a multiple")
+    _check(H_kv > 0 and q.shape[1] % H_kv == 0, lambda: f"{name} has {H_kv} KV heads; H_q = {q.shape[1]} must be a multiple")
     return H_kv
 
 
 def _int2_splits(B: int, H_kv: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
     if num_splits is not None:
-        _check(int(num_splits) >= 1, f"num_splits must be ≥ 1, got {num_splits}")
+        _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
     by_programs = -(-_programs_target(device) // (B * H_kv))
     by_tokens = -(-T_cap // (2 * INT2_BLOCK_N))  # at least two tiles per split
@@ -240,6 +242,7 @@ def _launch_int2(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, o, lse, G)
         o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
         D=D, G=G, BLOCK_H=_head_block(group), BLOCK_N=INT2_BLOCK_N if q.is_cuda else 16, DOT_DTYPE=_dot_dtype(),
+        USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
         num_warps=INT2_WARPS, num_stages=INT2_STAGES,
     )  # fmt: skip
 
@@ -271,16 +274,16 @@ def _bf16_splits(T_cap: int, block_n: int) -> int:
 
 def _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len):
     B, H_q, D = _check_q(q)
-    _check(D % layout.CODES_PER_BYTE == 0, f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
+    _check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
     H_kv = _check_kv("codes_k", codes_k, q, (D // 4,), layout.CODE_DTYPE)
-    _check(codes_v.shape == codes_k.shape, f"codes_v {tuple(codes_v.shape)} != codes_k {tuple(codes_k.shape)}")
+    _check(codes_v.shape == codes_k.shape, lambda: f"codes_v {tuple(codes_v.shape)} != codes_k {tuple(codes_k.shape)}")
     _check_kv("codes_v", codes_v, q, (D // 4,), layout.CODE_DTYPE)
     _check_tensor("scale_zero_k", scale_zero_k, 5, layout.SCALE_DTYPE)
     NG = scale_zero_k.shape[-2]
-    _check(NG > 0 and D % NG == 0, f"scale_zero_k has {NG} groups, which does not divide head dim {D}")
+    _check(NG > 0 and D % NG == 0, lambda: f"scale_zero_k has {NG} groups, which does not divide head dim {D}")
     for name, sz in (("scale_zero_k", scale_zero_k), ("scale_zero_v", scale_zero_v)):
         _check_kv(name, sz, q, (NG, 2), layout.SCALE_DTYPE)
-        _check(sz.shape[:3] == codes_k.shape[:3], f"{name} {tuple(sz.shape)} does not match codes {tuple(codes_k.shape)}")
+        _check(sz.shape[:3] == codes_k.shape[:3], lambda: f"{name} {tuple(sz.shape)} does not match codes {tuple(codes_k.shape)}")
     hist_len = _check_lengths("hist_len", hist_len, B, q.device)
     return H_kv, D // NG, hist_len
 
@@ -325,14 +328,14 @@ def _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len):
     H_kv = None
     for name, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
         _check_tensor(name, t, 4)
-        _check(t.is_floating_point(), f"{name} must be a floating-point tier (bf16), got {t.dtype}")
+        _check(t.is_floating_point(), lambda: f"{name} must be a floating-point tier (bf16), got {t.dtype}")
         h = _check_kv(name, t, q, (D,), t.dtype)
-        _check(H_kv is None or h == H_kv, f"{name} has {h} KV heads, the other tiers {H_kv}")
+        _check(H_kv is None or h == H_kv, lambda: f"{name} has {h} KV heads, the other tiers {H_kv}")
         H_kv = h
     dtypes = {t.dtype for t in (sink_k, sink_v, recent_k, recent_v)}
-    _check(len(dtypes) == 1, f"sink and recent tiers must share one dtype (bf16), got {sorted(map(str, dtypes))}")
-    _check(sink_v.shape == sink_k.shape, f"sink_v {tuple(sink_v.shape)} != sink_k {tuple(sink_k.shape)}")
-    _check(recent_v.shape == recent_k.shape, f"recent_v {tuple(recent_v.shape)} != recent_k {tuple(recent_k.shape)}")
+    _check(len(dtypes) == 1, lambda: f"sink and recent tiers must share one dtype (bf16), got {sorted(map(str, dtypes))}")
+    _check(sink_v.shape == sink_k.shape, lambda: f"sink_v {tuple(sink_v.shape)} != sink_k {tuple(sink_k.shape)}")
+    _check(recent_v.shape == recent_k.shape, lambda: f"recent_v {tuple(recent_v.shape)} != recent_k {tuple(recent_k.shape)}")
     return _check_lengths("sink_len", sink_len, B, q.device), _check_lengths("recent_len", recent_len, B, q.device)
 
 
@@ -369,8 +372,8 @@ def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """Exact softmax merge of partials: o [..., S, D], lse [..., S] → o fp32 [..., D], lse fp32 [...]; same contract as
     `reference.merge_partials_ref` (empty partials contribute nothing; all-empty gives o = 0, lse = −inf)."""
     _check(isinstance(o, Tensor) and isinstance(lse, Tensor), "o and lse must be tensors")
-    _check(o.dim() >= 2 and lse.shape == o.shape[:-1], f"lse {tuple(lse.shape)} must equal o's {tuple(o.shape)}[:-1]")
-    _check(o.device == lse.device, f"o is on {o.device}, lse on {lse.device}")
+    _check(o.dim() >= 2 and lse.shape == o.shape[:-1], lambda: f"lse {tuple(lse.shape)} must equal o's {tuple(o.shape)}[:-1]")
+    _check(o.device == lse.device, lambda: f"o is on {o.device}, lse on {lse.device}")
     S, D = o.shape[-2], o.shape[-1]
     if not (_use_kernel(o) and layout.is_power_of_two(D) and S > 0):
         return reference.merge_partials_ref(o, lse)
@@ -418,7 +421,7 @@ def tiered_decode_attention(
     Three launches: INT2 split-K, BF16 tiers, merge; lengths are read on the device (no host sync)."""
     H_kv, G, hist_len_i = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     sink_len_i, recent_len_i = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
-    _check(sink_k.shape[1] == H_kv, f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
+    _check(sink_k.shape[1] == H_kv, lambda: f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
     B, H_q, D = q.shape
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         return reference.tiered_decode_attention_ref(

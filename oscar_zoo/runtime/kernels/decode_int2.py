@@ -17,11 +17,39 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """uint8 packed bytes → 128 + code of one quarter, exact in bfloat16 (then DOT_DTYPE)."""
+def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint8 packed bytes → 128 + code of one quarter, exact in bfloat16 (then DOT_DTYPE).
+
+    On the GPU (USE_ASM) four bytes are handled per 32-bit register: shift, mask 0x03030303, and two byte permutes
+    that place each code under a 0x43 high byte (bf16 0x43cc = 128 + c): about one instruction per code."""
+    if USE_ASM:
+        if QUARTER == 0:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; and.b32 t, $2, 0x03030303; "
+                "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }",
+                "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4,
+            )  # fmt: skip
+        elif QUARTER == 1:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $2, 2; and.b32 t, t, 0x03030303; "
+                "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }",
+                "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4,
+            )  # fmt: skip
+        elif QUARTER == 2:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $2, 4; and.b32 t, t, 0x03030303; "
+                "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }",
+                "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; "
+                "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }",
+                "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4,
+            )  # fmt: skip
+        return out.to(DOT_DTYPE)
     c = ((packed >> (2 * QUARTER)) & 3).to(tl.int16) | 0x4300
     return c.to(tl.bfloat16, bitcast=True).to(DOT_DTYPE)
-
 
 @triton.jit
 def _dequant_quarter(packed, sz_base, tok64, tok_ok, stride_t, cols, QUARTER: tl.constexpr, D4: tl.constexpr,
@@ -76,6 +104,7 @@ def _decode_int2_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -123,10 +152,10 @@ def _decode_int2_kernel(
         if NG == 1:
             sk = tl.load(szk_base + tok64 * stride_szkt, mask=tok_ok, other=0.0).to(tl.float32)
             zk = tl.load(szk_base + tok64 * stride_szkt + 1, mask=tok_ok, other=0.0).to(tl.float32)
-            raw = tl.dot(q0, tl.trans(_biased_codes(kb, 0, DOT_DTYPE)))
-            raw = tl.dot(q1, tl.trans(_biased_codes(kb, 1, DOT_DTYPE)), raw)
-            raw = tl.dot(q2, tl.trans(_biased_codes(kb, 2, DOT_DTYPE)), raw)
-            raw = tl.dot(q3, tl.trans(_biased_codes(kb, 3, DOT_DTYPE)), raw)  # [BLOCK_H, BLOCK_N]
+            raw = tl.dot(q0, tl.trans(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM)))
+            raw = tl.dot(q1, tl.trans(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM)), raw)
+            raw = tl.dot(q2, tl.trans(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM)), raw)
+            raw = tl.dot(q3, tl.trans(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM)), raw)  # [BLOCK_H, BLOCK_N]
             qk = (raw - qsum[:, None] * (128.0 + zk)[None, :]) * sk[None, :]
         else:
             raw = tl.dot(q0, tl.trans(_dequant_quarter(kb, szk_base, tok64, tok_ok, stride_szkt, cols, 0, D4, G, DOT_DTYPE)))
@@ -149,10 +178,10 @@ def _decode_int2_kernel(
             zv = tl.load(szv_base + tok64 * stride_szvt + 1, mask=tok_ok, other=0.0).to(tl.float32)
             ps = (p * sv[None, :]).to(DOT_DTYPE)
             corr = corr * alpha + tl.sum(ps.to(tl.float32) * (128.0 + zv)[None, :], axis=1)
-            acc0 = tl.dot(ps, _biased_codes(vb, 0, DOT_DTYPE), acc0)
-            acc1 = tl.dot(ps, _biased_codes(vb, 1, DOT_DTYPE), acc1)
-            acc2 = tl.dot(ps, _biased_codes(vb, 2, DOT_DTYPE), acc2)
-            acc3 = tl.dot(ps, _biased_codes(vb, 3, DOT_DTYPE), acc3)
+            acc0 = tl.dot(ps, _biased_codes(vb, 0, DOT_DTYPE, USE_ASM), acc0)
+            acc1 = tl.dot(ps, _biased_codes(vb, 1, DOT_DTYPE, USE_ASM), acc1)
+            acc2 = tl.dot(ps, _biased_codes(vb, 2, DOT_DTYPE, USE_ASM), acc2)
+            acc3 = tl.dot(ps, _biased_codes(vb, 3, DOT_DTYPE, USE_ASM), acc3)
         else:
             pd = p.to(DOT_DTYPE)
             acc0 = tl.dot(pd, _dequant_quarter(vb, szv_base, tok64, tok_ok, stride_szvt, cols, 0, D4, G, DOT_DTYPE), acc0)

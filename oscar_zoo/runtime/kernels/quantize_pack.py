@@ -12,6 +12,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _negate(x):
+    """IEEE negation (sign-bit flip): compiled `-x` is `0 - x`, which maps +0.0 to +0.0 where torch gives −0.0."""
+    return (x.to(tl.int32, bitcast=True) ^ -0x80000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_pack_kernel(
     # pointers
     x_ptr,  # [B, H, T, D] any float dtype
@@ -70,7 +76,8 @@ def _quantize_pack_kernel(
         hi = tl.where(found, mid, hi)
         lo = tl.where(found, lo, mid + 1)
     tau = tl.where(kk < 0, float("inf"), hi.to(tl.float32, bitcast=True))
-    x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
+    neg_tau = _negate(tau)
+    x = tl.minimum(tl.maximum(x, neg_tau[:, None]), tau[:, None])
 
     # asymmetric min-max per group, float16 scale/zero, codes from the rounded values
     xg = tl.reshape(x, [BLOCK_T, NG, G])
@@ -80,7 +87,7 @@ def _quantize_pack_kernel(
     rng = tl.maximum(tl.maximum(hi - lo, amax * REL_FLOOR), ABS_FLOOR)
     scale16 = tl.div_rn(rng, 3.0).to(tl.float16)
     s = scale16.to(tl.float32)
-    zero16 = tl.div_rn(-lo, s).to(tl.float16)
+    zero16 = tl.div_rn(_negate(lo), s).to(tl.float16)
     z = zero16.to(tl.float32)
     q = tl.floor((tl.div_rn(xg, s[:, :, None]) + z[:, :, None]) + 0.5)
     q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
