@@ -1,4 +1,4 @@
-"""The "oscar" attention function for transformers: rotate q by M_K, attend over the OscarCache tiers, un-rotate by M_Vᵀ.
+"""The "oscar" attention function for transformers: rotate q by M_K, attend over the tiers, un-rotate by M_Vᵀ.
 
 Prefill chunks attend to their own exact K/V (plus earlier tokens as their tiers present them); single-token decode
 steps go through `ops.tiered_decode_attention`. Usage (Llama, Mistral, Qwen2/3, Gemma-style GQA models):
@@ -20,8 +20,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import ops
-from .cache import rotate_heads, take_pending
+from . import ops, reference
+from .cache import take_pending
 
 ATTN_IMPLEMENTATION = "oscar"
 
@@ -87,11 +87,14 @@ def oscar_attention(
 
     layer, n, H_q = pending.layer, query.shape[2], query.shape[1]
     rot = layer.rotation
-    q_rot = rotate_heads(query, rot.per_query_head(rot.k, H_q))  # [B, H_q, n, D] q·M_K
+    Mk_q = rot.per_query_head(rot.k, H_q)  # [H_q, D, D] (or shared [1, D, D])
     if n == 1 and layer.quantize and softcap is None:
-        o, _ = ops.tiered_decode_attention(q_rot[:, :, 0], *layer.tier_args(), scale)  # [B, H_q, D] fp32
+        q_rot = reference.rotate(query.float(), Mk_q)[:, :, 0]  # [B, H_q, D] q·M_K, kept fp32 for the kernel
+        o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale)  # [B, H_q, D] fp32, M_V space
         o = o.unsqueeze(2)
-    elif n == 1:  # BF16 history (test switch) or softcap: the tiers densely, the new token included
+        return _unrotate(o, rot, H_q, query.dtype), None
+    q_rot = reference.rotate(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
+    if n == 1:  # BF16 history (test switch) or softcap: the tiers densely, the new token included
         k, v = layer.dense_kv(query.dtype)
         o = dense_attention(q_rot, k, v, scale, softcap)
     else:  # a chunk: earlier tokens through their tiers (if any), then its own exact K/V
@@ -100,8 +103,13 @@ def oscar_attention(
             past_k, past_v = pending.past  # fp32, dequantized history included
             k, v = torch.cat([past_k, key.to(past_k.dtype)], dim=2), torch.cat([past_v, value.to(past_v.dtype)], dim=2)
         o = dense_attention(q_rot, k, v, scale, softcap, q_offset=pending.past_len)
-    out = rotate_heads(o.float(), rot.per_query_head(rot.v, H_q).transpose(-1, -2))  # o·M_Vᵀ per query head
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return _unrotate(o, rot, H_q, query.dtype), None
+
+
+def _unrotate(o: Tensor, rot, n_q_heads: int, dtype: torch.dtype) -> Tensor:
+    """o [B, H_q, n, D] in M_V space → o·M_Vᵀ per query head, as [B, n, H_q, D] in `dtype` (what o_proj reads)."""
+    out = reference.rotate(o.float(), rot.per_query_head(rot.v, n_q_heads).transpose(-1, -2))
+    return out.to(dtype).transpose(1, 2).contiguous()
 
 
 def oscar_mask(

