@@ -131,7 +131,8 @@ def sweep(gen, copy_bw):
                                            (True, 128, 4, 2, 2), (True, 128, 8, 3, 2), (True, 256, 8, 3, 2),
                                            (True, 64, 2, 3, 8), (True, 128, 4, 3, 8)]:  # fmt: skip
         ops.INT2_ASM_UNPACK = asm
-        ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = bn, warps, stages, per_sm
+        ops.INT2_BLOCK_N = ops.INT2_BLOCK_N_SMALL = bn
+        ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = warps, stages, per_sm
         for B, L in [(1, 100_000), (32, 32768)]:
             r = bench_row(32, 8, 128, B, L, gen, copy_bw)
             r.update(asm=asm, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
@@ -152,9 +153,10 @@ def main():
     result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, torch=torch.__version__,
                   triton=triton.__version__, rows=[])  # fmt: skip
     if args.sweep:
-        defaults = (ops.INT2_ASM_UNPACK, ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM)
+        defaults = (ops.INT2_ASM_UNPACK, ops.INT2_BLOCK_N, ops.INT2_BLOCK_N_SMALL, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM)
         result["sweep"] = sweep(gen, copy_bw)
-        ops.INT2_ASM_UNPACK, ops.INT2_BLOCK_N, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = defaults
+        (ops.INT2_ASM_UNPACK, ops.INT2_BLOCK_N, ops.INT2_BLOCK_N_SMALL, ops.INT2_WARPS, ops.INT2_STAGES,
+         ops.INT2_PROGRAMS_PER_SM) = defaults
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768)]

@@ -19,7 +19,8 @@ from . import layout, reference
 LOG2E = 1.4426950408889634
 
 # Launch settings (chosen on an H200, see benchmarks/RESULTS.md).
-INT2_BLOCK_N = 128
+INT2_BLOCK_N = 128  # tokens per tile when (batch × KV heads) fills the GPU ...
+INT2_BLOCK_N_SMALL = 64  # ... and when it does not (more, shorter splits)
 INT2_WARPS = 4
 INT2_STAGES = 3
 INT2_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, KV head, split) programs per SM
@@ -212,12 +213,18 @@ def _check_kv(name: str, t: Tensor, q: Tensor, last: tuple[int, ...], dtype: tor
     return H_kv
 
 
+def _int2_block_n(B: int, H_kv: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16  # interpreter: small tiles, many of them
+    return INT2_BLOCK_N_SMALL if B * H_kv < _programs_target(device) // INT2_PROGRAMS_PER_SM else INT2_BLOCK_N
+
+
 def _int2_splits(B: int, H_kv: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
     if num_splits is not None:
         _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
     by_programs = -(-_programs_target(device) // (B * H_kv))
-    by_tokens = -(-T_cap // (2 * INT2_BLOCK_N))  # at least two tiles per split
+    by_tokens = -(-T_cap // (2 * _int2_block_n(B, H_kv, device)))  # at least two tiles per split
     return max(1, min(by_programs, by_tokens))
 
 
@@ -241,7 +248,7 @@ def _launch_int2(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, o, lse, G)
         sz_v.stride(0), sz_v.stride(1), sz_v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
-        D=D, G=G, BLOCK_H=_head_block(group), BLOCK_N=INT2_BLOCK_N if q.is_cuda else 16, DOT_DTYPE=_dot_dtype(),
+        D=D, G=G, BLOCK_H=_head_block(group), BLOCK_N=_int2_block_n(B, H_kv, q.device), DOT_DTYPE=_dot_dtype(),
         USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
         num_warps=INT2_WARPS, num_stages=INT2_STAGES,
     )  # fmt: skip
