@@ -1,5 +1,69 @@
-"""placeholder"""
+"""`oscar-zoo export ARTIFACTS --format oscar-pt|sglang --out DIR`: the reference implementation's `.pt` files, plus
+for sglang the environment and server flags its runtime reads."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..console import console, err_console
+from ..export.oscar_pt import export_oscar_pt
+from ..export.sglang import sglang_settings, write_sglang_files
+from .options import ArtifactsArg, Json
 
 
-def register(app):
-    pass
+class Format(str, Enum):
+    OSCAR_PT = "oscar-pt"
+    SGLANG = "sglang"
+
+
+def export_command(
+    artifacts: ArtifactsArg,
+    format: Annotated[Format, typer.Option("--format", help="`oscar-pt`: the two reference .pt files; `sglang`: "
+                                                            "those plus sglang.env and launch_sglang.sh.")],
+    out: Annotated[Path, typer.Option(help="Output folder.")],
+    average_heads: Annotated[bool, typer.Option(help="Allow per-head artifacts: average each layer's heads and "
+                                                     "re-orthogonalise (polar factor). Quality may drop.")] = False,
+    json_output: Json = False,
+) -> None:
+    """Write `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""
+    result = export_oscar_pt(artifacts, out, average_heads)
+    warnings = []
+    if result.averaged:
+        warnings.append(f"per-head rotations were averaged per layer and re-orthogonalised (polar decomposition); "
+                        f"inter-head agreement mean |diag(R_0ᵀ R_h)|: K {result.k_agreement:.3f}, V "
+                        f"{result.v_agreement:.3f} (1.0 = identical heads; low values mean the shared rotation "
+                        "fits some heads poorly: verify before serving)")
+    doc = {"format": format.value, "k_rotation": str(result.k_path), "v_rotation": str(result.v_path),
+           "averaged_heads": result.averaged, "head_agreement": {"k": result.k_agreement, "v": result.v_agreement}}
+    if format == Format.SGLANG:
+        model = result.manifest.model.id
+        settings = sglang_settings(result.manifest, result.rotations.k_clip, result.rotations.v_clip,
+                                   result.k_path, result.v_path)
+        env_path, sh_path = write_sglang_files(out, settings, model)
+        if max(settings.clip_spread) > 1e-6:
+            warnings.append(f"clip ratios vary per layer/head (max deviation from the median K "
+                            f"{settings.clip_spread[0]:.3f}, V {settings.clip_spread[1]:.3f}); the reference runtime "
+                            "takes one ratio each, the median is used")
+        doc.update(env=settings.env, flags=settings.flags, env_file=str(env_path), launch_script=str(sh_path),
+                   launch_command=settings.launch_command(model))
+    doc["warnings"] = warnings
+    for w in warnings:
+        err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+    if json_output:
+        console.print_json(json.dumps(doc))
+        return
+    console.print(f"wrote {result.k_path}")
+    console.print(f"wrote {result.v_path}")
+    if format == Format.SGLANG:
+        console.print(f"wrote {doc['env_file']} and {doc['launch_script']}; serve with:")
+        console.print(f"  set -a; . {doc['env_file']}; set +a; {doc['launch_command']}", highlight=False,
+                      soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export_command)

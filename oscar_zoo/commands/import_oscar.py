@@ -1,5 +1,43 @@
-"""placeholder"""
+"""`oscar-zoo import-oscar K.pt V.pt --model MODEL --out DIR`: reference OSCAR-RotationZoo files -> artifact folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..console import console
+from ..export.oscar_pt import REFERENCE_GROUP_SIZE, import_oscar_pt, model_identity_for
+from .options import Json, Revision
 
 
-def register(app):
-    pass
+def import_oscar_command(
+    k_file: Annotated[Path, typer.Argument(help="k_rotation_qqt_r_h_pbr.pt")],
+    v_file: Annotated[Path, typer.Argument(help="v_rotation_sst_r_h_pbr.pt")],
+    model: Annotated[str, typer.Option(help="The model the files belong to: `demo`, a local folder, or a Hugging "
+                                            "Face id (only its config is read; shapes are checked against it).")],
+    out: Annotated[Path, typer.Option(help="Artifact folder to write.")],
+    revision: Revision = None,
+    group_size: Annotated[int, typer.Option(help="Quantization group size recorded in the manifest (the reference "
+                                                 "runtime's default is 128; head_dim when it does not divide).")]
+    = REFERENCE_GROUP_SIZE,
+    json_output: Json = False,
+) -> None:
+    """Convert the published pickle dicts (loaded with torch.load(weights_only=True) only) into a per-layer artifact
+    folder with the reference's fixed clips (K 0.96, V 0.92). The result is unverified: run `oscar-zoo verify`."""
+    identity = model_identity_for(model, revision)
+    manifest = import_oscar_pt(k_file, v_file, identity, out, group_size)
+    if json_output:
+        console.print_json(json.dumps({"out": str(out), "model": manifest.model.id,
+                                       "layers": len(manifest.rotation.layer_ids), "head_dim": manifest.model.head_dim,
+                                       "artifacts": [a.model_dump() for a in manifest.artifacts]}))
+        return
+    console.print(f"imported {len(manifest.rotation.layer_ids)} layers of {manifest.model.head_dim}×"
+                  f"{manifest.model.head_dim} K and V rotations for {manifest.model.id} into {out} (per-layer, clips "
+                  f"K {manifest.clip.k_default} / V {manifest.clip.v_default}); next: `oscar-zoo verify {out}`")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("import-oscar")(import_oscar_command)

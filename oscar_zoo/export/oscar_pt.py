@@ -1,0 +1,218 @@
+"""The published OSCAR-RotationZoo `.pt` form (METHOD.md §8), in and out.
+
+One pickle dict per K and V: `{"format_version": 1, "objective": "qqt_r_h_pbr" | "sst_r_h_pbr",
+"source_grouping": "layer", "layers": {layer_id: {"layer_id", "rotation": fp32[D, D], "eigenvalues": fp32[D]}}}`.
+Reading uses `torch.load(weights_only=True)` only and checks every field; anything else is refused (exit 4).
+Writing per-head artifacts needs `average_heads`: the mean of per-head rotations is not orthogonal, so it is
+re-orthogonalised by polar decomposition (the orthogonal factor U·Vᵀ of the mean's SVD, the nearest rotation in
+Frobenius norm), and the agreement between heads (mean |diag(R_0ᵀ R_h)|) is reported so the caller can warn.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ..artifacts import Rotations, atomic_write_bytes, load_artifacts, sha256_file, write_artifacts
+from ..errors import InputError, IntegrityError
+from ..manifest import CalibrationRecord, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec, RotationSpec
+from ..manifest import ValueTarget
+from ..runtime import layout
+
+K_FILE = "k_rotation_qqt_r_h_pbr.pt"
+V_FILE = "v_rotation_sst_r_h_pbr.pt"
+K_OBJECTIVE, V_OBJECTIVE = "qqt_r_h_pbr", "sst_r_h_pbr"
+REFERENCE_GROUP_SIZE = 128  # the reference runtime's --kv-cache-quant-group-size
+
+
+@dataclass(frozen=True)
+class LayerRotations:
+    """One `.pt` file's content: `rotation` float32 [L, D, D], `eigenvalues` float32 [L, D] (ascending)."""
+
+    objective: str
+    layer_ids: list[int]
+    rotation: torch.Tensor
+    eigenvalues: torch.Tensor
+
+
+def read_oscar_pt(path: Path, expected_objective: str) -> LayerRotations:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise IntegrityError(f"{path.name} was refused: it is not a plain tensor pickle ({first[:160]})",
+                             "only files that load with torch.load(weights_only=True) are accepted") from None
+
+    def bad(what: str) -> IntegrityError:
+        return IntegrityError(f"{path.name} is not an OSCAR-RotationZoo rotation file: {what}")
+
+    if not isinstance(obj, dict):
+        raise bad(f"top level is {type(obj).__name__}, not a dict")
+    if obj.get("format_version") != 1:
+        raise bad(f"format_version {obj.get('format_version')!r}, expected 1")
+    if obj.get("objective") != expected_objective:
+        raise bad(f"objective {obj.get('objective')!r}, expected {expected_objective!r} (K and V swapped?)")
+    if obj.get("source_grouping", "layer") != "layer":
+        raise bad(f"source_grouping {obj.get('source_grouping')!r}, expected 'layer'")
+    layers = obj.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise bad("'layers' is missing or empty")
+    ids, rots, eigs = [], [], []
+    for key, entry in layers.items():
+        try:
+            lid = int(key)  # the reference loader accepts int or str keys
+        except (TypeError, ValueError):
+            raise bad(f"layer key {key!r} is not an integer") from None
+        if not isinstance(entry, dict):
+            raise bad(f"layer {lid} holds {type(entry).__name__}, not a dict")
+        rot, eig = entry.get("rotation"), entry.get("eigenvalues")
+        if not isinstance(rot, torch.Tensor) or not isinstance(eig, torch.Tensor):
+            raise bad(f"layer {lid}: rotation/eigenvalues must be tensors, found {type(rot).__name__}/"
+                      f"{type(eig).__name__}")
+        if rot.dim() != 2 or rot.shape[0] != rot.shape[1] or tuple(eig.shape) != (rot.shape[0],):
+            raise bad(f"layer {lid}: rotation {list(rot.shape)} / eigenvalues {list(eig.shape)}, expected [D, D] / "
+                      "[D]")
+        if "layer_id" in entry and int(entry["layer_id"]) != lid:
+            raise bad(f"layer key {lid} holds layer_id {entry['layer_id']}")
+        ids.append(lid)
+        rots.append(rot.float())
+        eigs.append(eig.float())
+    if len({r.shape[0] for r in rots}) != 1:
+        raise bad("layers have different head dims")
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    return LayerRotations(expected_objective, [ids[i] for i in order], torch.stack([rots[i] for i in order]),
+                          torch.stack([eigs[i] for i in order]))
+
+
+def write_oscar_pt(path: Path, objective: str, layer_ids: list[int], rotation: torch.Tensor,
+                   eigenvalues: torch.Tensor) -> None:
+    """rotation float32 [L, D, D], eigenvalues float32 [L, D]."""
+    layers = {lid: {"layer_id": lid, "rotation": rotation[i].float().contiguous().clone(),
+                    "eigenvalues": eigenvalues[i].float().contiguous().clone()} for i, lid in enumerate(layer_ids)}
+    buf = io.BytesIO()
+    torch.save({"format_version": 1, "objective": objective, "source_grouping": "layer", "layers": layers}, buf)
+    atomic_write_bytes(Path(path), buf.getvalue())
+
+
+# -- per-head -> per-layer --------------------------------------------------------------------------------------------
+def head_agreement(R: torch.Tensor) -> float:
+    """Mean over layers and heads h > 0 of mean |diag(R_0ᵀ R_h)|; 1.0 when every head has the same rotation.
+    R: [L, H, D, D]."""
+    if R.shape[1] == 1:
+        return 1.0
+    prod = R[:, :1].transpose(-1, -2).double() @ R[:, 1:].double()  # [L, H-1, D, D]
+    return torch.diagonal(prod, dim1=-2, dim2=-1).abs().mean().item()
+
+
+def average_heads(R: torch.Tensor) -> torch.Tensor:
+    """[L, H, D, D] -> [L, D, D]: the orthogonal polar factor of the head mean (nearest rotation to it)."""
+    mean = R.double().mean(dim=1)  # [L, D, D], not orthogonal in general
+    U, _, Vh = torch.linalg.svd(mean)
+    return (U @ Vh).float()
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    k_path: Path
+    v_path: Path
+    averaged: bool
+    k_agreement: float
+    v_agreement: float
+    manifest: Manifest
+    rotations: Rotations
+
+
+def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool) -> ExportResult:
+    manifest, r = load_artifacts(artifacts)
+    layer_ids = [int(x) for x in r.layer_ids.tolist()]
+    per_head = manifest.rotation.granularity == Granularity.PER_HEAD and r.k_rotation.shape[1] > 1
+    if per_head and not allow_average:
+        raise InputError(f"{artifacts} holds per-head rotations ({r.k_rotation.shape[1]} KV heads); the OSCAR .pt "
+                         "format has one rotation per layer",
+                         "pass --average-heads to average them (quality may drop), or calibrate with "
+                         "--granularity per-layer")
+    k_agree, v_agree = head_agreement(r.k_rotation), head_agreement(r.v_rotation)
+    k_rot = average_heads(r.k_rotation) if per_head else r.k_rotation[:, 0]
+    v_rot = average_heads(r.v_rotation) if per_head else r.v_rotation[:, 0]
+    k_eig = r.k_eigenvalues.mean(dim=1)  # per head ascending -> their mean stays ascending (informational only)
+    v_eig = r.v_eigenvalues.mean(dim=1)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_oscar_pt(out / K_FILE, K_OBJECTIVE, layer_ids, k_rot, k_eig)
+    write_oscar_pt(out / V_FILE, V_OBJECTIVE, layer_ids, v_rot, v_eig)
+    return ExportResult(out / K_FILE, out / V_FILE, per_head, k_agree, v_agree, manifest, r)
+
+
+# -- import -----------------------------------------------------------------------------------------------------------
+def model_identity_for(model: str, revision: str | None = None) -> ModelIdentity:
+    """The model's geometry from its config only (no weights): `demo`, a local folder, or a Hugging Face id."""
+    from transformers import AutoConfig
+
+    from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, ensure_demo_model, model_identity
+
+    model_id, source = model, model
+    if model == DEMO:
+        model_id, revision, source = DEMO_HF_ID, DEMO_REVISION, str(ensure_demo_model())
+    try:
+        config = AutoConfig.from_pretrained(source, revision=None if Path(source).is_dir() else revision)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"could not read the config of {model!r}: {str(exc).splitlines()[0]}",
+                         "pass `demo`, a local model folder, or a Hugging Face id that is in the cache") from None
+    return model_identity(model_id, revision, config)
+
+
+def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Path,
+                    group_size: int = REFERENCE_GROUP_SIZE) -> Manifest:
+    """Two reference `.pt` files -> an oscar-zoo artifact folder (per-layer, fixed clips 0.96 / 0.92)."""
+    k = read_oscar_pt(k_path, K_OBJECTIVE)
+    v = read_oscar_pt(v_path, V_OBJECTIVE)
+    D, N = identity.head_dim, identity.num_layers
+    for name, lr in (("K", k), ("V", v)):
+        if lr.rotation.shape[-1] != D:
+            raise IntegrityError(f"{name} rotations are {lr.rotation.shape[-1]}×{lr.rotation.shape[-1]}, but "
+                                 f"{identity.id} has head_dim {D}", "these files belong to another model")
+        outside = [i for i in lr.layer_ids if not 0 <= i < N]
+        if outside:
+            raise IntegrityError(f"{name} file has layers {outside} but {identity.id} has {N} layers")
+        missing = sorted(set(range(N)) - set(lr.layer_ids))
+        if missing:
+            raise IntegrityError(f"{name} file lacks layers {missing[:8]}{'…' if len(missing) > 8 else ''} of "
+                                 f"{identity.id}'s {N}", "every attention layer needs a rotation")
+    if k.layer_ids != v.layer_ids:
+        raise IntegrityError("the K and V files cover different layers")
+    G = group_size if group_size and D % group_size == 0 else D
+    L = len(k.layer_ids)
+    rotations = Rotations(
+        k_rotation=k.rotation.unsqueeze(1), v_rotation=v.rotation.unsqueeze(1),  # [L, 1, D, D]
+        k_eigenvalues=k.eigenvalues.unsqueeze(1), v_eigenvalues=v.eigenvalues.unsqueeze(1),  # [L, 1, D]
+        k_clip=torch.full((L, 1), layout.DEFAULT_K_CLIP), v_clip=torch.full((L, 1), layout.DEFAULT_V_CLIP),
+        layer_ids=torch.tensor(k.layer_ids, dtype=torch.int32))
+    import oscar_zoo
+
+    now = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    manifest = Manifest(
+        model=identity,
+        quant=QuantSpec(group_size=G, sink=layout.SINK, recent=layout.RECENT, flush=layout.FLUSH),
+        rotation=RotationSpec(granularity=Granularity.PER_LAYER, value_target=ValueTarget.WEIGHTED,
+                              hadamard="sylvester (as published; imported)", layer_ids=k.layer_ids),
+        clip=ClipSpec(mode="fixed", grid=[], k_default=layout.DEFAULT_K_CLIP, v_default=layout.DEFAULT_V_CLIP,
+                      objective="fixed reference ratios (imported)"),
+        calibration=CalibrationRecord(
+            dataset=f"imported from OSCAR-RotationZoo files {Path(k_path).name} (sha256 {sha256_file(k_path)}) and "
+                    f"{Path(v_path).name} (sha256 {sha256_file(v_path)})",
+            token_ids_sha256="unknown", tokens=0, sequences=0, seq_len=0, heldout_tokens=0, chat_template=False,
+            seed=0, device="n/a", dtype="float32",
+            versions={"oscar-zoo": getattr(oscar_zoo, "__version__", "unknown"), "torch": torch.__version__},
+            created=now, wall_seconds=0.0),
+        bits_per_element={str(c): round(layout.bits_per_element(c, G), 4) for c in (32768, 131072)},
+        verification=None,
+    )
+    return write_artifacts(out, manifest, rotations)

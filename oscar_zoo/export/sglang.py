@@ -1,0 +1,74 @@
+"""Settings for the OSCAR reference runtime (the SGLang fork): the environment variables and server flags it reads
+(background doc §6.1), written next to the exported `.pt` files as a sourceable `sglang.env` and a launch script.
+
+The reference runtime takes ONE clip ratio for all K (and one for all V) and stores fp32 scales; oscar-zoo's per
+(layer, head) searched clips are summarised by their median, and the caller is told when they vary.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..artifacts import atomic_write_text
+from ..errors import InputError
+from ..manifest import Manifest
+
+PAGE = 8  # the reference forces page size = INT2 page = flush interval = 8; sink and recent must be multiples
+
+
+@dataclass(frozen=True)
+class SglangSettings:
+    env: dict[str, str]
+    flags: list[str]
+    clip_spread: tuple[float, float]  # largest |clip - median| over K and over V (0 when uniform)
+
+    def launch_command(self, model: str) -> str:
+        return " ".join(["python -m sglang.launch_server", "--model-path", shlex.quote(model), *self.flags])
+
+
+def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tensor, k_path: Path,
+                    v_path: Path) -> SglangSettings:
+    q = manifest.quant
+    for name, value in (("sink", q.sink), ("recent", q.recent)):
+        if value % PAGE:
+            raise InputError(f"the reference runtime needs {name} window sizes that are multiples of {PAGE}; the "
+                             f"manifest has {value}", f"re-calibrate with --{name} {value - value % PAGE or PAGE}")
+    k_ratio, v_ratio = k_clip.median().item(), v_clip.median().item()
+    env = {
+        "SGLANG_ENABLE_MIXED_KV_WINDOWS": "1",
+        "SGLANG_MIXED_KV_PREFIX_TOKENS": str(q.sink),
+        "SGLANG_MIXED_KV_RECENT_TOKENS": str(q.recent),
+        "SGLANG_MIXED_KV_HP_DTYPE": "bfloat16",
+        "SGLANG_MIXED_KV_SCALE_DTYPE": "float32",  # what the reference's scripts run; oscar-zoo's runtime uses fp16
+        "SGLANG_MIXED_KV_HP_MAX_SPLITS": "8",
+        "SGLANG_OSCAR_K_ROTATION_PATH": str(Path(k_path).resolve()),
+        "SGLANG_OSCAR_V_ROTATION_PATH": str(Path(v_path).resolve()),
+        "SGLANG_OSCAR_K_CLIP_RATIO": f"{k_ratio:.4g}",
+        "SGLANG_OSCAR_V_CLIP_RATIO": f"{v_ratio:.4g}",
+        "SGLANG_OSCAR_ABSORB_V_ROTATION": "1",
+        "SGLANG_LLOYD_MAX": "1" if q.codebook == "lloyd-max" else "0",
+    }
+    flags = ["--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", str(q.group_size),
+             "--prefill-attention-backend", "fa3", "--decode-attention-backend", "triton"]
+    spread = ((k_clip - k_ratio).abs().max().item(), (v_clip - v_ratio).abs().max().item())
+    return SglangSettings(env, flags, spread)
+
+
+def write_sglang_files(out: Path, settings: SglangSettings, model: str) -> tuple[Path, Path]:
+    """`sglang.env` (KEY=VALUE, `set -a; . sglang.env`) and `launch_sglang.sh` (exports + the server command)."""
+    out = Path(out)
+    header = ["# OSCAR reference runtime (SGLang fork) settings written by `oscar-zoo export --format sglang`",
+              f"# model: {model}"]
+    env_lines = [*header, *(f"{k}={shlex.quote(v)}" for k, v in settings.env.items())]
+    env_path, sh_path = out / "sglang.env", out / "launch_sglang.sh"
+    atomic_write_text(env_path, "\n".join(env_lines) + "\n")
+    script = ["#!/usr/bin/env bash", *header, "set -euo pipefail",
+              *(f"export {k}={shlex.quote(v)}" for k, v in settings.env.items()),
+              f'exec {settings.launch_command(model)} "$@"']
+    atomic_write_text(sh_path, "\n".join(script) + "\n")
+    sh_path.chmod(0o755)
+    return env_path, sh_path

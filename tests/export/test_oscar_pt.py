@@ -1,0 +1,159 @@
+"""import-oscar / export: the reference OSCAR-RotationZoo `.pt` schema in and out, refusals, and sglang settings."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from oscar_zoo.artifacts import load_artifacts
+from oscar_zoo.export.oscar_pt import K_FILE, V_FILE, average_heads, head_agreement, write_oscar_pt
+
+from ..hub.helpers import make_artifacts, random_rotations, run_cli
+
+L, D, H_KV = 3, 16, 2
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "tiny-llama"
+    LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=L, num_attention_heads=6,
+                num_key_value_heads=H_KV, head_dim=D, vocab_size=64).save_pretrained(folder)
+    return folder
+
+
+def _reference_files(folder, layers=L, d=D, str_keys=False):
+    """Synthetic files in the published schema (dict keyed by layer id, fp32 rotation + ascending eigenvalues)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    k, v = random_rotations(layers, 1, d, seed=1)[:, 0], random_rotations(layers, 1, d, seed=2)[:, 0]
+    eig = torch.sort(torch.rand(layers, d), dim=-1).values
+    for name, objective, rot in ((K_FILE, "qqt_r_h_pbr", k), (V_FILE, "sst_r_h_pbr", v)):
+        torch.save({"format_version": 1, "objective": objective, "source_grouping": "layer",
+                    "layers": {(str(i) if str_keys else i): {"layer_id": i, "rotation": rot[i], "eigenvalues": eig[i]}
+                               for i in range(layers)}}, folder / name)
+    return folder / K_FILE, folder / V_FILE, k, v
+
+
+def test_import_reference_files(model_dir, tmp_path):
+    k_file, v_file, k, v = _reference_files(tmp_path / "ref", str_keys=True)
+    code, out, err = run_cli("import-oscar", str(k_file), str(v_file), "--model", str(model_dir), "--out",
+                             str(tmp_path / "art"), "--json")
+    assert code == 0, err
+    manifest, rot = load_artifacts(tmp_path / "art")
+    assert manifest.rotation.granularity.value == "per-layer" and manifest.verification is None
+    assert (manifest.clip.k_default, manifest.clip.v_default) == (0.96, 0.92)
+    assert torch.equal(rot.k_rotation[:, 0], k) and torch.equal(rot.v_rotation[:, 0], v)
+    assert torch.all(rot.k_clip == 0.96) and torch.all(rot.v_clip == 0.92)
+    assert manifest.quant.group_size == D  # 128 does not divide head_dim 16
+    assert K_FILE in manifest.calibration.dataset
+
+
+def test_non_tensor_pickle_is_refused(model_dir, tmp_path):
+    k_file, v_file, _, _ = _reference_files(tmp_path / "ref")
+    evil = tmp_path / "evil.pt"
+
+    class Payload:  # any non-tensor object: weights_only=True refuses to build it
+        def __reduce__(self):
+            return (print, ("this must never run",))
+
+    with open(evil, "wb") as f:
+        pickle.dump({"format_version": 1, "objective": "qqt_r_h_pbr", "layers": {0: Payload()}}, f)
+    code, out, err = run_cli("import-oscar", str(evil), str(v_file), "--model", str(model_dir), "--out",
+                             str(tmp_path / "art"))
+    assert code == 4 and "refused" in err and "this must never run" not in out + err
+    lists = tmp_path / "lists.pt"  # loadable with weights_only, but not tensors
+    torch.save({"format_version": 1, "objective": "qqt_r_h_pbr", "source_grouping": "layer",
+                "layers": {i: {"layer_id": i, "rotation": [[1.0]], "eigenvalues": [1.0]} for i in range(L)}}, lists)
+    code, _, err = run_cli("import-oscar", str(lists), str(v_file), "--model", str(model_dir), "--out",
+                           str(tmp_path / "art"))
+    assert code == 4 and "must be tensors" in err
+    code, _, err = run_cli("import-oscar", str(v_file), str(k_file), "--model", str(model_dir), "--out",
+                           str(tmp_path / "art"))
+    assert code == 4 and "swapped" in err
+    assert not (tmp_path / "art").exists()
+
+
+def test_shape_mismatches_are_errors(model_dir, tmp_path):
+    k_file, v_file, _, _ = _reference_files(tmp_path / "wide", d=32)
+    code, _, err = run_cli("import-oscar", str(k_file), str(v_file), "--model", str(model_dir), "--out",
+                           str(tmp_path / "a"))
+    assert code == 4 and "head_dim 16" in err
+    k_file, v_file, _, _ = _reference_files(tmp_path / "short", layers=L - 1)
+    code, _, err = run_cli("import-oscar", str(k_file), str(v_file), "--model", str(model_dir), "--out",
+                           str(tmp_path / "a"))
+    assert code == 4 and "lacks layers [2]" in err
+    code, _, err = run_cli("import-oscar", str(k_file), str(v_file), "--model", str(tmp_path / "nope"), "--out",
+                           str(tmp_path / "a"))
+    assert code == 2
+
+
+def test_export_import_round_trip(model_dir, tmp_path):
+    make_artifacts(tmp_path / "art", granularity="per-layer", L=L, H_kv=H_KV, D=D)
+    code, out, err = run_cli("export", str(tmp_path / "art"), "--format", "oscar-pt", "--out", str(tmp_path / "pt"))
+    assert code == 0, err
+    raw = torch.load(tmp_path / "pt" / K_FILE, weights_only=True)
+    assert raw["format_version"] == 1 and raw["objective"] == "qqt_r_h_pbr" and sorted(raw["layers"]) == [0, 1, 2]
+    assert raw["layers"][1]["rotation"].dtype == torch.float32 and raw["layers"][1]["rotation"].shape == (D, D)
+    code, _, err = run_cli("import-oscar", str(tmp_path / "pt" / K_FILE), str(tmp_path / "pt" / V_FILE), "--model",
+                           str(model_dir), "--out", str(tmp_path / "back"))
+    assert code == 0, err
+    _, original = load_artifacts(tmp_path / "art")
+    _, back = load_artifacts(tmp_path / "back")
+    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "layer_ids"):
+        assert torch.equal(getattr(original, name), getattr(back, name)), name
+
+
+def test_per_head_export_needs_average_heads_and_warns(tmp_path):
+    make_artifacts(tmp_path / "art", L=L, H_kv=H_KV, D=D, spread=0.05)
+    code, _, err = run_cli("export", str(tmp_path / "art"), "--format", "oscar-pt", "--out", str(tmp_path / "pt"))
+    assert code == 2 and "--average-heads" in err
+    code, out, err = run_cli("export", str(tmp_path / "art"), "--format", "oscar-pt", "--out", str(tmp_path / "pt"),
+                             "--average-heads", "--json")
+    assert code == 0, err
+    assert "inter-head agreement" in err and "polar" in err
+    doc = json.loads(out)
+    assert 0.5 < doc["head_agreement"]["k"] < 1.0
+    rot = torch.load(tmp_path / "pt" / K_FILE, weights_only=True)["layers"][0]["rotation"].double()
+    assert (rot.T @ rot - torch.eye(D, dtype=torch.float64)).abs().max() < 1e-5  # averaged, yet a rotation
+
+
+def test_average_heads_properties():
+    R = random_rotations(2, 3, 8, seed=5)
+    same = R[:, :1].expand(2, 3, 8, 8)
+    assert head_agreement(same) == pytest.approx(1.0)
+    assert torch.allclose(average_heads(same), R[:, 0], atol=1e-5)  # identical heads: the average is that rotation
+    M = average_heads(R).double()
+    assert (M.transpose(-1, -2) @ M - torch.eye(8, dtype=torch.float64)).abs().max() < 1e-5
+
+
+def test_sglang_settings(tmp_path):
+    make_artifacts(tmp_path / "art", granularity="per-layer", L=L, H_kv=H_KV, D=D)
+    code, out, err = run_cli("export", str(tmp_path / "art"), "--format", "sglang", "--out", str(tmp_path / "sg"),
+                             "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    env = doc["env"]
+    assert env["SGLANG_ENABLE_MIXED_KV_WINDOWS"] == "1"
+    assert (env["SGLANG_MIXED_KV_PREFIX_TOKENS"], env["SGLANG_MIXED_KV_RECENT_TOKENS"]) == ("64", "256")
+    assert (env["SGLANG_OSCAR_K_CLIP_RATIO"], env["SGLANG_OSCAR_V_CLIP_RATIO"]) == ("0.96", "0.92")
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str((tmp_path / "sg" / K_FILE).resolve())
+    assert doc["flags"][:4] == ["--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", str(D)]
+    text = (tmp_path / "sg" / "sglang.env").read_text()
+    assert "SGLANG_OSCAR_V_ROTATION_PATH=" in text and "SGLANG_OSCAR_ABSORB_V_ROTATION=1" in text
+    script = (tmp_path / "sg" / "launch_sglang.sh").read_text()
+    assert "exec python -m sglang.launch_server --model-path org/Tiny-Llama --kv-cache-dtype int2" in script
+    for name in (K_FILE, V_FILE):
+        assert torch.load(tmp_path / "sg" / name, weights_only=True)["format_version"] == 1
+
+
+def test_write_then_read_accepts_int_and_str_keys(tmp_path):
+    from oscar_zoo.export.oscar_pt import read_oscar_pt
+
+    R = random_rotations(2, 1, 8)[:, 0]
+    write_oscar_pt(tmp_path / "k.pt", "qqt_r_h_pbr", [3, 7], R, torch.zeros(2, 8))
+    got = read_oscar_pt(tmp_path / "k.pt", "qqt_r_h_pbr")
+    assert got.layer_ids == [3, 7] and torch.equal(got.rotation, R)
