@@ -1,0 +1,205 @@
+"""The attention variants `verify` compares: exact BF16, the artifact's OSCAR rotations, and data-free baselines
+(naive INT2, clip-only INT2, Hadamard-only INT2, KIVI-2-style), each turning post-RoPE q/k/v of one layer into what
+attention reads. Every quantization goes through the runtime's own quantize/pack (`ops` on Triton, `reference` on
+torch) and `reference.dequantize_unpack`: nothing here re-implements the codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..runtime import layout, reference
+
+BASELINES = ("naive", "clip-only", "hadamard", "kivi")
+DEFAULT_BASELINES = ("naive", "hadamard", "kivi")
+KIVI_GROUP = 32  # KIVI-2: keys per channel over groups of 32 tokens, values per token over groups of 32 channels
+
+# quantize_pack(x [..., D], clip_ratio, group_size) -> (packed uint8 [..., D/4], scale_zero float16 [..., D/G, 2])
+QuantizePack = Callable[..., tuple[Tensor, Tensor]]
+
+
+def rotate_per_head(x: Tensor, M: Tensor) -> Tensor:
+    """`reference.rotate` (x·M per head, fp32 math, x's dtype) for x [B, H, T, D] and M [H, D, D] or shared [1, D, D],
+    as one batched GEMM over (B, H): the reference's per-head form broadcasts M over T ([B, H, T, D, D] in memory,
+    too much for a 2048-token sequence). Tested equal to the reference."""
+    return (x.float() @ M.float()).to(x.dtype)
+
+
+def fake_quant_with(quantize_pack: QuantizePack, x: Tensor, clip: float | Tensor, group_size: int = 0) -> Tensor:
+    """What attention reads back from INT2 rows: quantize_pack (kernel or reference) → dequantize_unpack, fp32."""
+    packed, scale_zero = quantize_pack(x, clip, group_size)
+    return reference.dequantize_unpack(packed, scale_zero)
+
+
+@dataclass
+class LayerKV:
+    """One layer's attention inputs as a method presents them. q [B, H_q, T, D]; k, v [B, H_kv, T, D] (rotated when
+    the method rotates); k_hat, v_hat fp32 (None: exact method); out_rotation [H_q or 1, D, D] un-rotates the output."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    k_hat: Tensor | None = None
+    v_hat: Tensor | None = None
+    out_rotation: Tensor | None = None
+
+
+class Method:
+    """An attention variant: `prepare` maps (layer, q, k, v) to a LayerKV; bits per K and V element at a context."""
+
+    name: str = ""
+    label: str = ""
+    kind: str = "baseline"  # "reference" | "artifact" | "baseline"
+    rotation_kind: str | None = None  # for the runtime cache: "artifact" | "identity" | "hadamard"; None: none exists
+
+    def prepare(self, layer: int, q: Tensor, k: Tensor, v: Tensor, quantize_pack: QuantizePack) -> LayerKV:
+        raise NotImplementedError
+
+    def bits(self, context: int) -> tuple[float, float]:
+        raise NotImplementedError
+
+
+class Exact(Method):
+    name, label, kind = "bf16", "BF16 (reference)", "reference"
+
+    def prepare(self, layer, q, k, v, quantize_pack):
+        return LayerKV(q, k, v)
+
+    def bits(self, context):
+        return 16.0, 16.0
+
+
+class RotatedInt2(Method):
+    """Rotate (per layer, per KV head) → clip → INT2 per row groups → attention → un-rotate: OSCAR and its ablations.
+
+    k_rotation/v_rotation float32 [L, H, D, D] (H = H_kv or 1) indexed by model layer; clips float32 [L, H] (0 = none)."""
+
+    def __init__(self, name: str, label: str, kind: str, k_rotation: Tensor | None, v_rotation: Tensor | None,
+                 k_clip: Tensor, v_clip: Tensor, group_size: int, sink: int, recent: int, rotation_kind: str):
+        self.name, self.label, self.kind, self.rotation_kind = name, label, kind, rotation_kind
+        self.k_rotation, self.v_rotation = k_rotation, v_rotation
+        self.k_clip, self.v_clip = k_clip.float(), v_clip.float()
+        self.group_size, self.sink, self.recent = group_size, sink, recent
+        self._device_cache: dict = {}
+
+    def _layer_tensors(self, layer: int, device: torch.device):
+        key = (layer, device)
+        if key not in self._device_cache:
+            rot = None if self.k_rotation is None else (self.k_rotation[layer].to(device),
+                                                       self.v_rotation[layer].to(device))
+            clips = (self.k_clip[layer].reshape(-1, 1).to(device), self.v_clip[layer].reshape(-1, 1).to(device))
+            self._device_cache[key] = (rot, clips)
+        return self._device_cache[key]
+
+    def prepare(self, layer, q, k, v, quantize_pack):
+        rot, (k_clip, v_clip) = self._layer_tensors(layer, q.device)
+        out_rotation = None
+        if rot is not None:
+            M_k, M_v = rot  # [H, D, D]
+            g = q.shape[1] // M_k.shape[0] if M_k.shape[0] > 1 else 1
+            # As the runtime's decode path: q·M_K kept fp32; k·M_K, v·M_V rounded to the model dtype (the BF16 tiers,
+            # and what the INT2 history is quantized from).
+            q = rotate_per_head(q.float(), M_k.repeat_interleave(g, dim=0))  # [B, H_q, T, D]
+            k, v = rotate_per_head(k, M_k), rotate_per_head(v, M_v)  # [B, H_kv, T, D]
+            out_rotation = M_v.transpose(-1, -2).repeat_interleave(g, dim=0)  # [H_q, D, D] M_Vᵀ
+        k_hat = self._history(quantize_pack, k, k_clip)
+        v_hat = self._history(quantize_pack, v, v_clip)
+        return LayerKV(q, k, v, k_hat, v_hat, out_rotation)
+
+    def _history(self, quantize_pack: QuantizePack, x: Tensor, clip: Tensor) -> Tensor:
+        """x [B, H, T, D] with rows sink ≤ j < T − recent fake-quantized (the only rows any query reads as INT2)."""
+        T = x.shape[2]
+        lo = min(self.sink, T)
+        hi = max(lo, T - self.recent)
+        out = x.float().clone()
+        if hi > lo:
+            out[:, :, lo:hi] = fake_quant_with(quantize_pack, x[:, :, lo:hi], clip, self.group_size)
+        return out
+
+    def bits(self, context):
+        G = layout.resolve_group_size(self.head_dim, self.group_size)
+        b = layout.bits_per_element(context, G, self.sink, self.recent)
+        return b, b
+
+    head_dim: int = 0
+
+
+class Kivi(Method):
+    """KIVI-2-style: no rotation, no clip; keys per channel over groups of 32 tokens (counted from the sink's end),
+    values per token over groups of 32 channels; float16 scale and zero per group (3 bits/element in the history).
+
+    Teacher-forcing note: a key read as INT2 by query i satisfies j ≤ i − recent, so its whole 32-token group lies at
+    positions ≤ i (no look-ahead). A real KIVI cache quantizes a group only once all 32 tokens have left the residual
+    window, so at a group's edge it would still hold a few of these keys in full precision (slightly kinder to KIVI)."""
+
+    name, label = "kivi", "KIVI-2-style INT2 (K per-channel/32 tokens, V per-token/32)"
+
+    def __init__(self, head_dim: int, sink: int, recent: int, group: int = KIVI_GROUP):
+        self.head_dim, self.sink, self.recent, self.group = head_dim, sink, recent, group
+        self.v_group = group if head_dim % group == 0 else head_dim
+
+    def prepare(self, layer, q, k, v, quantize_pack):
+        B, H, T, D = k.shape
+        n = max(0, (T - self.sink) // self.group)  # whole token groups after the sink
+        k_hat = k.float().clone()  # positions outside whole groups are never read as INT2 (they are in a window)
+        if n:
+            span = k[:, :, self.sink : self.sink + n * self.group]  # [B, H, n·32, D]
+            rows = span.reshape(B, H, n, self.group, D).transpose(-1, -2)  # [B, H, n, D, 32]: one row per channel
+            deq = fake_quant_with(quantize_pack, rows.contiguous(), 0.0, 0)  # [B, H, n, D, 32]
+            k_hat[:, :, self.sink : self.sink + n * self.group] = deq.transpose(-1, -2).reshape(B, H, n * self.group, D)
+        v_hat = fake_quant_with(quantize_pack, v, 0.0, self.v_group)
+        return LayerKV(q, k, v, k_hat, v_hat)
+
+    def bits(self, context):
+        return (layout.bits_per_element(context, self.group, self.sink, self.recent),
+                layout.bits_per_element(context, self.v_group, self.sink, self.recent))
+
+
+def hadamard_rotation(num_layers: int, head_dim: int) -> Tensor:
+    """H·P for every layer (data-free, QuaRot-like): `reference.compose_rotation` of the identity, float32 [L, 1, D, D]."""
+    M = reference.compose_rotation(torch.eye(head_dim, dtype=torch.float64)).float()
+    return M.expand(num_layers, 1, head_dim, head_dim).contiguous()
+
+
+def build_methods(rotations, num_layers: int, head_dim: int, group_size: int, sink: int, recent: int,
+                  baselines: tuple[str, ...]) -> list[Method]:
+    """BF16, the artifact's OSCAR rotations (`rotations`: artifacts.Rotations, indexed by model layer), then the
+    requested baselines in the order of BASELINES. Baselines use the artifact's group size and windows."""
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown:
+        raise ValueError(f"unknown baselines {unknown}; choose from {', '.join(BASELINES)}")
+    L = num_layers
+    order = torch.argsort(rotations.layer_ids.long())  # entries sorted by model layer
+    fixed_k = torch.full((L, 1), layout.DEFAULT_K_CLIP)
+    fixed_v = torch.full((L, 1), layout.DEFAULT_V_CLIP)
+    no_clip = torch.zeros(L, 1)
+    H = rotations.k_rotation.shape[1]
+    oscar = RotatedInt2(
+        "oscar", f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, calibrated clips)", "artifact",
+        rotations.k_rotation[order], rotations.v_rotation[order], rotations.k_clip[order], rotations.v_clip[order],
+        group_size, sink, recent, "artifact")
+    methods: list[Method] = [Exact(), oscar]
+    for b in BASELINES:
+        if b not in baselines:
+            continue
+        if b == "naive":
+            methods.append(RotatedInt2("naive", "naive INT2 (no rotation, no clip)", "baseline", None, None, no_clip,
+                                       no_clip, group_size, sink, recent, "identity"))
+        elif b == "clip-only":
+            methods.append(RotatedInt2("clip-only", f"clip-only INT2 (no rotation, clip {layout.DEFAULT_K_CLIP}/"
+                                       f"{layout.DEFAULT_V_CLIP})", "baseline", None, None, fixed_k, fixed_v,
+                                       group_size, sink, recent, "identity"))
+        elif b == "hadamard":
+            M = hadamard_rotation(L, head_dim)
+            methods.append(RotatedInt2("hadamard", f"Hadamard-only INT2 (H·P, fixed clip {layout.DEFAULT_K_CLIP}/"
+                                       f"{layout.DEFAULT_V_CLIP})", "baseline", M, M, fixed_k, fixed_v, group_size,
+                                       sink, recent, "hadamard"))
+        elif b == "kivi":
+            methods.append(Kivi(head_dim, sink, recent))
+    for m in methods:
+        m.head_dim = head_dim
+    return methods

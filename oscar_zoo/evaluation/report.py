@@ -1,0 +1,92 @@
+"""The verification report (pydantic, frozen, extra fields forbidden): what `verify --json` prints and `--write` stores
+in the manifest's `verification` field; plus the threshold check that turns it into pass / fail."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+REPORT_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Generation(_Frozen):
+    """Greedy continuation of one held-out prompt compared with BF16's."""
+
+    # oscar-cache: the runtime itself (OscarCache + `oscar` attention); dynamic-cache: BF16 (the model's own attention)
+    path: Literal["oscar-cache", "dynamic-cache"]
+    prompt_tokens: int
+    new_tokens: int
+    first_divergence: int | None  # index of the first generated token that differs from BF16's; None: all equal
+    matched_tokens: int  # generated tokens equal to BF16's at the same index
+
+
+class MethodResult(_Frozen):
+    name: str
+    label: str
+    kind: Literal["reference", "artifact", "baseline"]
+    bits_per_element: float  # mean of K and V at the verified context (windows and float16 scale/zero included)
+    bits_per_element_k: float
+    bits_per_element_v: float
+    ppl: float  # all scored positions
+    ppl_past_windows: float  # positions ≥ positions_from (their attention reads INT2 keys)
+    ppl_increase: float  # ppl_past_windows / BF16's − 1
+    kl: float  # mean KL(BF16 ‖ method) per token, positions ≥ positions_from
+    top1: float  # top-1 agreement with BF16, positions ≥ positions_from
+    layer_error: list[float]  # ‖o − o_bf16‖/‖o_bf16‖ per layer, one sequence, same inputs, queries ≥ positions_from
+    kl_by_position: list[float]  # mean KL per bin of `bin_size` positions (all positions), over sequences
+    generation: Generation | None = None
+
+
+class Thresholds(_Frozen):
+    max_ppl_increase: float
+    max_kl: float
+    min_top1: float
+
+
+class VerifyReport(_Frozen):
+    report_version: Literal[1] = REPORT_VERSION
+    model: str
+    revision: str | None
+    artifacts: str
+    dataset: str
+    context: int
+    sequences: int
+    positions_from: int
+    tokens_scored: int
+    sink: int
+    recent: int
+    group_size: int
+    backend: Literal["torch", "triton"]
+    device: str
+    attention: str  # how the quantized attention was computed
+    bin_size: int
+    methods: list[MethodResult]
+    thresholds: Thresholds
+    passed: bool
+    failures: list[str]
+    wall_seconds: float
+    versions: dict[str, str]
+    created: str
+
+    def method(self, name: str) -> MethodResult:
+        return next(m for m in self.methods if m.name == name)
+
+
+def check_thresholds(artifact: MethodResult, thresholds: Thresholds) -> list[str]:
+    """Which thresholds the artifact's method misses (empty: it passes); NaN always fails."""
+    failures = []
+    checks = (
+        ("perplexity increase", artifact.ppl_increase, thresholds.max_ppl_increase, "≤", lambda v, t: v <= t),
+        ("mean KL", artifact.kl, thresholds.max_kl, "≤", lambda v, t: v <= t),
+        ("top-1 agreement", artifact.top1, thresholds.min_top1, "≥", lambda v, t: v >= t),
+    )
+    for what, value, limit, op, ok in checks:
+        if math.isnan(value) or not ok(value, limit):
+            failures.append(f"{what} {value:.4g} is not {op} {limit:.4g}")
+    return failures
