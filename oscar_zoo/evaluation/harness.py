@@ -226,8 +226,17 @@ def _cache_for(method: RotatedInt2, manifest, num_layers: int, head_dim: int):
                       group_size=q.group_size, sink=q.sink, recent=q.recent, flush=q.flush, num_layers=num_layers)
 
 
+def _cache_kwarg() -> str:
+    """transformers 5 renamed generate's `past_key_values` to `cache` (the old name warns, and goes in 6.0)."""
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+    except ImportError:
+        return "past_key_values"
+    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
+
+
 def _greedy(model: torch.nn.Module, prompt: Tensor, new_tokens: int, pad_id: int, cache=None) -> Tensor:
-    kwargs = {"past_key_values": cache} if cache is not None else {}
+    kwargs = {_cache_kwarg(): cache} if cache is not None else {}
     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id, **kwargs)
     return out[0, prompt.shape[1]:].cpu()
