@@ -210,8 +210,12 @@ def load_model(
     dtype: str = "bfloat16",
     attn_implementation: str | None = None,
     progress: Callable[[str], None] | None = None,
+    placement: Callable[[object], dict | None] | None = None,
+    offload_folder: str | None = None,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer: `demo`, a local folder, a `.gguf` file, or a Hugging Face id."""
+    """Load a causal LM and its tokenizer: `demo`, a local folder, a `.gguf` file, or a Hugging Face id.
+    `placement(config)` runs before any weight is read (a memory check may refuse there); when it returns an
+    accelerate device map, the weights load straight onto those devices (CPU/disk offload under `offload_folder`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -226,17 +230,32 @@ def load_model(
     kwargs = {"dtype": torch_dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    device_map = None
+
+    def place(config) -> None:
+        nonlocal device_map
+        device_map = placement(config) if placement else None
+        if device_map is not None:
+            kwargs.update(device_map=device_map, offload_folder=offload_folder)
+
     try:
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise InputError(f"GGUF file {path} does not exist")
+            if placement:
+                place(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+            if device_map is not None:
+                raise InputError("--device-map is not supported for .gguf files",
+                                 "convert the model to a transformers folder first (save_pretrained)")
             model, tokenizer = _load_gguf(path, torch_dtype)
             if attn_implementation:
                 model.set_attn_implementation(attn_implementation)
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 raise InputError(f"{path} is a folder without config.json; it is not a transformers model")
-            arch_info(AutoConfig.from_pretrained(path))  # unsupported families fail before weights load
+            config = AutoConfig.from_pretrained(path)
+            arch_info(config)  # unsupported families fail before weights load
+            place(config)
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(path)
         else:
@@ -245,6 +264,7 @@ def load_model(
                                  "`demo`, or a Hugging Face id such as Qwen/Qwen3-8B")
             config = AutoConfig.from_pretrained(name, revision=revision)
             arch_info(config)
+            place(config)
             model = AutoModelForCausalLM.from_pretrained(name, revision=revision, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
     except OSError as exc:
@@ -253,6 +273,8 @@ def load_model(
             f"{str(exc).splitlines()[0]}",
             "check the id or path; offline, only models already in the Hugging Face cache can be loaded",
         ) from None
-    model.eval().to(resolve_device(device))
+    model.eval()
+    if device_map is None:  # a device-mapped model stays where accelerate put it
+        model.to(resolve_device(device))
     return LoadedModel(model, tokenizer, arch_info(model.config), model_identity(model_id, revision, model.config),
                        source)

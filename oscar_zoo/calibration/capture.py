@@ -55,7 +55,9 @@ def forward_batches(model: torch.nn.Module, input_ids: Tensor, batch_size: int, 
                     on_batch: Callable[[int], None] | None = None) -> None:
     """Prefill-only forward passes (no cache, no logits kept) over sequences [start:], `batch_size` at a time;
     `on_batch(done)` runs after each batch with the number of sequences finished."""
-    device = next(model.parameters()).device
+    from .placement import model_device
+
+    device = model_device(model)  # with a device map: where the embeddings run; accelerate's hooks move the rest
     with torch.inference_mode():
         for i in range(start, input_ids.shape[0], batch_size):
             batch = input_ids[i : i + batch_size].to(device)

@@ -2,7 +2,8 @@
 
 Accumulators are checkpointed after every batch into a cache folder keyed by (model, token ids, dtype): a re-run with
 the same inputs reuses them (a re-fit with another granularity, value target or clip mode runs no forward pass), and
-an interrupted run resumes from the last finished batch.
+an interrupted run resumes from the last finished batch. Data-parallel runs (`dp`) keep one store per rank holding
+that rank's local sums; the all-reduce is redone on every run, so reuse and resume stay exact (same world size).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from ..runtime import layout, reference
 from . import clip_search
 from .capture import capturing, forward_batches
 from .data import TokenSequences
+from .distributed import DataParallel
+from .placement import PlacedMoment, accumulator_device, model_device
 from .rotation import fit_rotations, spectrum_ratio
 from .targets import SecondMoment, group_heads, key_weights
 
@@ -48,6 +51,7 @@ class CalibrationSettings:
     flush: int = layout.FLUSH
     batch_size: int = 4
     seed: int = 0
+    accumulate_on: str = "model"  # where the float64 sums live: the model's first device, or "cpu"
 
 
 @dataclass
@@ -104,30 +108,37 @@ def _pass(model, ids: torch.Tensor, batch_size: int, start: int, observer, desc:
 
 
 def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, store: AccumulatorStore,
-               progress: Progress) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str]]:
-    """The capture passes, resumable: (key target, weighted value target, softmax value target, held-out samples)."""
+               progress: Progress, dp: DataParallel | None = None
+               ) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str]]:
+    """The capture passes, resumable: (key target, weighted value target, softmax value target, held-out samples).
+    With `dp`, this rank's share of the sequences is accumulated, the returned targets are the sums over all ranks,
+    and only rank 0 captures the held-out samples (others return {})."""
     info, model = loaded.info, loaded.model
-    device = next(model.parameters()).device
+    device = accumulator_device(model, settings.accumulate_on)
     L, H_kv, D = info.num_layers, info.num_kv_heads, info.head_dim
-    N, bs = seqs.input_ids.shape[0], settings.batch_size
+    ids = dp.shard(seqs.input_ids) if dp else seqs.input_ids
+    N, bs = ids.shape[0], settings.batch_size
     state, ran = store.state(), []
+    reduce = dp.reduce if dp else (lambda moment: moment)
+    Moment = PlacedMoment  # products form on each layer's device, sums live on `device`
 
     # Pass 1: key target and softmax value target (one forward over the calibration sequences).
     saved = store.load("pass1")
-    key = SecondMoment.from_state(saved, "key", device) if saved else SecondMoment.zeros(L, H_kv, D, device)
-    soft = SecondMoment.from_state(saved, "softmax", device) if saved else SecondMoment.zeros(L, H_kv, D, device)
+    key = Moment.from_state(saved, "key", device) if saved else Moment.zeros(L, H_kv, D, device)
+    soft = Moment.from_state(saved, "softmax", device) if saved else Moment.zeros(L, H_kv, D, device)
     done1 = state.get("pass1_done", 0) if saved else 0
     if done1 < N:
         def observe1(layer, q, k, v, out, scaling):
             key.add(layer, group_heads(q, H_kv))
             soft.add(layer, group_heads(out, H_kv))
 
-        _pass(model, seqs.input_ids, bs, done1, observe1, "pass 1/2: key target", progress,
+        _pass(model, ids, bs, done1, observe1, "pass 1/2: key target", progress,
               lambda done: store.save("pass1", {**key.state("key"), **soft.state("softmax")}, pass1_done=done))
         ran.append("pass1")
+    key, soft = reduce(key), reduce(soft)  # the checkpoint keeps this rank's sums; the reduced ones are new objects
 
     # Held-out attention inputs for the clip search (small: a few sequences), kept so re-fits need no forward.
-    heldout = store.load("heldout")
+    heldout = store.load("heldout") if not dp or dp.is_main else {}
     if heldout is None:
         captured: dict[str, list[torch.Tensor]] = {}
 
@@ -143,19 +154,22 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
 
     # Pass 2: the weighted value target needs the finished key target (w_t = k_tᵀ C_Q k_t).
     saved = store.load("pass2")
-    value = SecondMoment.from_state(saved, "value", device) if saved else SecondMoment.zeros(L, H_kv, D, device)
+    value = Moment.from_state(saved, "value", device) if saved else Moment.zeros(L, H_kv, D, device)
     done2 = state.get("pass2_done", 0) if saved else 0
     if settings.value_target == ValueTarget.WEIGHTED.value and done2 < N:
         key_target = key.mean()
+        on_layer_device: dict[int, torch.Tensor] = {}  # C_Q[layer] where that layer runs (one copy per run)
 
         def observe2(layer, q, k, v, out, scaling):
             kg, vg = group_heads(k, H_kv), group_heads(v, H_kv)
-            value.add(layer, vg, key_weights(kg, key_target[layer]))
+            if layer not in on_layer_device:
+                on_layer_device[layer] = key_target[layer].to(k.device)
+            value.add(layer, vg, key_weights(kg, on_layer_device[layer]))
 
-        _pass(model, seqs.input_ids, bs, done2, observe2, "pass 2/2: value target", progress,
+        _pass(model, ids, bs, done2, observe2, "pass 2/2: value target", progress,
               lambda done: store.save("pass2", value.state("value"), pass2_done=done))
         ran.append("pass2")
-    return key, value, soft, heldout, ran
+    return key, reduce(value), soft, heldout, ran
 
 
 def layer_sample(heldout: dict[str, torch.Tensor], layer: int) -> clip_search.LayerSample:
@@ -164,8 +178,11 @@ def layer_sample(heldout: dict[str, torch.Tensor], layer: int) -> clip_search.La
 
 
 def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings,
-              progress: Progress | None = None, store_dir: Path | None = None) -> CalibrationResult:
-    """Run (or resume, or reuse) calibration and return the manifest (without its file list) and the tensors."""
+              progress: Progress | None = None, store_dir: Path | None = None,
+              dp: DataParallel | None = None) -> CalibrationResult | None:
+    """Run (or resume, or reuse) calibration and return the manifest (without its file list) and the tensors.
+    With `dp`, every rank accumulates its share; the eigendecomposition and clip search run once, on rank 0, and the
+    other ranks return None."""
     progress = progress or (lambda *a, **k: None)
     t0 = time.perf_counter()
     info = loaded.info
@@ -173,8 +190,11 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         layout.resolve_group_size(info.head_dim, settings.group_size)
     except ValueError as exc:
         raise InputError(f"--group-size: {exc}") from None
-    store = AccumulatorStore(store_dir or cache_root() / "calibration" / store_key(loaded, seqs))
-    key, value, soft, heldout, ran = accumulate(loaded, seqs, settings, store, progress)
+    store_dir = Path(store_dir or cache_root() / "calibration" / store_key(loaded, seqs))
+    store = AccumulatorStore(store_dir / f"rank{dp.rank}-of-{dp.world}" if dp else store_dir)
+    key, value, soft, heldout, ran = accumulate(loaded, seqs, settings, store, progress, dp)
+    if dp and not dp.is_main:
+        return None
 
     key_target = key.mean().cpu()
     value_target = (value if settings.value_target == ValueTarget.WEIGHTED.value else soft).mean().cpu()
@@ -213,6 +233,7 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
     import transformers
 
     info, param = loaded.info, next(loaded.model.parameters())
+    device = model_device(loaded.model)
     G = layout.resolve_group_size(info.head_dim, settings.group_size)
     return Manifest(
         model=loaded.identity,
@@ -227,7 +248,7 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
         calibration=CalibrationRecord(
             dataset=seqs.dataset, token_ids_sha256=seqs.sha256, tokens=seqs.input_ids.numel(),
             sequences=seqs.input_ids.shape[0], seq_len=seqs.seq_len, heldout_tokens=seqs.heldout_ids.numel(),
-            chat_template=seqs.chat_template, seed=settings.seed, device=str(param.device),
+            chat_template=seqs.chat_template, seed=settings.seed, device=str(device),
             dtype=str(param.dtype).removeprefix("torch."),
             versions={"oscar-zoo": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_seconds=round(wall_seconds, 3),

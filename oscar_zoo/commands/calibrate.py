@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -13,14 +15,26 @@ from rich.table import Table
 
 from ..artifacts import write_artifacts
 from ..calibration.clip_search import DEFAULT_GRID
+from ..calibration import distributed, memory
 from ..calibration.data import load_texts, make_sequences
 from ..calibration.pipeline import CalibrationResult, CalibrationSettings, calibrate
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError
 from ..manifest import ClipMode, Granularity, ValueTarget
-from ..models import DEMO, load_model
+from ..models import DEMO, arch_info, load_model, resolve_device, resolve_dtype
 from ..runtime import layout
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
+
+
+class AccumulateOn(str, Enum):
+    MODEL = "model"
+    CPU = "cpu"
+
+
+class DeviceMap(str, Enum):
+    AUTO = "auto"
+    BALANCED = "balanced"
+    SEQUENTIAL = "sequential"
 
 
 def calibrate_command(
@@ -51,6 +65,16 @@ def calibrate_command(
     dtype: Dtype = "bfloat16",
     out: Annotated[Path | None, typer.Option(help="Output folder (default: artifacts/<model>).")] = None,
     json_output: Json = False,
+    device_map: Annotated[DeviceMap | None, typer.Option(help="Spread the layers over all visible GPUs (then CPU, "
+                          "then disk with --offload-folder) through accelerate; --device is then unused.")] = None,
+    max_memory: Annotated[str | None, typer.Option(help="Memory per device for the plan and the device map, e.g. "
+                          "0=70GiB,1=70GiB,cpu=200GiB (default: what is free).")] = None,
+    offload_folder: Annotated[Path | None, typer.Option(help="Folder for weights offloaded to disk by --device-map."
+                              )] = None,
+    accumulate_on: Annotated[AccumulateOn, typer.Option(help="Where the float64 sums live: the model's first device, "
+                             "or cpu (products still form on each layer's device).")] = AccumulateOn.MODEL,
+    nproc: Annotated[int, typer.Option(help="Data-parallel processes to launch on this machine (one per GPU; gloo "
+                     "on CPU). Under torchrun, leave it out: the ranks come from torchrun.")] = 1,
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact folder."""
     start = time.perf_counter()
@@ -62,18 +86,42 @@ def calibrate_command(
     n_sequences = tokens // seq_len
     if n_sequences == 0:
         raise InputError(f"--tokens {tokens} is less than one sequence of --seq-len {seq_len}")
-
-    say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
-    loaded = load_model(model, revision=revision, device=device, dtype=dtype, progress=say)
-    say(f"model {loaded.identity.id}: {loaded.info.num_layers} layers, {loaded.info.num_q_heads} query / "
-        f"{loaded.info.num_kv_heads} KV heads, head_dim {loaded.info.head_dim} on {loaded.model.device}")
-    texts, source = load_texts(dataset, split=split, text_field=text_field)
-    seqs = make_sequences(loaded.tokenizer, texts, seq_len, n_sequences, heldout, seed, chat_template, source)
-    settings = CalibrationSettings(granularity=granularity.value, value_target=value_target.value, clip=clip.value,
-                                   k_clip=k_clip, v_clip=v_clip, grid=DEFAULT_GRID, group_size=group_size, sink=sink,
-                                   recent=recent, batch_size=batch_size, seed=seed)
-    with progress_reporter(enabled=not json_output) as report:
-        result = calibrate(loaded, seqs, settings, progress=report)
+    if nproc < 1:
+        raise InputError(f"--nproc must be positive, got {nproc}")
+    if nproc > 1 and not distributed.in_distributed_env():
+        raise typer.Exit(distributed.launch(nproc, distributed.without_option(sys.argv[1:], "--nproc")))
+    dp = distributed.from_env(device)
+    try:
+        if dp:
+            if device_map and dp.local_world > 1:
+                raise InputError("--device-map with several processes per node would give every process all GPUs",
+                                 "run one process per node (torchrun --nproc-per-node 1) with --device-map")
+            device = distributed.rank_device(dp, device)
+        is_main = dp is None or dp.is_main
+        say = (lambda msg: None) if json_output or not is_main else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
+        if dp:
+            say(f"data parallel: {dp.world} processes, sequences split between them (per-rank accumulator caches)")
+        check_memory = _memory_check(say, device, dtype, batch_size, seq_len, heldout * seq_len, accumulate_on.value,
+                                     device_map.value if device_map else None, memory.parse_max_memory(max_memory),
+                                     offload_folder is not None,
+                                     dp.local_world if dp and resolve_device(device).type == "cpu" else 1)
+        loaded = load_model(model, revision=revision, device=device, dtype=dtype, progress=say,
+                            placement=check_memory, offload_folder=str(offload_folder) if offload_folder else None)
+        where = "a device map" if getattr(loaded.model, "hf_device_map", None) else str(loaded.model.device)
+        say(f"model {loaded.identity.id}: {loaded.info.num_layers} layers, {loaded.info.num_q_heads} query / "
+            f"{loaded.info.num_kv_heads} KV heads, head_dim {loaded.info.head_dim} on {where}")
+        texts, source = load_texts(dataset, split=split, text_field=text_field)
+        seqs = make_sequences(loaded.tokenizer, texts, seq_len, n_sequences, heldout, seed, chat_template, source)
+        settings = CalibrationSettings(granularity=granularity.value, value_target=value_target.value,
+                                       clip=clip.value, k_clip=k_clip, v_clip=v_clip, grid=DEFAULT_GRID,
+                                       group_size=group_size, sink=sink, recent=recent, batch_size=batch_size,
+                                       seed=seed, accumulate_on=accumulate_on.value)
+        with progress_reporter(enabled=not json_output and is_main) as report:
+            result = calibrate(loaded, seqs, settings, progress=report, dp=dp)
+    finally:
+        distributed.shutdown()
+    if result is None:  # a rank other than 0: its share is in rank 0's sums, rank 0 writes and prints
+        return
     out = out or Path("artifacts") / _slug(loaded.identity.id)
     wall = time.perf_counter() - start
     manifest = result.manifest.model_copy(
@@ -89,6 +137,26 @@ def calibrate_command(
                   f"at 128K · {seqs.input_ids.numel():,} tokens · {reused} · {wall:.1f} s")
     console.print(f"[green]wrote[/] {out}/ (manifest.json, rotations.safetensors)")
     console.print(f"next: [bold]oscar-zoo inspect {out}[/]")
+
+
+def _memory_check(say, device: str, dtype: str, batch_size: int, seq_len: int, heldout_tokens: int,
+                  accumulate_on: str, device_map: str | None, max_memory: dict, offload: bool, replicas: int):
+    """The hook load_model runs on the config before any weight is read: the memory plan, reported line by line,
+    then refused (InputError, exit 2) with its numbers if it cannot fit; returns the device map to load with."""
+
+    def check(config) -> dict | None:
+        plan = memory.plan(config, arch_info(config), dtype=resolve_dtype(dtype), device=resolve_device(device),
+                           batch_size=batch_size, seq_len=seq_len, heldout_tokens=heldout_tokens,
+                           accumulate_on=accumulate_on, device_map=device_map, max_memory=max_memory,
+                           offload=offload, replicas=replicas)
+        for need in plan.needs:
+            say(f"memory {need.describe()}")
+        for note in plan.notes:
+            say(f"memory: {note}")
+        plan.check()
+        return plan.device_map
+
+    return check
 
 
 def _slug(model_id: str) -> str:

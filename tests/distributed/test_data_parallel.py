@@ -1,0 +1,110 @@
+"""Data-parallel calibration on CPU with gloo: two ranks over halves of the sequences give the single-process float64
+sums (round-off only) and rotations; `--nproc 2` through the real entry point writes the single-process artifacts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from oscar_zoo.artifacts import load_artifacts
+from oscar_zoo.calibration.data import TokenSequences
+from oscar_zoo.calibration.distributed import launch, without_option
+from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate, calibrate
+from oscar_zoo.models import LoadedModel, arch_info, model_identity
+
+from ..conftest import tiny_model
+
+WORLD = 2
+SETTINGS = CalibrationSettings(batch_size=2, grid=(0.9, 0.96, 1.0))  # ranks batch exactly as one process does
+
+
+def _problem():
+    model = tiny_model("qwen3")  # seeded: every rank builds the same weights
+    torch.manual_seed(1)
+    ids = torch.randint(0, 512, (5, 24))  # 4 calibration sequences + 1 held-out
+    loaded = LoadedModel(model, None, arch_info(model.config), model_identity("tiny", None, model.config), "memory")
+    return loaded, TokenSequences(ids[:4], ids[4:], "random", False)
+
+
+def _rank(rank: int, port: int, folder: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from oscar_zoo.calibration import distributed
+
+    dp = distributed.from_env("cpu")
+    loaded, seqs = _problem()
+    noop = lambda *a, **k: None  # noqa: E731
+    store = AccumulatorStore(os.path.join(folder, "store", f"rank{rank}-of-{WORLD}"))
+    key, value, soft, heldout, ran = accumulate(loaded, seqs, SETTINGS, store, noop, dp)
+    assert (heldout != {}) == (rank == 0)
+    # the same store again through calibrate(): every accumulator is reused, the reduce is redone
+    result = calibrate(loaded, seqs, SETTINGS, store_dir=os.path.join(folder, "store"), dp=dp)
+    if rank == 0:
+        assert result.forward_passes == []
+        torch.save({"key": key.sums, "key_w": key.weights, "value": value.sums, "value_w": value.weights,
+                    "soft": soft.sums, "rotations": result.rotations.__dict__, "ran": ran},
+                   os.path.join(folder, "rank0.pt"))
+    else:
+        assert result is None
+    distributed.shutdown()
+
+
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    from oscar_zoo.calibration.distributed import _free_port
+
+    mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    got = torch.load(tmp_path / "rank0.pt")
+    assert got["ran"] == ["pass1", "heldout", "pass2"]
+
+    loaded, seqs = _problem()
+    key, value, soft, heldout, _ = accumulate(loaded, seqs, SETTINGS, AccumulatorStore(tmp_path / "single"),
+                                              lambda *a, **k: None)
+    for name, ref in (("key", key.sums), ("value", value.sums), ("soft", soft.sums), ("key_w", key.weights),
+                      ("value_w", value.weights)):
+        assert torch.allclose(got[name], ref, rtol=1e-12, atol=1e-14 * ref.abs().max()), name  # float64 round-off
+    single = calibrate(loaded, seqs, SETTINGS, store_dir=tmp_path / "single").rotations
+    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip"):
+        a, b = got["rotations"][name], getattr(single, name)
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), (name, (a - b).abs().max())
+
+
+def test_nproc_option_writes_the_single_process_artifacts(run_cli, tiny_model_dir, tmp_path):
+    from oscar_zoo.calibration.data import corpus_dir
+
+    text = tmp_path / "play.txt"
+    text.write_text((corpus_dir() / "coriolanus_gut.txt").read_text()[:20000])
+    args = ["calibrate", str(tiny_model_dir), "--dataset", str(text), "--tokens", "256", "--seq-len", "64",
+            "--heldout", "1", "--batch-size", "2", "--device", "cpu", "--dtype", "float32", "--json"]
+    env = {**os.environ, "OSCAR_ZOO_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "oscar_zoo", *args, "--nproc", str(WORLD), "--out",
+                           str(tmp_path / "dp")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)  # one JSON document: only rank 0 prints
+    assert summary["forward_passes"] == ["pass1", "heldout", "pass2"]
+    assert sorted(p.name for p in (tmp_path / "cache" / "calibration").iterdir().__next__().iterdir()) == \
+        [f"rank{r}-of-{WORLD}" for r in range(WORLD)]
+
+    os.environ["OSCAR_ZOO_CACHE"] = str(tmp_path / "cache-single")
+    try:
+        code, _, err = run_cli(*args, "--out", tmp_path / "single")
+    finally:
+        del os.environ["OSCAR_ZOO_CACHE"]
+    assert code == 0, err
+    m_dp, r_dp = load_artifacts(tmp_path / "dp")
+    m_one, r_one = load_artifacts(tmp_path / "single")
+    assert m_dp.calibration.token_ids_sha256 == m_one.calibration.token_ids_sha256
+    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip"):
+        a, b = getattr(r_dp, name), getattr(r_one, name)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (name, (a - b).abs().max())
+
+
+def test_a_failing_rank_gives_its_exit_code_and_stops_the_others(tmp_path):
+    code = launch(2, ["calibrate", str(tmp_path / "no-such-model"), "--device", "cpu"])
+    assert code == 2
+    assert without_option(["calibrate", "--nproc", "2", "x", "--nproc=3", "--out", "o"], "--nproc") == \
+        ["calibrate", "x", "--out", "o"]
