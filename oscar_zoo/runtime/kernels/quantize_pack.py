@@ -60,8 +60,8 @@ def _quantize_pack_kernel(
 
     if ROTATE:
         r_rows = tl.arange(0, D)
-        m = tl.load(rot_ptr + h * stride_rh + r_rows[:, None] * D + dims[None, :]).to(tl.float32)  # [D, D]
-        x = tl.dot(x, m, input_precision="ieee")
+        rot = tl.load(rot_ptr + h * stride_rh + r_rows[:, None] * D + dims[None, :]).to(tl.float32)  # [D, D]
+        x = tl.dot(x, rot, input_precision="ieee")
         x = x.to(X_DTYPE).to(tl.float32)  # the cache stores rotated rows in x's dtype
 
     # clip to ±τ, τ = k-th smallest |x| of the row, found exactly by peeling: walk from the nearer end of the sorted
