@@ -20,8 +20,8 @@ import torch
 
 from ..artifacts import Rotations, atomic_write_bytes, load_artifacts, sha256_file, write_artifacts
 from ..errors import InputError, IntegrityError
-from ..manifest import CalibrationRecord, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec, RotationSpec
-from ..manifest import ValueTarget
+from ..manifest import (CalibrationRecord, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec, RotationSpec,
+                        ValueTarget)
 from ..runtime import layout
 
 K_FILE = "k_rotation_qqt_r_h_pbr.pt"

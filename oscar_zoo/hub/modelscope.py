@@ -98,8 +98,8 @@ class ModelScopeHub:
                                                    disable_tqdm=True, tracker_path=str(Path(tmp) / "tracker"))
         if isinstance(result, list):  # the client split the upload into several commits (many files)
             result = result[-1] if result else None
-        commit = (result or {}).get("CommitId") or (result or {}).get("commit_id") if isinstance(result, dict) else None
-        return str(commit or revision)
+        info = result if isinstance(result, dict) else {}
+        return str(info.get("CommitId") or info.get("commit_id") or revision)
 
     def web_url(self, repo_id: str, subfolder: str = "") -> str:
         return f"{self.endpoint}/models/{repo_id}" + (f"/files?path={subfolder}" if subfolder else "")

@@ -23,7 +23,7 @@ from ..errors import HubError, InputError, IntegrityError, VerificationFailed
 from ..manifest import MANIFEST_NAME, Manifest
 from .base import HUBS, HubClient, split_repo_path
 from .card import render_model_card, render_zoo_card
-from .catalog import CatalogEntry, find_entry, manifest_sha256
+from .catalog import CatalogEntry, find_entry
 from .zoo import ZOO_NAME, ZooIndex, verification_summary, zoo_entry
 
 Progress = Callable[[str], None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .helpers import HF_TOKEN, make_artifacts, run_cli
+from .helpers import make_artifacts, run_cli
 
 
 def _files(folder):
