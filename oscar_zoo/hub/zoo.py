@@ -18,6 +18,7 @@ from ..runtime import layout
 ZOO_NAME = "zoo.json"
 ZOO_SCHEMA_VERSION = 1
 CONTEXT_128K = 131072
+PREFERRED_METRICS = ("kl", "top1", "ppl_increase", "bits_per_element")  # shown first, and in one-line summaries
 
 
 class ZooModel(BaseModel):
@@ -74,8 +75,9 @@ def zoo_entry(manifest: Manifest, subfolder: str, manifest_sha256: str, updated:
 def verification_rows(report: dict[str, Any] | None) -> tuple[list[str], list[tuple[str, dict[str, Any]]]]:
     """(metric names, [(method, {metric: value})]) from a verify report of unknown exact shape.
 
-    Understood: `{"methods": {name: {metric: value}}}`, `{"methods": [{"name"|"method": ..., metric: value}]}`, or a
-    flat `{metric: value}` (one row named "oscar"). Nested dicts and lists inside a method are skipped."""
+    Understood: `{"methods": {name: {metric: value}}}`, `{"methods": [{"name"|"method": ..., metric: value}]}` (the
+    `verify` report's form), or a flat `{metric: value}` (one row named "oscar"). Nested dicts, lists and a method's
+    `label` are skipped; PREFERRED_METRICS come first."""
     if not report:
         return [], []
     methods = report.get("methods")
@@ -86,11 +88,12 @@ def verification_rows(report: dict[str, Any] | None) -> tuple[list[str], list[tu
         for i, v in enumerate(methods):
             if isinstance(v, dict):
                 name = v.get("name", v.get("method", f"method {i}"))
-                rows.append((str(name), {k: x for k, x in v.items() if k not in ("name", "method")}))
+                rows.append((str(name), {k: x for k, x in v.items() if k not in ("name", "method", "label")}))
     else:
         rows = [("oscar", {k: v for k, v in report.items() if _scalar(v)})]
     rows = [(name, {k: v for k, v in metrics.items() if _scalar(v)}) for name, metrics in rows]
-    columns: list[str] = []
+    seen = {k for _, metrics in rows for k in metrics}
+    columns = [k for k in PREFERRED_METRICS if k in seen]
     for _, metrics in rows:
         columns += [k for k in metrics if k not in columns]
     return columns, rows
@@ -106,7 +109,8 @@ def verification_summary(report: dict[str, Any] | None, max_metrics: int = 3) ->
         parts.append("passed" if report["passed"] else "FAILED")
     if rows:
         name, metrics = next(((n, m) for n, m in rows if n.lower().startswith("oscar")), rows[0])
-        parts += [f"{k} {format_value(v)}" for k, v in list(metrics.items())[:max_metrics]]
+        keys = [k for k in columns if k in metrics][:max_metrics]
+        parts += [f"{k} {format_value(metrics[k])}" for k in keys]
     return " · ".join(parts) or "verified"
 
 

@@ -125,10 +125,10 @@ def test_model_card_renders_verification_table(hf_hub, artifacts):
     head = repo["commits"][repo["branches"]["main"]]
     card = head["README.md"].decode()  # single-model repo: the model card sits at the root
     assert card.startswith("---\nbase_model:\n- \"org/Tiny-Llama\"\nlibrary_name: oscar-zoo\ntags:\n")
-    # manifest JSON is canonical (sorted keys), so methods and metrics come back in sorted order
-    assert "| method | kl | ppl_increase | top1 |\n|---|---:|---:|---:|\n| naive-int2 | 1.52 | 3.2 | 0.41 |\n" \
-           "| oscar | 0.0123 | 0.021 | 0.981 |" in card
-    assert "Summary: **passed · kl 0.0123 · ppl_increase 0.021 · top1 0.981**" in card
+    # manifest JSON is canonical (sorted keys): methods come back sorted, metrics kl/top1/ppl_increase first
+    assert "| method | kl | top1 | ppl_increase |\n|---|---:|---:|---:|\n| naive-int2 | 1.52 | 0.41 | 3.2 |\n" \
+           "| oscar | 0.0123 | 0.981 | 0.021 |" in card
+    assert "Summary: **passed · kl 0.0123 · top1 0.981 · ppl_increase 0.021**" in card
     assert "oscar-zoo pull zoo/rotations --dest rotations/" in card
     assert "| 128K | 4.03 |" in card  # G = head_dim 16 here: 2 + 32/16 bits, plus the BF16 windows
     assert json.loads(head["zoo.json"])["models"][0]["subfolder"] == ""
@@ -162,3 +162,17 @@ def test_branch_revision_and_private_repo(hf_hub, artifacts, tmp_path):
     assert "zoo.json" not in repo["commits"][repo["branches"]["main"]]
     code, _, err = run_cli("pull", "zoo/private/tiny-llama", "--revision", "v1", "--dest", str(tmp_path / "p"))
     assert code == 0, err
+
+
+def test_verify_report_shape_renders():
+    """The `verify` report stores methods as a list of {name, label, metrics..., lists}; lists are left out."""
+    from oscar_zoo.hub.zoo import verification_rows, verification_summary
+
+    report = {"context": 4096, "passed": False, "methods": [
+        {"name": "bf16", "label": "BF16", "kl": 0.0, "top1": 1.0, "ppl_increase": 0.0, "layer_error": [0.0]},
+        {"name": "oscar", "label": "OSCAR INT2", "kl": 0.02, "top1": 0.95, "ppl_increase": 0.03, "ppl": 9.1,
+         "kl_by_position": [0.1, 0.2]}]}
+    columns, rows = verification_rows(report)
+    assert columns == ["kl", "top1", "ppl_increase", "ppl"]
+    assert [name for name, _ in rows] == ["bf16", "oscar"]
+    assert verification_summary(report) == "FAILED · kl 0.02 · top1 0.95 · ppl_increase 0.03"
