@@ -1,0 +1,528 @@
+"""End-to-end long-context decode with OscarCache vs BF16 caches: KV bytes, peak memory, decode tokens/s.
+
+A random-weight model of a real architecture (Qwen3-8B shapes on the GPU, a demo-sized Llama on CPU) gets its cache
+filled to a context, then runs greedy decode steps through `model.forward` (the step `generate` takes, without its
+host-side bookkeeping) with each cache: OscarCache (INT2 history, random orthogonal rotations, clip 0.96/0.92),
+transformers' DynamicCache and StaticCache, and "prealloc" (a BF16 cache written in place and read as an exact-length
+view: the BF16 floor a serving engine gets). Fill modes: "model" runs a chunked prefill of random token ids; "kv"
+writes random K/V straight into each layer (OscarCache through its own filing path: rotate-free `_append`, which
+quantizes the history as prefill does) — decode cost does not depend on the values, and a 100K prefill is not what is
+measured. Details go to $OUT/bench_generate.json when OUT is set.
+
+Usage: PYTHONPATH=. python benchmarks/bench_generate.py [--layers 8] [--contexts 8192 32768] [--batches 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config, StaticCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from oscar_zoo.runtime import cache as cache_mod, layout, ops, reference
+from oscar_zoo.runtime.attention import enable_oscar
+from oscar_zoo.runtime.cache import OscarCache
+
+KINDS = ("oscar", "dynamic", "static", "prealloc")
+BF16_KINDS = ("dynamic", "static", "prealloc")
+GB = 1e9
+
+
+# ------------------------------------------------------------------------------------------------------- models
+
+
+def model_config(name: str, layers: int | None = None):
+    """"qwen3-8b": Qwen3-8B shapes (36 layers, 32 q / 8 kv heads, d=128); "demo": a SmolLM2-sized Llama slice."""
+    if name == "qwen3-8b":
+        return Qwen3Config(
+            vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers or 36,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+            rope_theta=1e6, tie_word_embeddings=False,
+        )  # fmt: skip
+    if name == "demo":
+        return LlamaConfig(
+            vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 2,
+            num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=65536,
+        )  # fmt: skip
+    raise ValueError(f"unknown model {name!r}: use qwen3-8b or demo")
+
+
+def build_model(name: str, layers: int | None, device: torch.device, dtype=torch.bfloat16) -> torch.nn.Module:
+    """Random weights initialised directly on `device` (no CPU copy), eval mode, sdpa attention."""
+    cfg = model_config(name, layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def cache_kwarg(model) -> str:
+    """The forward's cache argument: `cache` in newer transformers 5.x, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# ------------------------------------------------------------------------------------------------------- caches
+
+
+class PreallocLayer(CacheLayerMixin):
+    """BF16 K/V [B, H_kv, capacity, D] written in place; attention reads the exact-length view (no copy, no mask)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.n = capacity, 0
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.keys = torch.empty(B, H, self.capacity, D, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.empty_like(self.keys)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        if self.n + n > self.capacity:
+            raise ValueError(f"prealloc cache full: {self.n} + {n} tokens > capacity {self.capacity}")
+        self.keys[:, :, self.n : self.n + n] = key_states
+        self.values[:, :, self.n : self.n + n] = value_states
+        self.n += n
+        return self.keys[:, :, : self.n], self.values[:, :, : self.n]
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        q = query_length if isinstance(query_length, int) else query_length.shape[0]  # older API: cache_position
+        return self.n + q, 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+
+def oscar_rotations(L: int, H_kv: int, D: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Random orthogonal per-head rotations M_K, M_V float32 [L, H_kv, D, D] (sign-fixed QR of Gaussians)."""
+    g = torch.Generator().manual_seed(seed)
+    Q, R = torch.linalg.qr(torch.randn(2, L, H_kv, D, D, generator=g, dtype=torch.float64))
+    Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)  # [2, L, H, D, D]
+    return Q[0].float(), Q[1].float()
+
+
+def make_cache(kind: str, model, capacity: int) -> Cache:
+    """A fresh cache of `kind` for one batch; `capacity` is the total tokens it must hold (static/prealloc size)."""
+    cfg = model.config
+    L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if kind == "oscar":
+        Mk, Mv = oscar_rotations(L, H_kv, D)
+        return OscarCache(Mk, Mv, layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP)
+    if kind == "dynamic":
+        return DynamicCache(config=cfg)
+    if kind == "static":
+        return StaticCache(config=cfg, max_cache_len=capacity)
+    if kind == "prealloc":
+        return Cache(layers=[PreallocLayer(capacity) for _ in range(L)])
+    raise ValueError(f"unknown cache kind {kind!r}: use one of {KINDS}")
+
+
+def use_attention(model, kind: str) -> None:
+    """OscarCache needs attn_implementation "oscar"; the BF16 caches run transformers' own "sdpa"."""
+    if kind == "oscar":
+        enable_oscar(model)
+    else:
+        model.set_attn_implementation("sdpa")
+
+
+def kv_bytes(cache: Cache) -> int:
+    """Bytes allocated by the cache's per-token storage (K/V tiers, INT2 codes, scale/zero, lengths), capacity
+    included; the OSCAR rotations are fixed per model and counted apart (`rotation_bytes`)."""
+    if isinstance(cache, OscarCache):
+        return cache.memory_bytes()
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            total += layer.keys.nbytes + layer.values.nbytes
+    return total
+
+
+def rotation_bytes(cache: Cache) -> int:
+    if not isinstance(cache, OscarCache):
+        return 0
+    return sum(sum(t.nbytes for t in vars(layer.rotation).values()) for layer in cache.layers if layer.rotation)
+
+
+def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capacity: int, G: int | None = None) -> int:
+    """What `kv_bytes` should report for a cache of `kind` holding T tokens (OSCAR: T > sink + recent, history of
+    `capacity` rows allocated; BF16 static/prealloc: `capacity` rows; dynamic: exactly T rows)."""
+    if kind == "oscar":
+        G = G or D
+        bf16 = (layout.SINK + layout.RECENT + layout.FLUSH) * D * 2  # sink + recent tiers, one of K or V
+        hist = capacity * layout.bytes_per_token(D, G)  # codes + float16 scale/zero, one of K or V
+        return L * (2 * B * H_kv * (bf16 + hist) + 3 * B * 4)  # + int32 [B] lengths of 3 tiers
+    rows = T if kind == "dynamic" else capacity
+    return L * 2 * B * H_kv * rows * D * 2
+
+
+# --------------------------------------------------------------------------------------------- fill and decode
+
+
+@torch.inference_mode()
+def prefill(model, cache: Cache, ids: Tensor, chunk: int) -> Tensor:
+    """Run the prompt ids [B, T] through the model in chunks; returns the next greedy tokens [B, 1]."""
+    kw = cache_kwarg(model)
+    for start in range(0, ids.shape[1], chunk):
+        logits = model(input_ids=ids[:, start : start + chunk], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+    return logits[:, -1].argmax(-1, keepdim=True)
+
+
+@torch.inference_mode()
+def fill_kv(cache: Cache, model, B: int, T: int, reserve: int, chunk: int = 8192) -> None:
+    """Write T random (already rotated) K/V tokens into every layer without running the model. OscarCache: the
+    filing path of a prefill (`_append`: sink, recent, INT2 history via ops.quantize_pack), history capacity reserved
+    for T + `reserve` tokens up front so decode timing excludes regrowth. BF16 caches: one update per layer."""
+    cfg = model.config
+    H_kv, D = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for idx in range(cfg.num_hidden_layers):
+        if isinstance(cache, OscarCache):
+            layer = cache.layers[idx]
+            k = torch.randn(B, H_kv, min(chunk, T), D, device=dev, generator=gen, dtype=torch.bfloat16)
+            v = torch.randn(B, H_kv, min(chunk, T), D, device=dev, generator=gen, dtype=torch.bfloat16)
+            layer.lazy_initialization(k, v)
+            hist_rows = max(T + reserve - layer.sink - layer.recent, 1)
+            layer._ensure_history(-(-hist_rows // cache_mod.HISTORY_CHUNK) * cache_mod.HISTORY_CHUNK)
+            for start in range(0, T, chunk):
+                n = min(chunk, T - start)
+                layer._append(k[:, :, :n], v[:, :, :n], multi=True)
+        else:
+            k = torch.randn(B, H_kv, T, D, device=dev, generator=gen, dtype=torch.bfloat16)
+            v = torch.randn(B, H_kv, T, D, device=dev, generator=gen, dtype=torch.bfloat16)
+            cache.update(k, v, idx, {"cache_position": torch.arange(T, device=dev)})
+        del k, v
+
+
+@torch.inference_mode()
+def decode(model, cache: Cache, tokens: Tensor, steps: int) -> Tensor:
+    """`steps` greedy decode steps from tokens [B, 1]; returns the generated ids [B, steps]. No host syncs."""
+    kw = cache_kwarg(model)
+    out = []
+    for _ in range(steps):
+        logits = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+        tokens = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(tokens)
+    return torch.cat(out, dim=1)
+
+
+# --------------------------------------------------------------------------------------------- phase timing
+
+
+class PhaseTimer:
+    """CUDA-event (or wall-clock on CPU) time per named phase, outermost calls only. On a host-bound step the GPU
+    waits on launches, so a phase's time is what it adds to the step's wall time, launch cost included."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.records: list[tuple[str, object, object]] = []
+        self.depth = 0
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                start.record()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+                if self.cuda:
+                    end.record()
+                self.records.append((name, start, end))
+                self.depth -= 1
+
+        return timed
+
+    def totals_ms(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for name, s, e in self.records:
+            out[name] = out.get(name, 0.0) + (s.elapsed_time(e) if self.cuda else (e - s) * 1e3)
+        return out
+
+
+@contextmanager
+def patched(targets):
+    """Temporarily replace (object, attribute) pairs: targets = [(obj, attr, new)]."""
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
+    for obj, attr, new in targets:
+        setattr(obj, attr, new)
+    try:
+        yield
+    finally:
+        for obj, attr, old in saved:
+            setattr(obj, attr, old)
+
+
+def phase_targets(timer: PhaseTimer, kind: str):
+    """The pieces of a decode step to time. OSCAR: the tiered attention kernels, the rotations (q, new k/v, output),
+    the cache filing (recent-tier write, every 8th step the demotion: clip → INT2 → pack). BF16: sdpa and the cache
+    update (DynamicCache: a cat that copies the whole layer cache every step)."""
+    if kind == "oscar":
+        return [
+            (ops, "tiered_decode_attention", timer.wrap("attention kernels", ops.tiered_decode_attention)),
+            (reference, "rotate", timer.wrap("rotation", reference.rotate)),
+            (cache_mod.OscarLayer, "_append", timer.wrap("cache write + demotion", cache_mod.OscarLayer._append)),
+        ]
+    from transformers.integrations import sdpa_attention
+
+    layer_cls = {"dynamic": "DynamicLayer", "static": "StaticLayer", "prealloc": None}[kind]
+    targets = []
+    if layer_cls:
+        import transformers.cache_utils as cu
+
+        cls = getattr(cu, layer_cls)
+        targets.append((cls, "update", timer.wrap("cache write", cls.update)))
+    else:
+        targets.append((PreallocLayer, "update", timer.wrap("cache write", PreallocLayer.update)))
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    fn = timer.wrap("attention kernels", sdpa_attention.sdpa_attention_forward)
+    targets.append((ALL_ATTENTION_FUNCTIONS, "_local_mapping", {**ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa": fn}))
+    return targets
+
+
+# ------------------------------------------------------------------------------------------------------ one row
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str, chunk: int, phases: bool) -> dict:
+    """Fill a fresh cache of `kind` to T tokens for batch B, decode warmup + steps, and measure."""
+    dev = next(model.parameters()).device
+    cfg = model.config
+    L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    extra = warmup + steps + 2 * layout.FLUSH  # decode steps: warmup, timed, phase-timed
+    capacity = T + extra + 1
+    row = dict(kind=kind, batch=B, context=T, steps=steps, fill=fill, layers=L)
+    use_attention(model, kind)
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    cache = make_cache(kind, model, capacity)
+    t0 = time.perf_counter()
+    if fill == "model":
+        ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev, generator=torch.Generator(dev).manual_seed(2))
+        tokens = prefill(model, cache, ids, chunk)
+    else:
+        fill_kv(cache, model, B, T, reserve=extra + layout.FLUSH)
+        tokens = torch.randint(0, cfg.vocab_size, (B, 1), device=dev)
+    _sync(dev)
+    row["fill_s"] = time.perf_counter() - t0
+    if dev.type == "cuda":
+        row["kv_allocated_by_fill"] = torch.cuda.memory_allocated() - base
+    decode(model, cache, tokens, warmup)
+    _sync(dev)
+    t0 = time.perf_counter()
+    if dev.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    out = decode(model, cache, tokens, steps)
+    cpu_s = time.perf_counter() - t0  # host time to enqueue the steps (≈ wall time when the step is host-bound)
+    if dev.type == "cuda":
+        end.record()
+        torch.cuda.synchronize()
+        wall_s = start.elapsed_time(end) / 1e3
+    else:
+        wall_s = cpu_s
+    tokens_now = cache.get_seq_length()  # T + warmup + steps
+    kvb = kv_bytes(cache)
+    row.update(
+        ms_per_step=wall_s / steps * 1e3, host_ms_per_step=cpu_s / steps * 1e3, tokens_per_s=B * steps / wall_s,
+        kv_bytes=kvb, rotation_bytes=rotation_bytes(cache), bytes_per_token_per_layer=kvb / (B * tokens_now * L),
+        expected_kv_bytes=expected_kv_bytes(kind, B, tokens_now, L, H_kv, D, _capacity(cache, capacity)),
+        generated=out.shape[1], status="ok",
+    )  # fmt: skip
+    if dev.type == "cuda":
+        row["peak_bytes"] = torch.cuda.max_memory_allocated()
+        row["peak_over_model_bytes"] = row["peak_bytes"] - base
+    if phases:
+        timer = PhaseTimer(dev)
+        with patched(phase_targets(timer, kind)):
+            _sync(dev)
+            t0 = time.perf_counter()
+            decode(model, cache, tokens, layout.FLUSH * 2)
+            _sync(dev)
+            total = (time.perf_counter() - t0) * 1e3 / (layout.FLUSH * 2)
+        parts = {k: v / (layout.FLUSH * 2) for k, v in timer.totals_ms().items()}
+        parts["rest of the model"] = max(total - sum(parts.values()), 0.0)
+        row["phases_ms_per_step"] = parts
+        row["phases_step_ms"] = total  # with the timing events in place (slightly slower than ms_per_step)
+    del cache, out
+    return row
+
+
+def _capacity(cache: Cache, capacity: int) -> int:
+    if isinstance(cache, OscarCache):
+        return cache.layers[0].hist_k.shape[2]
+    return capacity
+
+
+def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
+    """run_row, reporting a predicted or actual out-of-memory as a row instead of failing."""
+    cfg = model.config
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    need = expected_kv_bytes(kind, B, T, cfg.num_hidden_layers, cfg.num_key_value_heads, D, T + 64)
+    if free_bytes is not None and need > free_bytes:
+        return dict(kind=kind, batch=B, context=T, status="does not fit",
+                    note=f"needs {need / GB:.1f} GB of KV, {free_bytes / GB:.1f} GB free")  # fmt: skip
+    try:
+        return run_row(model, kind, B, T, args.steps, args.warmup, args.fill, args.chunk, phases)
+    except torch.OutOfMemoryError as e:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return dict(kind=kind, batch=B, context=T, status="OOM", note=str(e).splitlines()[0][:160])
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+
+
+def max_batch(bytes_per_token_per_layer: float, T: int, L: int, budget: float) -> int:
+    """Sequences of T tokens whose KV (measured bytes per cached token per layer) fit in `budget` bytes."""
+    return int(budget // (bytes_per_token_per_layer * T * L))
+
+
+def print_tables(result: dict) -> None:
+    rows = [r for r in result["rows"]]
+    best = {}
+    for r in rows:
+        if r["status"] == "ok" and r["kind"] in BF16_KINDS:
+            key = (r["context"], r["batch"])
+            best[key] = min(best.get(key, math.inf), r["ms_per_step"])
+    print(f"\n{result['model']} ({result['layers']} layers), {result['device']}, {result['steps']} timed decode steps, "
+          f"fill={result['fill']}")  # fmt: skip
+    print("| context | batch | cache | KV B/token/layer | KV GB | peak GB | ms/step | host ms/step | tok/s | "
+          "speedup vs best BF16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"| {r['context']} | {r['batch']} | {r['kind']} | | | | {r['status']} | | | {r.get('note', '')} |")
+            continue
+        b = best.get((r["context"], r["batch"]))
+        sp = f"{b / r['ms_per_step']:.2f}x" if b else "—"
+        print(f"| {r['context']} | {r['batch']} | {r['kind']} | {r['bytes_per_token_per_layer']:.0f} | "
+              f"{r['kv_bytes'] / GB:.2f} | {r.get('peak_bytes', 0) / GB:.1f} | {r['ms_per_step']:.2f} | "
+              f"{r['host_ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | {sp} |")  # fmt: skip
+    if result.get("budget"):
+        print(f"\nFixed KV budget {result['budget_gb']:.0f} GB: largest batch that fits, measured decode throughput")
+        print("| context | cache | max batch | ms/step | tok/s | throughput vs BF16 |")
+        print("|---|---|---|---|---|---|")
+        for b in result["budget"]:
+            print(f"| {b['context']} | {b['kind']} | {b['max_batch']} | {b.get('ms_per_step', float('nan')):.2f} | "
+                  f"{b.get('tokens_per_s', float('nan')):.0f} | {b.get('ratio', '')} |")  # fmt: skip
+    for r in rows:
+        if r.get("phases_ms_per_step"):
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_ms_per_step"].items())
+            print(f"phases {r['kind']} ctx {r['context']} batch {r['batch']} (ms/step of {r['phases_step_ms']:.2f}): "
+                  f"{parts}")  # fmt: skip
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="qwen3-8b (GPU default) or demo (CPU default)")
+    ap.add_argument("--layers", type=int, default=None, help="shrink the model to N layers")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 100_000, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--kinds", nargs="+", default=["oscar", "prealloc", "dynamic"], choices=KINDS)
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps first (covers a demotion)")
+    ap.add_argument("--fill", choices=["kv", "model"], default="kv")
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (fill=model)")
+    ap.add_argument("--budget-gb", type=float, default=100.0, help="KV memory budget for the max-batch rows")
+    ap.add_argument("--budget-contexts", type=int, nargs="*", default=[100_000])
+    ap.add_argument("--phases", nargs="*", default=["100000:1"], help="context:batch rows with a phase breakdown")
+    ap.add_argument("--extra", nargs="*", default=[], help="more rows as kind:context:batch (e.g. static:32768:1)")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = args.model or ("qwen3-8b" if dev.type == "cuda" else "demo")
+    model = build_model(name, args.layers, dev)
+    L = model.config.num_hidden_layers
+    phase_rows = {tuple(int(x) for x in p.split(":")) for p in args.phases}
+    result = dict(model=name, layers=L, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                  torch=torch.__version__, steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[],
+                  budget_gb=args.budget_gb, budget=[])  # fmt: skip
+    if dev.type == "cuda":
+        result["model_bytes"] = torch.cuda.memory_allocated()
+    print(f"{name}: {L} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params on {result['device']}",
+          flush=True)  # fmt: skip
+
+    def free():
+        if dev.type != "cuda":
+            return None
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0] - 4 * GB  # headroom for activations and the transient copies
+
+    def save():
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "bench_generate.json"), "w") as f:
+                json.dump(result, f, indent=2, default=str)
+
+    combos = [(kind, T, B) for T in args.contexts for B in args.batches for kind in args.kinds]
+    combos += [(k, int(T), int(B)) for k, T, B in (e.split(":") for e in args.extra)]
+    for kind, T, B in combos:
+        r = safe_row(model, kind, B, T, args, phases=(T, B) in phase_rows, free_bytes=free())
+        result["rows"].append(r)
+        msg = f"{r['ms_per_step']:.2f} ms/step" if r["status"] == "ok" else f"{r['status']} {r.get('note', '')}"
+        print(f"ctx {T} batch {B} {kind}: {msg}", flush=True)
+        save()
+    for T in args.budget_contexts:
+        per_kind = {}
+        for kind in args.kinds:
+            ok = [r for r in result["rows"] if r["kind"] == kind and r["context"] == T and r["status"] == "ok"]
+            if not ok:  # measure bytes per token at batch 1 first
+                ok = [safe_row(model, kind, 1, T, args, free_bytes=free())]
+                ok = [r for r in ok if r["status"] == "ok"]
+            if not ok:
+                continue
+            bpt = max(ok, key=lambda r: r["batch"])["bytes_per_token_per_layer"]
+            n = max_batch(bpt, T, L, args.budget_gb * GB)
+            entry = dict(context=T, kind=kind, max_batch=n, bytes_per_token_per_layer=bpt)
+            if n >= 1:
+                r = next((r for r in ok if r["batch"] == n), None) or safe_row(model, kind, n, T, args, free_bytes=free())
+                entry.update(status=r["status"], ms_per_step=r.get("ms_per_step", math.nan),
+                             tokens_per_s=r.get("tokens_per_s", math.nan), peak_bytes=r.get("peak_bytes"))  # fmt: skip
+            per_kind[kind] = entry
+            result["budget"].append(entry)
+            print(f"budget ctx {T} {kind}: batch {n}, {entry.get('tokens_per_s', math.nan):.0f} tok/s", flush=True)
+        bf = [e.get("tokens_per_s", math.nan) for k, e in per_kind.items() if k in BF16_KINDS]
+        bf = [x for x in bf if x == x]
+        if bf and "oscar" in per_kind:
+            per_kind["oscar"]["ratio"] = f"{per_kind['oscar'].get('tokens_per_s', math.nan) / max(bf):.2f}x"
+    save()
+    print_tables(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
