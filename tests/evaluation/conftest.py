@@ -1,0 +1,121 @@
+"""Verify test set-up: a random-weight Llama (9 query / 3 KV heads, head_dim 64, 2 layers) with outlier key/value
+channels, like real models, saved with the SmolLM2 tokenizer; OSCAR artifacts calibrated for it by the library pipeline
+(tiny windows: sink 16, recent 32) and a broken but orthogonal copy; short held-out text files. Triton kernels are
+imported in interpreter mode on CPU-only machines (TRITON_INTERPRET must be set before `triton.jit` runs)."""
+
+import dataclasses
+import importlib
+import os
+
+import pytest
+import torch
+
+from ..conftest import tiny_model
+
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.import_module("oscar_zoo.runtime.kernels.quantize_pack")
+    finally:
+        if _saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
+
+SINK, RECENT, CONTEXT = 16, 32, 192
+# Thresholds for the random model (its perplexity is meaningless, ~vocabulary size): measured KL 0.26 / top-1 0.33
+# for the calibrated artifact, 0.70 / 0.20 for the broken one.
+TEST_THRESHOLDS = ("--max-kl", "0.45", "--min-top1", "0.27", "--max-ppl-increase", "1.0")
+
+
+def outlier_model(seed: int = 0, **overrides):
+    """Random Llama with sharper attention (q, k ×3), a few outlier key channels (×10, both RoPE halves) and one
+    outlier value channel per KV head, and a sharper LM head (×8): INT2 without rotation hurts it, as real models."""
+    config = dict(vocab_size=49152, num_attention_heads=9, num_key_value_heads=3, hidden_size=144)
+    model = tiny_model("llama", seed=seed, **{**config, **overrides})
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.q_proj.weight.mul_(3.0)
+            attn.k_proj.weight.mul_(3.0)
+            for h in range(attn.k_proj.weight.shape[0] // 64):
+                channels = torch.randint(0, 32, (2,), generator=g).tolist()
+                for c in channels:
+                    attn.k_proj.weight[h * 64 + c].mul_(10.0)
+                    attn.k_proj.weight[h * 64 + c + 32].mul_(10.0)
+                attn.v_proj.weight[h * 64 + channels[0]].mul_(10.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from oscar_zoo.models import ensure_demo_model
+
+    return AutoTokenizer.from_pretrained(ensure_demo_model())
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("outlier-llama")
+    outlier_model().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def heldout_file(tmp_path_factory):
+    """A short held-out text (an evaluation play's opening), so the CLI tests tokenize little."""
+    from oscar_zoo.calibration.data import corpus_dir
+
+    path = tmp_path_factory.mktemp("text") / "henry_v.txt"
+    path.write_text((corpus_dir() / "henry_v_gut.txt").read_text()[:60000])
+    return path
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dir):
+    from oscar_zoo.models import load_model
+
+    return load_model(str(model_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def good_artifacts(tmp_path_factory, loaded):
+    """OSCAR artifacts calibrated by the library pipeline on 4×128 tokens of a calibration play (fixed clips)."""
+    from oscar_zoo.artifacts import write_artifacts
+    from oscar_zoo.calibration.data import corpus_dir, make_sequences
+    from oscar_zoo.calibration.pipeline import CalibrationSettings, calibrate
+
+    text = (corpus_dir() / "hamlet_gut.txt").read_text()[:60000]
+    seqs = make_sequences(loaded.tokenizer, [text], 128, 4, 1, dataset="hamlet excerpt")
+    root = tmp_path_factory.mktemp("artifacts")
+    result = calibrate(loaded, seqs, CalibrationSettings(clip="fixed", sink=SINK, recent=RECENT, batch_size=4),
+                       store_dir=root / "store")
+    write_artifacts(root / "good", result.manifest, result.rotations)
+    return root / "good"
+
+
+@pytest.fixture(scope="session")
+def bad_artifacts(good_artifacts):
+    """The same artifacts with every key rotation replaced by one permutation matrix: orthogonal, so integrity checks
+    pass, but it mixes nothing, leaving the outlier key channels to INT2."""
+    from oscar_zoo.artifacts import load_artifacts, write_artifacts
+
+    manifest, rot = load_artifacts(good_artifacts)
+    perm = torch.eye(64)[torch.randperm(64, generator=torch.Generator().manual_seed(1))]
+    broken = dataclasses.replace(rot, k_rotation=perm.expand_as(rot.k_rotation).contiguous())
+    dest = good_artifacts.parent / "bad"
+    write_artifacts(dest, manifest, broken)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def heldout_ids(loaded, heldout_file):
+    from oscar_zoo.calibration.data import make_sequences
+
+    return make_sequences(loaded.tokenizer, [heldout_file.read_text()], CONTEXT, 2, 0).input_ids
