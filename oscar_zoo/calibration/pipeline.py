@@ -1,6 +1,7 @@
 """Calibration orchestration: capture passes → float64 targets → rotations → clip search → manifest + tensors.
 
-Accumulators are checkpointed after every batch into a cache folder keyed by (model, token ids, dtype): a re-run with
+Accumulators are checkpointed after batches (in a background writer, skipped while the last write is in flight; the end
+of each pass always) into a cache folder keyed by (model, token ids, dtype): a re-run with
 the same inputs reuses them (a re-fit with another granularity, value target or clip mode runs no forward pass), and
 an interrupted run resumes from the last finished batch. Data-parallel runs (`dp`) keep one store per rank holding
 that rank's local sums; the all-reduce is redone on every run, so reuse and resume stay exact (same world size).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from . import clip_search
 from .capture import capturing, forward_batches
 from .data import TokenSequences
 from .distributed import DataParallel
-from .placement import PlacedMoment, accumulator_device, model_device
+from .placement import PlacedMoment, accumulator_device, model_device, sample_on
 from .rotation import fit_rotations, spectrum_ratio
 from .targets import SecondMoment, group_heads, key_weights
 
@@ -73,6 +75,8 @@ class AccumulatorStore:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.state_path = self.folder / "state.json"
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def state(self) -> dict:
         return json.loads(self.state_path.read_text()) if self.state_path.is_file() else {}
@@ -82,6 +86,38 @@ class AccumulatorStore:
         return load_tensors(path) if path.is_file() else None
 
     def save(self, name: str, tensors: dict[str, torch.Tensor], **state) -> None:
+        self.flush()
+        self._write(name, tensors, state)
+
+    def save_async(self, name: str, tensors: Callable[[], dict[str, torch.Tensor]], wait: bool = False,
+                   **state) -> bool:
+        """Checkpoint without stalling the forward passes: `tensors()` is copied to host memory now and written by a
+        background thread. While a write is in flight this returns False and saves nothing, unless `wait`."""
+        if self._writer is not None and self._writer.is_alive() and not wait:
+            return False
+        self.flush()
+        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in tensors().items()}
+
+        def write() -> None:
+            try:
+                self._write(name, snapshot, state)
+            except BaseException as exc:  # re-raised by flush() in the calling thread
+                self._error = exc
+
+        self._writer = threading.Thread(target=write, name=f"checkpoint-{name}")
+        self._writer.start()
+        return True
+
+    def flush(self) -> None:
+        """Wait for the background write, if any; raise its error."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, name: str, tensors: dict[str, torch.Tensor], state: dict) -> None:
         save_tensors(self.folder / f"{name}.safetensors", tensors)
         atomic_write_text(self.state_path, json.dumps({**self.state(), **state}, sort_keys=True))
 
@@ -94,11 +130,12 @@ def store_key(loaded: LoadedModel, seqs: TokenSequences) -> str:
 
 
 def _pass(model, ids: torch.Tensor, batch_size: int, start: int, observer, desc: str, progress: Progress,
-          checkpoint: Callable[[int], None]) -> None:
+          checkpoint: Callable[[int, bool], None]) -> None:
+    """One capture pass over sequences [start:]; `checkpoint(done, final)` after each batch (final: the last one)."""
     T, n, t0 = ids.shape[1], ids.shape[0], time.perf_counter()
 
     def on_batch(done: int) -> None:
-        checkpoint(done)
+        checkpoint(done, done == n)
         rate = (done - start) * T / max(time.perf_counter() - t0, 1e-9)
         progress(desc, done * T, n * T, rate=f"{rate:,.0f} tok/s")
 
@@ -119,57 +156,62 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
     ids = dp.shard(seqs.input_ids) if dp else seqs.input_ids
     N, bs = ids.shape[0], settings.batch_size
     state, ran = store.state(), []
-    reduce = dp.reduce if dp else (lambda moment: moment)
-    Moment = PlacedMoment  # products form on each layer's device, sums live on `device`
+    try:
+        reduce = dp.reduce if dp else (lambda moment: moment)
+        Moment = PlacedMoment  # products form on each layer's device, sums live on `device`
 
-    # Pass 1: key target and softmax value target (one forward over the calibration sequences).
-    saved = store.load("pass1")
-    key = Moment.from_state(saved, "key", device) if saved else Moment.zeros(L, H_kv, D, device)
-    soft = Moment.from_state(saved, "softmax", device) if saved else Moment.zeros(L, H_kv, D, device)
-    done1 = state.get("pass1_done", 0) if saved else 0
-    if done1 < N:
-        def observe1(layer, q, k, v, out, scaling):
-            key.add(layer, group_heads(q, H_kv))
-            soft.add(layer, group_heads(out, H_kv))
+        # Pass 1: key target and softmax value target (one forward over the calibration sequences).
+        saved = store.load("pass1")
+        key = Moment.from_state(saved, "key", device) if saved else Moment.zeros(L, H_kv, D, device)
+        soft = Moment.from_state(saved, "softmax", device) if saved else Moment.zeros(L, H_kv, D, device)
+        done1 = state.get("pass1_done", 0) if saved else 0
+        if done1 < N:
+            def observe1(layer, q, k, v, out, scaling):
+                key.add(layer, group_heads(q, H_kv))
+                soft.add(layer, group_heads(out, H_kv))
 
-        _pass(model, ids, bs, done1, observe1, "pass 1/2: key target", progress,
-              lambda done: store.save("pass1", {**key.state("key"), **soft.state("softmax")}, pass1_done=done))
-        ran.append("pass1")
-    key, soft = reduce(key), reduce(soft)  # the checkpoint keeps this rank's sums; the reduced ones are new objects
+            _pass(model, ids, bs, done1, observe1, "pass 1/2: key target", progress,
+                  lambda done, final: store.save_async("pass1", lambda: {**key.state("key"), **soft.state("softmax")},
+                                                       wait=final, pass1_done=done))
+            ran.append("pass1")
+        key, soft = reduce(key), reduce(soft)  # the checkpoint keeps this rank's sums; the reduced ones are new objects
 
-    # Held-out attention inputs for the clip search (small: a few sequences), kept so re-fits need no forward.
-    heldout = store.load("heldout") if not dp or dp.is_main else {}
-    if heldout is None:
-        captured: dict[str, list[torch.Tensor]] = {}
+        # Held-out attention inputs for the clip search (small: a few sequences), kept so re-fits need no forward.
+        heldout = store.load("heldout") if not dp or dp.is_main else {}
+        if heldout is None:
+            captured: dict[str, list[torch.Tensor]] = {}
 
-        def observe_heldout(layer, q, k, v, out, scaling):
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                captured.setdefault(f"{layer}.{name}", []).append(t.detach().cpu())
-            captured[f"{layer}.scaling"] = [torch.tensor([scaling], dtype=torch.float64)]
+            def observe_heldout(layer, q, k, v, out, scaling):
+                for name, t in (("q", q), ("k", k), ("v", v)):
+                    captured.setdefault(f"{layer}.{name}", []).append(t.detach().cpu())
+                captured[f"{layer}.scaling"] = [torch.tensor([scaling], dtype=torch.float64)]
 
-        _pass(model, seqs.heldout_ids, bs, 0, observe_heldout, "held-out capture", progress, lambda done: None)
-        heldout = {k: torch.cat(v) for k, v in captured.items()}
-        store.save("heldout", heldout)
-        ran.append("heldout")
+            _pass(model, seqs.heldout_ids, bs, 0, observe_heldout, "held-out capture", progress, lambda *_: None)
+            heldout = {k: torch.cat(v) for k, v in captured.items()}
+            store.save("heldout", heldout)
+            ran.append("heldout")
 
-    # Pass 2: the weighted value target needs the finished key target (w_t = k_tᵀ C_Q k_t).
-    saved = store.load("pass2")
-    value = Moment.from_state(saved, "value", device) if saved else Moment.zeros(L, H_kv, D, device)
-    done2 = state.get("pass2_done", 0) if saved else 0
-    if settings.value_target == ValueTarget.WEIGHTED.value and done2 < N:
-        key_target = key.mean()
-        on_layer_device: dict[int, torch.Tensor] = {}  # C_Q[layer] where that layer runs (one copy per run)
+        # Pass 2: the weighted value target needs the finished key target (w_t = k_tᵀ C_Q k_t).
+        saved = store.load("pass2")
+        value = Moment.from_state(saved, "value", device) if saved else Moment.zeros(L, H_kv, D, device)
+        done2 = state.get("pass2_done", 0) if saved else 0
+        if settings.value_target == ValueTarget.WEIGHTED.value and done2 < N:
+            key_target = key.mean()
+            on_layer_device: dict[int, torch.Tensor] = {}  # C_Q[layer] where that layer runs (one copy per run)
 
-        def observe2(layer, q, k, v, out, scaling):
-            kg, vg = group_heads(k, H_kv), group_heads(v, H_kv)
-            if layer not in on_layer_device:
-                on_layer_device[layer] = key_target[layer].to(k.device)
-            value.add(layer, vg, key_weights(kg, on_layer_device[layer]))
+            def observe2(layer, q, k, v, out, scaling):
+                kg, vg = group_heads(k, H_kv), group_heads(v, H_kv)
+                if layer not in on_layer_device:
+                    on_layer_device[layer] = key_target[layer].to(k.device)
+                value.add(layer, vg, key_weights(kg, on_layer_device[layer]))
 
-        _pass(model, ids, bs, done2, observe2, "pass 2/2: value target", progress,
-              lambda done: store.save("pass2", value.state("value"), pass2_done=done))
-        ran.append("pass2")
-    return key, reduce(value), soft, heldout, ran
+            _pass(model, ids, bs, done2, observe2, "pass 2/2: value target", progress,
+                  lambda done, final: store.save_async("pass2", lambda: value.state("value"), wait=final,
+                                                       pass2_done=done))
+            ran.append("pass2")
+        return key, reduce(value), soft, heldout, ran
+    finally:
+        store.flush()  # the last checkpoints are on disk before anyone reads the store
 
 
 def layer_sample(heldout: dict[str, torch.Tensor], layer: int) -> clip_search.LayerSample:
@@ -206,12 +248,13 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     key_tables = value_tables = None
     if settings.clip == ClipMode.SEARCH.value:
         key_tables, value_tables = [], []
+        on = model_device(loaded.model)  # on a GPU run the search's [S, H_q, T, T] softmax products run there
         for layer in range(L):
             progress("clip search", layer, L)
-            kt, vt = clip_search.objectives(layer_sample(heldout, layer), k_rot[layer], v_rot[layer],
-                                            key_target[layer], grid, settings.group_size)
-            key_tables.append(kt)
-            value_tables.append(vt)
+            kt, vt = clip_search.objectives(sample_on(layer_sample(heldout, layer), on), k_rot[layer].to(on),
+                                            v_rot[layer].to(on), key_target[layer].to(on), grid, settings.group_size)
+            key_tables.append(kt.cpu())
+            value_tables.append(vt.cpu())
         progress("clip search", L, L)
         key_tables, value_tables = torch.stack(key_tables), torch.stack(value_tables)  # [L, R, H]
         k_clip = torch.stack([clip_search.pick(t, grid) for t in key_tables])

@@ -5,35 +5,21 @@ whose per-batch products are formed in float64 on the layer's device and only th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from .targets import SecondMoment
 
-# Tokens per float64 partial product on a GPU. One [H, D, n]·[H, n, D] product per batch gives too few output tiles to
-# fill the GPU (H·(D/128)² of them); splitting the token axis into chunks multiplies the tiles by N/n and the chunk
-# products are summed in float64 afterwards. Sums stay float64 end to end (METHOD.md §1).
-GPU_CHUNK = 1024
-
 
 def second_moment(x: Tensor, w: Tensor | None = None) -> Tensor:
-    """Σ_n w_n x_n x_nᵀ per head, in float64 on x's device: x [H, N, D], w [H, N] or None → [H, D, D]."""
-    H, N, D = x.shape
-    if x.device.type != "cuda" or N <= GPU_CHUNK:
-        x64 = x.to(torch.float64)
-        xw = x64 if w is None else x64 * w.to(x.device, torch.float64)[..., None]
-        return torch.einsum("hnd,hne->hde", xw, x64)
-    S = -(-N // GPU_CHUNK)
-    x64 = x.new_zeros(H, S * GPU_CHUNK, D, dtype=torch.float64)  # zero rows pad the last chunk and add nothing
-    x64[:, :N] = x
-    x64 = x64.view(H * S, GPU_CHUNK, D)  # [H·S, n, D]
-    if w is None:
-        xw = x64
-    else:
-        w64 = w.new_zeros(H, S * GPU_CHUNK, dtype=torch.float64)
-        w64[:, :N] = w
-        xw = x64 * w64.view(H * S, GPU_CHUNK, 1)
-    return torch.bmm(xw.transpose(1, 2), x64).view(H, S, D, D).sum(1)  # [H·S, D, D] → [H, D, D]
+    """Σ_n w_n x_n x_nᵀ per head, in float64 on x's device: x [H, N, D], w [H, N] or None → [H, D, D]. On an H200 a
+    float64 product of one q batch [8, 32768, 128] takes 0.39 ms (FP64 tensor cores), no faster in fp32 or in token
+    chunks (benchmarks/RESULTS.md), so the sums stay float64 end to end as METHOD.md §1 asks."""
+    x64 = x.to(torch.float64)
+    xw = x64 if w is None else x64 * w.to(x.device, torch.float64)[..., None]
+    return torch.einsum("hnd,hne->hde", xw, x64)
 
 
 class PlacedMoment(SecondMoment):
@@ -64,3 +50,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def accumulator_device(model: torch.nn.Module, accumulate_on: str) -> torch.device:
     """`model`: the model's first device; `cpu`: host memory (products still form on each layer's device)."""
     return torch.device("cpu") if accumulate_on == "cpu" else model_device(model)
+
+
+def sample_on(sample, device: torch.device):
+    """A clip-search LayerSample moved to `device` (the search runs where the model's first layer runs)."""
+    return replace(sample, q=sample.q.to(device), k=sample.k.to(device), v=sample.v.to(device))
