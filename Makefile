@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/oscar-zoo calibrate demo --out $(ARTIFACTS)
+	$(VENV)/bin/oscar-zoo verify $(ARTIFACTS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
