@@ -9,7 +9,7 @@ import torch
 
 from oscar_zoo.artifacts import check_model_matches, load_artifacts, read_manifest
 from oscar_zoo.calibration.data import corpus_dir, make_sequences
-from oscar_zoo.calibration.pipeline import CalibrationSettings, calibrate
+from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, calibrate
 from oscar_zoo.errors import IntegrityError
 from oscar_zoo.manifest import Manifest
 from oscar_zoo.models import load_model
@@ -77,8 +77,9 @@ def test_interrupted_calibration_resumes_to_the_same_result(tiny_model_dir, text
 
     with pytest.raises(KeyboardInterrupt):
         calibrate(loaded, seqs, settings, progress=interrupt_in_pass_two, store_dir=tmp_path / "resumed")
-    state = json.loads((tmp_path / "resumed" / "state.json").read_text())
-    assert state["pass1_done"] == 6 and 0 < state["pass2_done"] < 6
+    store = AccumulatorStore(tmp_path / "resumed")
+    assert store.progress(store.load("pass1"), "pass1_done") == 6
+    assert 0 < store.progress(store.load("pass2"), "pass2_done") < 6
     resumed = calibrate(loaded, seqs, settings, store_dir=tmp_path / "resumed")
     assert resumed.forward_passes == ["pass2"]  # pass 1 and the held-out capture were finished and kept
     for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip"):

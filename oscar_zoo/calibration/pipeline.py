@@ -10,7 +10,6 @@ that rank's local sums; the all-reduce is redone on every run, so reuse and resu
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ import torch
 
 from .. import __version__
 from ..errors import InputError
-from ..artifacts import Rotations, atomic_write_text, load_tensors, save_tensors
+from ..artifacts import Rotations, load_tensors, save_tensors
 from ..manifest import (CalibrationRecord, ClipMode, ClipSpec, Granularity, Manifest, QuantSpec, RotationSpec,
                         ValueTarget)
 from ..models import LoadedModel, cache_root
@@ -69,17 +68,20 @@ class CalibrationResult:
 
 
 class AccumulatorStore:
-    """Checkpoints of the streaming accumulators in `folder`; every write is atomic."""
+    """Checkpoints of the streaming accumulators in `folder`. Each checkpoint is ONE atomic safetensors file holding
+    the sums and the progress counters (`state.<name>` scalars) together, so a crash can never pair sums with a
+    counter from another moment (which would count batches twice on resume)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.state_path = self.folder / "state.json"
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def state(self) -> dict:
-        return json.loads(self.state_path.read_text()) if self.state_path.is_file() else {}
+    @staticmethod
+    def progress(saved: dict[str, torch.Tensor] | None, counter: str) -> int:
+        """A counter stored with a checkpoint (0 when there is no checkpoint)."""
+        return int(saved[f"state.{counter}"]) if saved and f"state.{counter}" in saved else 0
 
     def load(self, name: str) -> dict[str, torch.Tensor] | None:
         path = self.folder / f"{name}.safetensors"
@@ -118,8 +120,8 @@ class AccumulatorStore:
             raise error
 
     def _write(self, name: str, tensors: dict[str, torch.Tensor], state: dict) -> None:
-        save_tensors(self.folder / f"{name}.safetensors", tensors)
-        atomic_write_text(self.state_path, json.dumps({**self.state(), **state}, sort_keys=True))
+        counters = {f"state.{k}": torch.tensor(int(v), dtype=torch.int64) for k, v in state.items()}
+        save_tensors(self.folder / f"{name}.safetensors", {**tensors, **counters})
 
 
 def store_key(loaded: LoadedModel, seqs: TokenSequences) -> str:
@@ -155,7 +157,7 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
     L, H_kv, D = info.num_layers, info.num_kv_heads, info.head_dim
     ids = dp.shard(seqs.input_ids) if dp else seqs.input_ids
     N, bs = ids.shape[0], settings.batch_size
-    state, ran = store.state(), []
+    ran: list[str] = []
     try:
         reduce = dp.reduce if dp else (lambda moment: moment)
         Moment = PlacedMoment  # products form on each layer's device, sums live on `device`
@@ -164,7 +166,7 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         saved = store.load("pass1")
         key = Moment.from_state(saved, "key", device) if saved else Moment.zeros(L, H_kv, D, device)
         soft = Moment.from_state(saved, "softmax", device) if saved else Moment.zeros(L, H_kv, D, device)
-        done1 = state.get("pass1_done", 0) if saved else 0
+        done1 = store.progress(saved, "pass1_done")
         if done1 < N:
             def observe1(layer, q, k, v, out, scaling):
                 key.add(layer, group_heads(q, H_kv))
@@ -194,7 +196,7 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         # Pass 2: the weighted value target needs the finished key target (w_t = k_tᵀ C_Q k_t).
         saved = store.load("pass2")
         value = Moment.from_state(saved, "value", device) if saved else Moment.zeros(L, H_kv, D, device)
-        done2 = state.get("pass2_done", 0) if saved else 0
+        done2 = store.progress(saved, "pass2_done")
         if settings.value_target == ValueTarget.WEIGHTED.value and done2 < N:
             key_target = key.mean()
             on_layer_device: dict[int, torch.Tensor] = {}  # C_Q[layer] where that layer runs (one copy per run)
