@@ -142,114 +142,11 @@ def sweep(gen, copy_bw):
     return out
 
 
-VARIANTS = {  # name: (INT2_IMPL, tokens per tile, warps, programs per SM)
-    "tc (old)": ("tc", None, 4, 4),
-    "cc n16 w4 p4": ("cc", 16, 4, 4),
-    "cc n16 w4 p8": ("cc", 16, 4, 8),
-    "cc n32 w8 p4": ("cc", 32, 8, 4),
-}
-
-
-def set_variant(name):
-    impl, bn, warps, per_sm = VARIANTS[name]
-    ops.INT2_IMPL, ops.INT2_PROGRAMS_PER_SM = impl, per_sm
-    if impl == "cc":
-        ops.INT2_CC_BLOCK_N, ops.INT2_CC_WARPS = bn, warps
-
-
-def check_variants():
-    """GPU correctness of every variant: the decode and merge tests' cases (2×-bf16 error rule) on CUDA."""
-    import inspect
-    import sys
-    import types
-
-    try:
-        import pytest  # noqa: F401
-    except ImportError:  # the GPU image has no pytest: a stub of the decorators the test module uses
-        stub = types.ModuleType("pytest")
-
-        class _Mark:
-            def __getattr__(self, _name):
-                return lambda *a, **k: a[0] if len(a) == 1 and callable(a[0]) and not k else (lambda f: f)
-
-        stub.mark = _Mark()
-        sys.modules["pytest"] = stub
-    from tests.runtime import test_decode_kernels as t
-
-    cases = [(t.test_tier_boundaries, dict(L=L)) for L in [1, 63, 64, 320, 321, 327, 328, 700]]
-    cases += [(t.test_gqa_groups, dict(group=g)) for g in [1, 3, 4, 5, 8]]
-    cases += [(t.test_head_dim_128_ragged_batch, {}), (t.test_group_size_below_head_dim, {}),
-              (t.test_all_empty_rows_give_zero, {}), (t.test_int2_empty_splits, {}),
-              (t.test_bf16_partial_matches_reference, {})]  # fmt: skip
-    cases += [(t.test_long_contexts_cuda, dict(L=L)) for L in [4096, 40000]]
-    ok = True
-    for name in VARIANTS:
-        set_variant(name)
-        fails = []
-        for fn, kw in cases:
-            args = dict(kw, device="cuda") if "device" in inspect.signature(fn).parameters else kw
-            try:
-                fn(**args)
-            except Exception as err:  # noqa: BLE001
-                fails.append(f"{fn.__name__}{kw}: {str(err).splitlines()[0][:200]}")
-        print(f"check {name}: {len(cases) - len(fails)}/{len(cases)} passed", *fails, sep="\n  ", flush=True)
-        ok &= not fails
-    return ok
-
-
-def compare(gen, copy_bw):
-    """Old vs new INT2 variants side by side on the headline rows (same caches, same-run SDPA)."""
-    rows = []
-    for B, L in [(1, 4096), (1, 32768), (1, 100_000), (32, 32768)]:
-        H_q, H_kv, D = 32, 8, 128
-        sm_scale = D**-0.5
-        q = torch.randn(B, H_q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        n_buf = 2 if B * L > 1e6 else 4
-        caches = [int2_cache(B, H_kv, D, L, gen) for _ in range(n_buf)]
-        row = dict(batch=B, context=L)
-        for name in VARIANTS:
-            set_variant(name)
-            calls = [lambda c=c: ops.tiered_decode_attention(q, **c, sm_scale=sm_scale) for c in caches]
-            row[name] = time_rotating(calls)[1] * 1e3
-        del caches, calls
-        kv = [(torch.randn(B, H_kv, L, D, device="cuda", dtype=torch.bfloat16, generator=gen),
-               torch.randn(B, H_kv, L, D, device="cuda", dtype=torch.bfloat16, generator=gen)) for _ in range(2)]  # fmt: skip
-        q4 = q.unsqueeze(2)
-        calls = [lambda k=k, v=v: F.scaled_dot_product_attention(q4, k, v, scale=sm_scale, enable_gqa=True) for k, v in kv]
-        row["sdpa"] = time_rotating(calls)[1] * 1e3
-        row["bytes"] = int2_bytes(B, H_q, H_kv, D, L)
-        del kv, calls
-        torch.cuda.empty_cache()
-        rows.append(row)
-        print(row, flush=True)
-    names = list(VARIANTS)
-    print("\n| batch | context | " + " | ".join(f"{n} µs" for n in names) + " | SDPA µs | best speedup | best % bw |")
-    print("|---|---|" + "---|" * (len(names) + 3))
-    for r in rows:
-        best = min(r[n] for n in names)
-        print(f"| {r['batch']} | {r['context']} | " + " | ".join(f"{r[n]:.1f}" for n in names)
-              + f" | {r['sdpa']:.1f} | {r['sdpa'] / best:.2f}x | {r['bytes'] / (best * 1e-6) / copy_bw:.0%} |")  # fmt: skip
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="headline rows only")
     ap.add_argument("--sweep", action="store_true", help="try launch settings first")
-    ap.add_argument("--compare", action="store_true", help="GPU checks, then old vs new INT2 variants; nothing else")
-    ap.add_argument("--variants", default="", help="comma-separated subset of VARIANTS for --compare")
     args = ap.parse_args()
-    if args.variants:
-        for name in list(VARIANTS):
-            if name not in args.variants.split(","):
-                del VARIANTS[name]
-    if args.compare:
-        ok = check_variants()
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        copy_bw = copy_bandwidth()
-        print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; checks {'passed' if ok else 'FAILED'}", flush=True)
-        compare(gen, copy_bw)
-        return
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)

@@ -54,7 +54,7 @@ class Method:
     name: str = ""
     label: str = ""
     kind: str = "baseline"  # "reference" | "artifact" | "baseline"
-    rotation_kind: str | None = None  # for the runtime cache: "artifact" | "identity" | "hadamard"; None: none exists
+    head_dim: int = 0
 
     def prepare(self, layer: int, q: Tensor, k: Tensor, v: Tensor, quantize_pack: QuantizePack) -> LayerKV:
         raise NotImplementedError
@@ -79,8 +79,8 @@ class RotatedInt2(Method):
     k_rotation/v_rotation float32 [L, H, D, D] (H = H_kv or 1) indexed by model layer; clips float32 [L, H] (0 = none)."""
 
     def __init__(self, name: str, label: str, kind: str, k_rotation: Tensor | None, v_rotation: Tensor | None,
-                 k_clip: Tensor, v_clip: Tensor, group_size: int, sink: int, recent: int, rotation_kind: str):
-        self.name, self.label, self.kind, self.rotation_kind = name, label, kind, rotation_kind
+                 k_clip: Tensor, v_clip: Tensor, group_size: int, sink: int, recent: int):
+        self.name, self.label, self.kind = name, label, kind
         self.k_rotation, self.v_rotation = k_rotation, v_rotation
         self.k_clip, self.v_clip = k_clip.float(), v_clip.float()
         self.group_size, self.sink, self.recent = group_size, sink, recent
@@ -124,8 +124,6 @@ class RotatedInt2(Method):
         G = layout.resolve_group_size(self.head_dim, self.group_size)
         b = layout.bits_per_element(context, G, self.sink, self.recent)
         return b, b
-
-    head_dim: int = 0
 
 
 class Kivi(Method):
@@ -181,23 +179,23 @@ def build_methods(rotations, num_layers: int, head_dim: int, group_size: int, si
     oscar = RotatedInt2(
         "oscar", f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, calibrated clips)", "artifact",
         rotations.k_rotation[order], rotations.v_rotation[order], rotations.k_clip[order], rotations.v_clip[order],
-        group_size, sink, recent, "artifact")
+        group_size, sink, recent)
     methods: list[Method] = [Exact(), oscar]
     for b in BASELINES:
         if b not in baselines:
             continue
         if b == "naive":
             methods.append(RotatedInt2("naive", "naive INT2 (no rotation, no clip)", "baseline", None, None, no_clip,
-                                       no_clip, group_size, sink, recent, "identity"))
+                                       no_clip, group_size, sink, recent))
         elif b == "clip-only":
             methods.append(RotatedInt2("clip-only", f"clip-only INT2 (no rotation, clip {layout.DEFAULT_K_CLIP}/"
                                        f"{layout.DEFAULT_V_CLIP})", "baseline", None, None, fixed_k, fixed_v,
-                                       group_size, sink, recent, "identity"))
+                                       group_size, sink, recent))
         elif b == "hadamard":
             M = hadamard_rotation(L, head_dim)
             methods.append(RotatedInt2("hadamard", f"Hadamard-only INT2 (H·P, fixed clip {layout.DEFAULT_K_CLIP}/"
                                        f"{layout.DEFAULT_V_CLIP})", "baseline", M, M, fixed_k, fixed_v, group_size,
-                                       sink, recent, "hadamard"))
+                                       sink, recent))
         elif b == "kivi":
             methods.append(Kivi(head_dim, sink, recent))
     for m in methods:

@@ -123,6 +123,8 @@ def run_verification(loaded: LoadedModel, manifest, rotations, input_ids: Tensor
     ids_all = input_ids[: settings.sequences]
     N, T = ids_all.shape
     start = sink + recent if settings.positions_from is None else settings.positions_from
+    if start < 0:
+        raise InputError(f"--score-from must be ≥ 0, got {start}")
     if T - 1 <= start:
         raise InputError(f"context {T} leaves no scored position at or past {start} (sink {sink} + recent {recent})",
                          f"use --context > {start + 1}")

@@ -25,9 +25,6 @@ INT2_WARPS = 4
 INT2_STAGES = 3
 INT2_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, KV head, split) programs per SM
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
-INT2_IMPL = os.environ.get("OSCAR_INT2_IMPL", "cc")  # "cc": CUDA-core kernel, "tc": tensor-core kernel
-INT2_CC_BLOCK_N = 16  # CUDA-core kernel: tokens per tile = online-softmax slots (its registers scale with it)
-INT2_CC_WARPS = 4
 BF16_BLOCK_N = 64
 QUANT_BLOCK_T = 32
 
@@ -219,8 +216,6 @@ def _check_kv(name: str, t: Tensor, q: Tensor, last: tuple[int, ...], dtype: tor
 def _int2_block_n(B: int, H_kv: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 16  # interpreter: small tiles, many of them
-    if INT2_IMPL == "cc":
-        return INT2_CC_BLOCK_N
     return INT2_BLOCK_N_SMALL if B * H_kv < _programs_target(device) // INT2_PROGRAMS_PER_SM else INT2_BLOCK_N
 
 
@@ -237,40 +232,12 @@ def _kernel_head_dim_ok(D: int) -> bool:
     return layout.is_power_of_two(D) and D >= 64
 
 
-def _launch_int2(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, o, lse, G, tiers=None):
-    """INT2 splits into o[:, :, :S]; with the CUDA-core kernel, `tiers` = (sink_k, sink_v, sink_len, recent_k, recent_v,
-    recent_len, s_sink, s_recent) adds the BF16 tiers as the next s_sink + s_recent splits of the same launch."""
+def _launch_int2(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, o, lse, G):
     _, decode_int2, _, _ = _kernels()
     B, H_q, D = q.shape
-    H_kv = codes_k.shape[1]
+    H_kv, S = codes_k.shape[1], o.shape[2]
     group = H_q // H_kv
     q = _last_contiguous(q, 1)
-    if INT2_IMPL == "cc":
-        if tiers is None:  # no BF16 splits: dummy tier pointers, never read
-            tiers = (q, q, hist_len, q, q, hist_len, 0, 0)
-        sk, sv, slen, rk, rv, rlen, s_sink, s_recent = tiers
-        S = o.shape[2] - s_sink - s_recent
-
-        def st(t):
-            return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
-
-        decode_int2._decode_int2_cc_kernel[(B * H_kv, o.shape[2])](
-            q, codes_k, sz_k, codes_v, sz_v, hist_len, o, lse,
-            sk, sv, slen, rk, rv, rlen,
-            H_kv, group, S, s_sink, s_recent, sm_scale * LOG2E,
-            q.stride(0), q.stride(1),
-            *st(sk), *st(sv), *st(rk), *st(rv),
-            codes_k.stride(0), codes_k.stride(1), codes_k.stride(2),
-            sz_k.stride(0), sz_k.stride(1), sz_k.stride(2),
-            codes_v.stride(0), codes_v.stride(1), codes_v.stride(2),
-            sz_v.stride(0), sz_v.stride(1), sz_v.stride(2),
-            o.stride(0), o.stride(1), o.stride(2),
-            lse.stride(0), lse.stride(1),
-            D=D, G=G, BLOCK_H=triton_next_pow2(group), BLOCK_N=_int2_block_n(B, H_kv, q.device),
-            USE_ASM=q.is_cuda and INT2_ASM_UNPACK, num_warps=INT2_CC_WARPS,
-        )  # fmt: skip
-        return
-    S = o.shape[2]
     decode_int2._decode_int2_kernel[(B * H_kv, S)](
         q, codes_k, sz_k, codes_v, sz_v, hist_len, o, lse,
         H_kv, group, S, sm_scale * LOG2E,
@@ -469,20 +436,6 @@ def tiered_decode_attention(
             recent_k, recent_v, recent_len, sm_scale,
         )  # fmt: skip
     s_int2 = _int2_splits(B, H_kv, codes_k.shape[2], q.device, None)
-    if INT2_IMPL == "cc":  # one launch for the three tiers, then the merge
-        bn = BF16_BLOCK_N if q.is_cuda else 16
-        s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
-        S = s_int2 + s_sink + s_recent
-        o_part = _alloc((B, H_q, S, D), torch.float32, q.device)
-        lse_part = _alloc((B, H_q, S), torch.float32, q.device)
-        tiers = (_last_contiguous(sink_k, 1), _last_contiguous(sink_v, 1), sink_len_i, _last_contiguous(recent_k, 1),
-                 _last_contiguous(recent_v, 1), recent_len_i, s_sink, s_recent)  # fmt: skip
-        _launch_int2(q, _last_contiguous(codes_k, 1), _last_contiguous(scale_zero_k, 2), _last_contiguous(codes_v, 1),
-                     _last_contiguous(scale_zero_v, 2), hist_len_i, sm_scale, o_part, lse_part, G, tiers)  # fmt: skip
-        out = _alloc((B * H_q, D), torch.float32, q.device)
-        out_lse = _alloc((B * H_q,), torch.float32, q.device)
-        _launch_merge(o_part.view(B * H_q, S, D), lse_part.view(B * H_q, S), out, out_lse)
-        return out.view(B, H_q, D), out_lse.view(B, H_q)
     bn = BF16_BLOCK_N if q.is_cuda else 16
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
     S = s_int2 + s_sink + s_recent

@@ -115,6 +115,24 @@ def test_backends_agree_under_the_triton_interpreter(good_artifacts, loaded, hel
         assert a.layer_error == pytest.approx(b.layer_error, rel=1e-3, abs=1e-5), a.name
 
 
+def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, loaded, heldout_ids):
+    """Shared per-layer rotations ([L, 1, D, D]) go through the teacher-forced path and the runtime cache alike."""
+    import dataclasses
+
+    from oscar_zoo.manifest import Granularity
+
+    manifest, rot = load_artifacts(good_artifacts)
+    shared = dataclasses.replace(rot, **{n: getattr(rot, n)[:, :1].contiguous() for n in (
+        "k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")})
+    manifest = manifest.model_copy(update={"rotation": manifest.rotation.model_copy(
+        update={"granularity": Granularity.PER_LAYER})})
+    settings = VerifySettings(context=96, sequences=1, baselines=(), generate_tokens=3,
+                              thresholds=Thresholds(max_ppl_increase=9, max_kl=9, min_top1=0))
+    report = run_verification(loaded, manifest, shared, heldout_ids[:1, :96], settings)
+    oscar = report.method("oscar")
+    assert oscar.generation.new_tokens == 3 and 0 < oscar.kl < 9 and "per-layer" in oscar.label
+
+
 def test_real_smollm2_oscar_beats_naive_int2(smollm2, tmp_path):
     """One short real case: OSCAR calibrated on 256 tokens of a calibration play, verified on 1×384 held-out tokens;
     the rotations must beat naive INT2 on KL and top-1 (observed: KL 0.024 vs 0.289, top-1 95.2% vs 79.4%)."""
