@@ -98,14 +98,15 @@ def write_artifacts(out_dir: Path, manifest: Manifest, rotations: Rotations) -> 
         save_tensors(tmp / ROTATIONS_NAME, rotations.tensors())
         manifest = manifest.model_copy(update={"artifacts": [describe_file(tmp, ROTATIONS_NAME)]})
         atomic_write_text(tmp / MANIFEST_NAME, manifest.to_json())
-        _swap_into_place(tmp, out_dir)
+        swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
 
 
-def _swap_into_place(new: Path, dest: Path) -> None:
+def swap_into_place(new: Path, dest: Path) -> None:
+    """Move the complete folder `new` to `dest`, replacing an existing `dest` only after `new` is in place."""
     if dest.exists():
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.replace(dest, old)

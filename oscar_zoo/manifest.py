@@ -120,24 +120,28 @@ class Manifest(_Frozen):
 
     @classmethod
     def from_json(cls, text: str, source: str = "manifest.json") -> Manifest:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise IntegrityError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        if not isinstance(data, dict):
-            raise IntegrityError(f"{source} must hold a JSON object, found {type(data).__name__}")
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise IntegrityError(
-                f"{source} has schema_version {version!r}; this oscar-zoo reads version {SCHEMA_VERSION}",
-                "upgrade oscar-zoo, or re-create the artifacts with this version",
-            )
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(root)"
-            raise IntegrityError(f"{source} is invalid at '{where}': {first['msg']}") from None
+        return parse_versioned(cls, text, source, "schema_version", SCHEMA_VERSION)
+
+
+def parse_versioned(model: type[BaseModel], text: str, source: str, version_field: str, version: int):
+    """Parse a versioned JSON document into `model`; every failure is an IntegrityError naming the file and place."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise IntegrityError(f"{source} must hold a JSON object, found {type(data).__name__}")
+    if data.get(version_field) != version:
+        raise IntegrityError(
+            f"{source} has {version_field} {data.get(version_field)!r}; this oscar-zoo reads version {version}",
+            "upgrade oscar-zoo, or re-create the file with this version",
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(root)"
+        raise IntegrityError(f"{source} is invalid at '{where}': {first['msg']}") from None
 
 
 def canonical_json(data: Any) -> str:

@@ -8,16 +8,15 @@ downloaded manifest is byte-for-byte the one the catalog recorded (its sha256), 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import InputError, IntegrityError
-from ..manifest import Manifest
+from ..manifest import Manifest, canonical_json, parse_versioned
 
 CATALOG_SCHEMA_VERSION = 1
 CATALOG_ENV = "OSCAR_ZOO_CATALOG"
@@ -69,8 +68,7 @@ class CatalogEntry(BaseModel):
                          f"available: {', '.join(sorted({loc.hub for loc in self.locations}))}")
 
     def to_json(self) -> str:
-        data = self.model_dump(mode="json")
-        return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+        return canonical_json(self.model_dump(mode="json"))
 
 
 def manifest_sha256(manifest: Manifest) -> str:
@@ -94,19 +92,7 @@ def catalog_files() -> list[tuple[str, str]]:
 
 
 def parse_entry(text: str, source: str) -> CatalogEntry:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise IntegrityError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if isinstance(data, dict) and data.get("catalog_version") != CATALOG_SCHEMA_VERSION:
-        raise IntegrityError(f"{source} has catalog_version {data.get('catalog_version')!r}; this oscar-zoo reads "
-                             f"version {CATALOG_SCHEMA_VERSION}", "upgrade oscar-zoo")
-    try:
-        return CatalogEntry.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(root)"
-        raise IntegrityError(f"{source} is invalid at '{where}': {first['msg']}") from None
+    return parse_versioned(CatalogEntry, text, source, "catalog_version", CATALOG_SCHEMA_VERSION)
 
 
 def load_catalog() -> list[CatalogEntry]:

@@ -9,7 +9,6 @@ commit, check schema and every sha256 in a temp folder next to the destination, 
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from ..artifacts import atomic_write_text, check_files, load_artifacts, sha256_file
+from ..artifacts import atomic_write_text, check_files, load_artifacts, sha256_file, swap_into_place
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
 from ..manifest import MANIFEST_NAME, Manifest
 from .base import HUBS, HubClient, split_repo_path
@@ -227,13 +226,7 @@ def _install(dest: Path, manifest_path: Path, files: dict[str, Path], manifest: 
             shutil.copyfile(src, tmp / rel)
         check_files(tmp, manifest)  # IntegrityError names the file whose sha256 differs
         load_artifacts(tmp)  # tensor names, shapes, orthogonality
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
+        swap_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,7 +1,6 @@
 """The memory plan (from the config alone) refuses a run that cannot fit, with its numbers, and accepts one that
 can; a model split over CPU and disk by `--device-map auto` gives the unsplit model's targets."""
 
-import json
 
 import pytest
 import torch
