@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from oscar_zoo.calibration import memory, placement
+from oscar_zoo.calibration import memory, targets
 from oscar_zoo.calibration.capture import capturing, forward_batches
 from oscar_zoo.calibration.data import TokenSequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate, calibrate
@@ -57,7 +57,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-# Ways of forming Σ w x xᵀ per head [H, N, D] → [H, D, D] float64, for comparison with placement.second_moment.
+# Ways of forming Σ w x xᵀ per head [H, N, D] → [H, D, D] float64, for comparison with targets.second_moment.
 def product_float64_chunks(x, w=None, n=1024):
     """float64 products of n-token chunks (more output tiles for the GPU), summed in float64."""
     H, N, D = x.shape
@@ -101,7 +101,7 @@ def product_error(model, ids, batch_size: int, n_kv: int) -> dict:
         forward_batches(model, ids[:batch_size], batch_size)
     out = {}
     for layer, x in grabbed.items():
-        ref = placement.second_moment(x)
+        ref = targets.second_moment(x)
         for name, fn in (("fp32_chunks", product_fp32_chunks), ("float64_chunks", product_float64_chunks)):
             err = ((fn(x) - ref).norm() / ref.norm()).item()
             ev_ref, ev = torch.linalg.eigvalsh(ref), torch.linalg.eigvalsh(fn(x))
@@ -113,7 +113,7 @@ def product_error(model, ids, batch_size: int, n_kv: int) -> dict:
 def micro(x) -> dict:
     """ms per product of one q-shaped batch, for each way."""
     out = {}
-    for name, fn in (("einsum64", placement.second_moment), ("float64_chunks", product_float64_chunks),
+    for name, fn in (("einsum64", targets.second_moment), ("float64_chunks", product_float64_chunks),
                      ("fp32_chunks", product_fp32_chunks)):
         fn(x)
         out[name] = min(timed(lambda: fn(x)) for _ in range(5)) * 1e3
@@ -180,13 +180,13 @@ def main():
     results["library"], results["library_no_checkpoints"] = lib, lib_nosave
 
     variants = {}
-    original = placement.second_moment
+    original = targets.second_moment
     for name, fn in (("float64_chunks", product_float64_chunks), ("fp32_chunks", product_fp32_chunks)):
-        placement.second_moment = fn
+        targets.second_moment = fn
         try:
             variants[name] = passes(settings, save=False)["pass 1/2: key target"]
         finally:
-            placement.second_moment = original
+            targets.second_moment = original
     results["pass1_variants_no_checkpoints"] = variants
 
     with tempfile.TemporaryDirectory() as folder:

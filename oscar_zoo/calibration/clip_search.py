@@ -7,6 +7,8 @@ The objective is the attention error the choice causes (METHOD.md §5), measured
           probabilities p (the output error of every query, including the sink/recent positions that stay exact
           in the cache, so it ranks ratios rather than predicting the cache's error).
 The grid always contains the fixed defaults, so the searched ratio is never worse on this objective than them.
+`objective="reconstruction"` ranks ratios by the plain mean squared error of the rotated rows instead (K and V alike),
+the attention-blind criterion the quality sweep (benchmarks/QUALITY.md) compares against.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 from ..runtime import layout, reference
 
 DEFAULT_GRID = (0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
+OBJECTIVES = ("attention", "reconstruction")
 
 
 def search_grid(grid: tuple[float, ...] = DEFAULT_GRID) -> list[float]:
@@ -57,6 +60,11 @@ def value_objective(probs: Tensor, v: Tensor, rotation: Tensor, ratio: float, gr
     return per_q_head.reshape(H_kv, g).mean(-1)
 
 
+def reconstruction_objective(rows: Tensor, ratio: float, group_size: int) -> Tensor:
+    """Mean squared reconstruction error ‖fake_quant(x) − x‖² per head of rotated rows [H, N, D] → [H] float64."""
+    return (reference.fake_quant(rows, ratio, group_size) - rows).double().pow(2).sum(-1).mean(-1)
+
+
 def causal_probs(sample: LayerSample) -> Tensor:
     """Full-precision causal softmax probabilities of a held-out sample, [S, H_q, T, T] fp32."""
     q, k = sample.q.float(), sample.k.float()
@@ -68,10 +76,20 @@ def causal_probs(sample: LayerSample) -> Tensor:
 
 
 def objectives(sample: LayerSample, k_rotation: Tensor, v_rotation: Tensor, key_target: Tensor,
-               grid: list[float], group_size: int) -> tuple[Tensor, Tensor]:
+               grid: list[float], group_size: int, objective: str = "attention") -> tuple[Tensor, Tensor]:
     """Objective tables for one layer: (key [R, H], value [R, H]) for the R grid ratios and H rotation heads
-    (H = H_kv per-head; per-layer rotations sum the KV heads into one column)."""
+    (H = H_kv per-head; per-layer rotations sum the KV heads into one column). `objective`: "attention" (logit error
+    under C_Q for K, attention-output error for V) or "reconstruction" (MSE of the rotated rows, K and V)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown clip objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
     H_rot = k_rotation.shape[0]
+    if objective == "reconstruction":
+        k_rows, v_rows = _rows(sample.k, k_rotation), _rows(sample.v, v_rotation)  # [H_kv, S·T, D]
+        key = torch.stack([reconstruction_objective(k_rows, r, group_size) for r in grid])
+        value = torch.stack([reconstruction_objective(v_rows, r, group_size) for r in grid])
+        if H_rot == 1:
+            key, value = key.sum(-1, keepdim=True), value.sum(-1, keepdim=True)
+        return key, value
     # Mᵀ C_Q[h] M per KV head (a shared rotation [1, D, D] broadcasts over the per-head targets [H_kv, D, D])
     metric = k_rotation.double().transpose(-1, -2) @ key_target.double() @ k_rotation.double()
     k_rows = _rows(sample.k, k_rotation)

@@ -30,7 +30,7 @@ from . import clip_search
 from .capture import capturing, forward_batches
 from .data import TokenSequences
 from .distributed import DataParallel
-from .placement import PlacedMoment, accumulator_device, model_device, sample_on
+from .placement import accumulator_device, model_device, sample_on
 from .rotation import fit_rotations, spectrum_ratio
 from .targets import SecondMoment, group_heads, key_weights
 
@@ -160,7 +160,7 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
     ran: list[str] = []
     try:
         reduce = dp.reduce if dp else (lambda moment: moment)
-        Moment = PlacedMoment  # products form on each layer's device, sums live on `device`
+        Moment = SecondMoment  # products form on each layer's device, sums live on `device`
 
         # Pass 1: key target and softmax value target (one forward over the calibration sequences).
         saved = store.load("pass1")

@@ -23,6 +23,15 @@ def group_heads(x: Tensor, n_kv_heads: int) -> Tensor:
     return x.reshape(B, n_kv_heads, g, T, D).permute(1, 0, 2, 3, 4).reshape(n_kv_heads, B * g * T, D)
 
 
+def second_moment(x: Tensor, w: Tensor | None = None) -> Tensor:
+    """Σ_n w_n x_n x_nᵀ per head, in float64 on x's device: x [H, N, D], w [H, N] or None → [H, D, D]. On an H200 a
+    float64 product of one q batch [8, 32768, 128] takes 0.39 ms (FP64 tensor cores), no faster in fp32 or in token
+    chunks (benchmarks/RESULTS.md), so the sums stay float64 end to end as METHOD.md §1 asks."""
+    x64 = x.to(torch.float64)
+    xw = x64 if w is None else x64 * w.to(x.device, torch.float64)[..., None]
+    return torch.einsum("hnd,hne->hde", xw, x64)
+
+
 @dataclass
 class SecondMoment:
     """Σ w x xᵀ [L, H, D, D] and Σ w [L, H], float64."""
@@ -36,15 +45,13 @@ class SecondMoment:
                    torch.zeros(n_layers, n_heads, dtype=torch.float64, device=device))
 
     def add(self, layer: int, x: Tensor, w: Tensor | None = None) -> None:
-        """x [H, N, D] samples per head; w [H, N] optional weights."""
-        x = x.to(self.sums.device, torch.float64)
+        """x [H, N, D] samples per head; w [H, N] optional weights. The float64 product is formed where the samples
+        are (the layer's device under a device map) and only the [H, D, D] result moves to the sums' device."""
+        self.sums[layer] += second_moment(x, w).to(self.sums.device)
         if w is None:
-            self.sums[layer] += torch.einsum("hnd,hne->hde", x, x)
             self.weights[layer] += x.shape[1]
         else:
-            w = w.to(self.sums.device, torch.float64)
-            self.sums[layer] += torch.einsum("hnd,hne->hde", x * w[..., None], x)
-            self.weights[layer] += w.sum(-1)
+            self.weights[layer] += w.to(self.weights.device, torch.float64).sum(-1)
 
     def merge(self, other: SecondMoment) -> SecondMoment:
         return SecondMoment(self.sums + other.sums.to(self.sums.device), self.weights + other.weights.to(self.sums.device))
