@@ -3,7 +3,6 @@ optional plot, optional report in the manifest; exit 3 when the artifact misses 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated

@@ -22,13 +22,6 @@ KIVI_GROUP = 32  # KIVI-2: keys per channel over groups of 32 tokens, values per
 QuantizePack = Callable[..., tuple[Tensor, Tensor]]
 
 
-def rotate_per_head(x: Tensor, M: Tensor) -> Tensor:
-    """`reference.rotate` (x·M per head, fp32 math, x's dtype) for x [B, H, T, D] and M [H, D, D] or shared [1, D, D],
-    as one batched GEMM over (B, H): the reference's per-head form broadcasts M over T ([B, H, T, D, D] in memory,
-    too much for a 2048-token sequence). Tested equal to the reference."""
-    return (x.float() @ M.float()).to(x.dtype)
-
-
 def fake_quant_with(quantize_pack: QuantizePack, x: Tensor, clip: float | Tensor, group_size: int = 0) -> Tensor:
     """What attention reads back from INT2 rows: quantize_pack (kernel or reference) → dequantize_unpack, fp32."""
     packed, scale_zero = quantize_pack(x, clip, group_size)
@@ -103,8 +96,8 @@ class RotatedInt2(Method):
             g = q.shape[1] // M_k.shape[0] if M_k.shape[0] > 1 else 1
             # As the runtime's decode path: q·M_K kept fp32; k·M_K, v·M_V rounded to the model dtype (the BF16 tiers,
             # and what the INT2 history is quantized from).
-            q = rotate_per_head(q.float(), M_k.repeat_interleave(g, dim=0))  # [B, H_q, T, D]
-            k, v = rotate_per_head(k, M_k), rotate_per_head(v, M_v)  # [B, H_kv, T, D]
+            q = reference.rotate(q.float(), M_k.repeat_interleave(g, dim=0))  # [B, H_q, T, D]
+            k, v = reference.rotate(k, M_k), reference.rotate(v, M_v)  # [B, H_kv, T, D]
             out_rotation = M_v.transpose(-1, -2).repeat_interleave(g, dim=0)  # [H_q, D, D] M_Vᵀ
         k_hat = self._history(quantize_pack, k, k_clip)
         v_hat = self._history(quantize_pack, v, v_clip)

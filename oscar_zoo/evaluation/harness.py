@@ -20,7 +20,7 @@ from ..models import LoadedModel
 from ..runtime import layout, reference
 from . import metrics
 from .attention import causal_attention, verifying, windowed_attention
-from .baselines import DEFAULT_BASELINES, Method, QuantizePack, RotatedInt2, build_methods, rotate_per_head
+from .baselines import DEFAULT_BASELINES, Method, QuantizePack, RotatedInt2, build_methods
 from .report import Generation, MethodResult, Thresholds, VerifyReport, check_thresholds
 
 Progress = Callable[..., None]
@@ -103,7 +103,7 @@ class Attender:
         else:
             out = windowed_attention(kv.q, kv.k, kv.v, kv.k_hat, kv.v_hat, scale, self.sink, self.recent)
         if kv.out_rotation is not None:
-            out = rotate_per_head(out, kv.out_rotation)  # fp32 o·M_Vᵀ per query head
+            out = reference.rotate(out, kv.out_rotation)  # fp32 o·M_Vᵀ per query head
         return out  # fp32 [B, H_q, T, D]
 
 

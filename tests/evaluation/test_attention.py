@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from oscar_zoo.evaluation.attention import windowed_attention
-from oscar_zoo.evaluation.baselines import Kivi, RotatedInt2, hadamard_rotation, rotate_per_head
+from oscar_zoo.evaluation.baselines import Kivi, RotatedInt2, hadamard_rotation
 from oscar_zoo.runtime import layout, reference
 
 
@@ -18,14 +18,6 @@ def test_windowed_attention_equals_the_reference(T, sink, recent, block):
     ref = reference.windowed_attention_ref(q, k, v, k_hat, v_hat, 0.125, sink, recent)
     out = windowed_attention(q, k, v, k_hat, v_hat, 0.125, sink, recent, block)
     assert (out - ref).abs().max() < 1e-5
-
-
-def test_rotate_per_head_equals_reference_rotate():
-    torch.manual_seed(0)
-    x = torch.randn(2, 3, 17, 64, dtype=torch.bfloat16)
-    M = torch.linalg.qr(torch.randn(3, 64, 64))[0]
-    assert torch.equal(rotate_per_head(x, M), reference.rotate(x, M))
-    assert torch.equal(rotate_per_head(x, M[:1]), reference.rotate(x, M[0]))
 
 
 def test_rotated_int2_quantizes_only_the_history_rows_with_the_reference_codec():
@@ -41,7 +33,7 @@ def test_rotated_int2_quantizes_only_the_history_rows_with_the_reference_codec()
     assert torch.equal(kv.k_hat[:, :, sink : T - recent], reference.fake_quant(k_rot[:, :, sink : T - recent], 0.9))
     assert torch.equal(kv.k_hat[:, :, :sink], k_rot[:, :, :sink].float())
     # un-rotating the output with M_Vᵀ undoes the value rotation
-    assert torch.allclose(rotate_per_head(kv.v.float(), kv.out_rotation), v, atol=1e-5)
+    assert torch.allclose(reference.rotate(kv.v.float(), kv.out_rotation), v, atol=1e-5)
 
 
 def test_kivi_quantizes_keys_per_channel_over_token_groups_and_values_per_token():

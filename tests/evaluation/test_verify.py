@@ -1,7 +1,6 @@
 """`oscar-zoo verify` end to end on a random-weight model: identity quantization reproduces BF16, a calibrated artifact
 passes and a broken (orthogonal) one fails with exit 3, JSON / plot / --write, integrity exits, backend agreement."""
 
-import json
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from oscar_zoo.evaluation import baselines
 from oscar_zoo.evaluation.attention import verifying
 from oscar_zoo.evaluation.harness import Attender, VerifySettings, run_verification
 from oscar_zoo.evaluation.report import Thresholds, VerifyReport
-from oscar_zoo.models import LoadedModel, arch_info, model_identity
 from oscar_zoo.runtime import reference
 
 from .conftest import CONTEXT, TEST_THRESHOLDS, outlier_model
