@@ -7,8 +7,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests downloads
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import importlib  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Triton decides at decoration time whether a @triton.jit function is interpreted -- its own `tl.zeros` & co. too, when
+# `triton.language` is first imported. So on CPU-only machines triton and every kernel module are imported here, first
+# and in interpreter mode; then the variable is restored, so ops fall back to the reference unless a test (the `device`
+# fixture of the kernel tests) sets TRITON_INTERPRET=1 again.
+INTERPRETER = not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+if INTERPRETER:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.import_module("triton.language")
+        for _kernel in ("quantize_pack", "decode_int2", "decode_bf16", "merge"):
+            importlib.import_module(f"oscar_zoo.runtime.kernels.{_kernel}")
+    finally:
+        if _saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,27 +1,13 @@
 """Verify test set-up: a random-weight Llama (9 query / 3 KV heads, head_dim 64, 2 layers) with outlier key/value
 channels, like real models, saved with the SmolLM2 tokenizer; OSCAR artifacts calibrated for it by the library pipeline
-(tiny windows: sink 16, recent 32) and a broken but orthogonal copy; short held-out text files. Triton kernels are
-imported in interpreter mode on CPU-only machines (TRITON_INTERPRET must be set before `triton.jit` runs)."""
+(tiny windows: sink 16, recent 32) and a broken but orthogonal copy; short held-out text files."""
 
 import dataclasses
-import importlib
-import os
 
 import pytest
 import torch
 
 from ..conftest import tiny_model
-
-if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        importlib.import_module("oscar_zoo.runtime.kernels.quantize_pack")
-    finally:
-        if _saved is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
 
 SINK, RECENT, CONTEXT = 16, 32, 192
 # Thresholds for the random model (its perplexity is meaningless, ~vocabulary size): measured KL 0.26 / top-1 0.33

@@ -1,29 +1,13 @@
-"""Kernel test setup: on a CPU-only machine the Triton kernels are imported in interpreter mode (TRITON_INTERPRET=1 must
-be set before `triton.jit` decorates them), then the variable is restored so other tests keep the reference path.
+"""Kernel test setup (the kernels were imported in interpreter mode by tests/conftest.py on CPU-only machines).
 Kernel tests request the `device` fixture: "cpu" (interpreter, skipped when CUDA exists) or "cuda" (marked gpu)."""
 
-import importlib
-import os
 
 import pytest
 import torch
 
 from oscar_zoo.runtime import ops
 
-INTERPRETER = not torch.cuda.is_available()
-if INTERPRETER and importlib.util.find_spec("triton") is not None:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        importlib.import_module("oscar_zoo.runtime.kernels.quantize_pack")
-        importlib.import_module("oscar_zoo.runtime.kernels.decode_int2")
-        importlib.import_module("oscar_zoo.runtime.kernels.decode_bf16")
-        importlib.import_module("oscar_zoo.runtime.kernels.merge")
-    finally:
-        if _saved is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+from ..conftest import INTERPRETER
 
 
 @pytest.fixture(params=[pytest.param("cpu", id="interp"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")])
