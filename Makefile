@@ -16,7 +16,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/oscar-zoo calibrate demo --out $(ARTIFACTS)
-	$(VENV)/bin/oscar-zoo verify $(ARTIFACTS)
+	$(VENV)/bin/oscar-zoo verify $(ARTIFACTS) --write
+	@echo "artifacts: $(ARTIFACTS)/ (verified). Next: $(VENV)/bin/oscar-zoo inspect $(ARTIFACTS), or serve them with" \
+	      "OscarCache.from_folder('$(ARTIFACTS)') (README: 'The runtime')."
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,7 +1,5 @@
-"""One module per command; each exposes `register(app)`. Add new command modules to COMMAND_MODULES."""
+"""One module per command; each exposes `register(app)`. The order here is the order `oscar-zoo --help` lists."""
 
-from . import calibrate, inspect, verify
+from . import calibrate, export, import_oscar, inspect, list_cmd, pull, push, verify
 
-COMMAND_MODULES = [calibrate, verify, inspect]
-from . import export, import_oscar, list_cmd, pull, push  # noqa: E402  (publishing and interchange commands)
-COMMAND_MODULES += [push, pull, list_cmd, import_oscar, export]
+COMMAND_MODULES = [calibrate, verify, inspect, push, pull, list_cmd, export, import_oscar]

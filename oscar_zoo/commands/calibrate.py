@@ -136,7 +136,7 @@ def calibrate_command(
     console.print(f"BPE: {manifest.bits_per_element['32768']:.3f} at 32K, {manifest.bits_per_element['131072']:.3f} "
                   f"at 128K · {seqs.input_ids.numel():,} tokens · {reused} · {wall:.1f} s")
     console.print(f"[green]wrote[/] {out}/ (manifest.json, rotations.safetensors)")
-    console.print(f"next: [bold]oscar-zoo inspect {out}[/]")
+    console.print(f"next: [bold]oscar-zoo verify {out}[/] (quality vs BF16), [bold]oscar-zoo inspect {out}[/]")
 
 
 def _memory_check(say, device: str, dtype: str, batch_size: int, seq_len: int, heldout_tokens: int,
