@@ -208,6 +208,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="4096,16384", help="calibration tokens on the plays (first: the 4K variant)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="/tmp/quality_sweep.json")
+    ap.add_argument("--methods", help="comma-separated subset of methods (BF16 and oscar always run); "
+                    "skips the per-layer diagnostics")
     ap.add_argument("--smoke", action="store_true", help="fixed clips instead of searches (a quick check of the loop)")
     ap.add_argument("--summarize", help="print the markdown tables of an existing result file and exit")
     args = ap.parse_args()
@@ -256,6 +258,13 @@ def main() -> None:
          {"rotation": "per-head"}, "variant"),
         ("cal-docs", f"per-head default, calibrated on {k16} docstring tokens (domain ii modules disjoint)", cal_docs,
          {"rotation": "per-head"}, "variant"),
+        # combinations added after the first run pointed at H·P and the reconstruction objective (run with --methods)
+        ("hp-recon", "H·P (data-free rotation), clips searched on reconstruction MSE", cal_large,
+         {"rotation": "hp", "objective": "reconstruction"}, "variant"),
+        ("softmax-recon", "per-head U·H·P, softmax V target, clips searched on reconstruction MSE", cal_large,
+         {"rotation": "per-head", "value_target": "softmax", "objective": "reconstruction"}, "variant"),
+        ("none-search", "no rotation, searched clips (attention objective)", cal_large, {"rotation": "none"},
+         "variant"),
         ("naive", "naive INT2: no rotation, no clip", None, {"rotation": "none", "clip": "none"}, "baseline"),
         ("clip-only", "clip-only INT2: no rotation, clips 0.96/0.92", None, {"rotation": "none", "clip": "fixed"},
          "baseline"),
@@ -272,12 +281,16 @@ def main() -> None:
          "baseline"),
     ]
     t0 = time.perf_counter()
+    keep = None if not args.methods else set(args.methods.split(",")) | {"oscar"}
+    if keep:
+        specs = [sp for sp in specs if sp[0] in keep]
+        diag_specs = []
     for name, label, cal, kw, kind in specs:
         if args.smoke and kw.get("clip", "search") == "search":
             kw = {**kw, "clip": "fixed"}
         methods.append(rotated(name, label, cal, kind=kind, D=D, **kw))
         log(f"method {name} ready")
-    methods += [kivi("kivi-32", 32, D), kivi("kivi-64", 64, D)]
+    methods += [m for m in (kivi("kivi-32", 32, D), kivi("kivi-64", 64, D)) if keep is None or m.name in keep]
     diag_methods = [rotated(name, label, cal, kind=kind, D=D, **kw) for name, label, cal, kw, kind in diag_specs]
     log(f"rotations and clip searches: {time.perf_counter() - t0:.0f} s")
 
@@ -340,7 +353,7 @@ def main() -> None:
                 o = result["scores"][dname]["oscar"][-1]
                 log(f"{dname} seq {s}: {time.perf_counter() - t_seq:.0f} s; BF16 ppl {base:.2f}, OSCAR "
                     f"{o['ppl'] / base - 1:+.1%} KL {o['kl']:.4f}")
-            if s == 0:
+            if s == 0 and keep is None:
                 t0 = time.perf_counter()
                 result["layer_error"] = layer_errors(model, attend, methods[1:] + diag_methods,
                                                      domains["plays"][:1], start)
@@ -370,8 +383,8 @@ def summarize(result: dict) -> str:
             continue
         lines.append(f"\n### {dname} ({n} × {result['context']} tokens, positions ≥ {result['positions_from']})\n")
         lines.append("| method | hist bits | bits @2K | Δ PPL (mean ± sd) | pooled Δ PPL | KL (mean ± sd) | top-1 | "
-                     "ΔPPL − OSCAR's, worst seq |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+                     "Δ PPL − OSCAR's: mean ± sd (min) | KL − OSCAR's: mean ± sd (min) |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         oscar = by_method.get("oscar", [])[:n]
         base_pooled = math.exp(sum(b["nll_sum"] for b in base) / sum(b["n"] for b in base))
         for name, rows in by_method.items():
@@ -384,13 +397,17 @@ def summarize(result: dict) -> str:
             top1 = _stats([r["top1"] for r in rows])[0]
             dm, ds = _stats(dppl)
             km, ks = _stats(kl)
-            gap = ""
-            if name not in ("bf16", "oscar") and len(oscar) == n:
+            gap = gap_kl = ""
+            if name not in ("bf16", "oscar") and len(oscar) == n:  # paired per sequence: > 0 means OSCAR is better
                 diffs = [r["ppl"] / b["ppl"] - o["ppl"] / b["ppl"] for r, o, b in zip(rows, oscar, base)]
-                gap = f"{min(diffs):+.1%}"
+                gm, gs = _stats(diffs)
+                gap = f"{gm:+.1%} ± {gs:.1%} ({min(diffs):+.1%})"
+                dkl = [r["kl"] - o["kl"] for r, o in zip(rows, oscar)]
+                gm, gs = _stats(dkl)
+                gap_kl = f"{gm:+.4f} ± {gs:.4f} ({min(dkl):+.4f})"
             m = meth[name]
             lines.append(f"| {name} | {m['history_bits']:.2f} | {m['bits_2k']:.2f} | {dm:+.1%} ± {ds:.1%} | "
-                         f"{pooled:+.1%} | {km:.4f} ± {ks:.4f} | {top1:.1%} | {gap} |")
+                         f"{pooled:+.1%} | {km:.4f} ± {ks:.4f} | {top1:.1%} | {gap} | {gap_kl} |")
     if result.get("layer_error"):
         errs = result["layer_error"]
         names = list(errs)
