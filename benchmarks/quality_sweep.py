@@ -157,6 +157,27 @@ def rotated(name: str, label: str, cal: Calibration | None, rotation: str, value
     return m
 
 
+class KeyCentered(RotatedInt2):
+    """Probe of a next step (not a codec change): the default's rotated history keys minus a per-(layer, KV head) key
+    mean μ·M before clip + INT2, μ·M added back after. Equivalent to centering every cached key, which shifts each
+    query's logits by the constant q·μ (softmax-invariant). μ: mean key of the calibration's held-out samples."""
+
+    def __init__(self, base: RotatedInt2, k_mean: torch.Tensor):
+        super().__init__("kcenter", "defaults + per-(layer, head) key mean removed before INT2 (probe)", "variant",
+                         base.k_rotation, base.v_rotation, base.k_clip, base.v_clip, base.group_size, base.sink,
+                         base.recent)
+        self.head_dim = base.head_dim
+        self.k_mean = k_mean  # [L, H_kv, D] unrotated, fp32
+
+    def prepare(self, layer, q, k, v, quantize_pack):
+        kv = super().prepare(layer, q, k, v, quantize_pack)
+        M_k = self.k_rotation[layer].to(k.device)  # [H, D, D]
+        mu = (self.k_mean[layer].to(k.device)[:, None, :] @ M_k)[None]  # [1, H_kv, 1, D] rotated mean
+        k_clip = self.k_clip[layer].reshape(-1, 1).to(k.device)
+        kv.k_hat = self._history(quantize_pack, (kv.k.float() - mu).to(kv.k.dtype), k_clip) + mu
+        return kv
+
+
 def kivi(name: str, group: int, D: int = 64) -> Kivi:
     m = Kivi(D, SINK, RECENT, group)
     m.name, m.kind, m.head_dim = name, "baseline", D
@@ -291,6 +312,9 @@ def main() -> None:
         methods.append(rotated(name, label, cal, kind=kind, D=D, **kw))
         log(f"method {name} ready")
     methods += [m for m in (kivi("kivi-32", 32, D), kivi("kivi-64", 64, D)) if keep is None or m.name in keep]
+    if keep is None or "kcenter" in keep:  # added after run B: the next-step probe of QUALITY.md
+        k_mean = torch.stack([cal_large.heldout[f"{layer}.k"].float().mean(dim=(0, 2)) for layer in range(L)])
+        methods.append(KeyCentered(methods[1], k_mean))
     diag_methods = [rotated(name, label, cal, kind=kind, D=D, **kw) for name, label, cal, kw, kind in diag_specs]
     log(f"rotations and clip searches: {time.perf_counter() - t0:.0f} s")
 
