@@ -231,6 +231,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/quality_sweep.json")
     ap.add_argument("--methods", help="comma-separated subset of methods (BF16 and oscar always run); "
                     "skips the per-layer diagnostics")
+    ap.add_argument("--layer-probe", action="store_true", help="per-layer diagnostics even with --methods")
     ap.add_argument("--smoke", action="store_true", help="fixed clips instead of searches (a quick check of the loop)")
     ap.add_argument("--summarize", help="print the markdown tables of an existing result file and exit")
     args = ap.parse_args()
@@ -377,7 +378,7 @@ def main() -> None:
                 o = result["scores"][dname]["oscar"][-1]
                 log(f"{dname} seq {s}: {time.perf_counter() - t_seq:.0f} s; BF16 ppl {base:.2f}, OSCAR "
                     f"{o['ppl'] / base - 1:+.1%} KL {o['kl']:.4f}")
-            if s == 0 and keep is None:
+            if s == 0 and (keep is None or args.layer_probe):
                 t0 = time.perf_counter()
                 result["layer_error"] = layer_errors(model, attend, methods[1:] + diag_methods,
                                                      domains["plays"][:1], start)
