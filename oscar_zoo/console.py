@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console()  # results: tables, JSON
-err_console = Console(stderr=True)  # progress, warnings, errors
+# When output goes to a file or a pipe, rich would wrap tables at 80 columns; 120 keeps the wide ones readable.
+console = Console(width=None if sys.stdout.isatty() else 120)  # results: tables, JSON
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)  # progress, warnings, errors
 
 ProgressFn = Callable[..., None]  # (phase description, done, total, rate="")
 

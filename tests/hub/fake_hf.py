@@ -10,8 +10,10 @@ import itertools
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
+
+from .local_server import LocalServer
 
 REPO = r"(?P<repo>[^/]+/[^/]+)"
 _counter = itertools.count(1)
@@ -260,28 +262,8 @@ class Handler(BaseHTTPRequestHandler):
                                "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}, head=head)
 
 
-class FakeHub:
+class FakeHub(LocalServer):
     """Start with `FakeHub(tokens={...}).start()`; `.url` is the endpoint; `.stop()` shuts it down."""
 
     def __init__(self, tokens: set[str]):
-        self.state = HubState(tokens)
-        handler = type("BoundHandler", (Handler,), {"state": self.state})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def start(self) -> FakeHub:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        import socket
-
-        self.server.shutdown()
-        self.server.server_close()
-        for conn in list(self.state.connections):
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        super().__init__(Handler, HubState(tokens))

@@ -9,10 +9,11 @@ import hashlib
 import itertools
 import json
 import re
-import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from .local_server import LocalServer
 
 REPO = r"(?P<repo>[^/]+/[^/]+)"
 _counter = itertools.count(1)
@@ -205,24 +206,6 @@ class Handler(BaseHTTPRequestHandler):
             self._ok({"RevisionMap": {"Branches": [{"Revision": b} for b in r["branches"]], "Tags": []}})
 
 
-class FakeModelScope:
+class FakeModelScope(LocalServer):
     def __init__(self, tokens: set[str]):
-        self.state = MsState(tokens)
-        handler = type("BoundMsHandler", (Handler,), {"state": self.state})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def start(self) -> FakeModelScope:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        for conn in list(self.state.connections):
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        super().__init__(Handler, MsState(tokens))

@@ -1,0 +1,33 @@
+"""A threaded HTTP server on 127.0.0.1 (an OS-chosen port) for the fake hubs; `stop()` also cuts kept-alive
+connections so a test can simulate a hub going away."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from http.server import ThreadingHTTPServer
+
+
+class LocalServer:
+    """Serve `handler` (a BaseHTTPRequestHandler class) bound to `state` (which tracks its open `connections`)."""
+
+    def __init__(self, handler: type, state):
+        self.state = state
+        bound = type(f"Bound{handler.__name__}", (handler,), {"state": state})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), bound)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        for conn in list(self.state.connections):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
