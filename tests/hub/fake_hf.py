@@ -10,10 +10,9 @@ import itertools
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
 
-from .local_server import LocalServer
+from .local_server import LocalServer, TrackedHandler
 
 REPO = r"(?P<repo>[^/]+/[^/]+)"
 _counter = itertools.count(1)
@@ -54,26 +53,10 @@ class HubState:
         repo["commits"][repo["branches"][branch]][path] = data
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(TrackedHandler):
     state: HubState
 
-    def log_message(self, *args) -> None:  # keep test output quiet
-        pass
-
-    def setup(self) -> None:
-        super().setup()
-        self.state.connections.add(self.connection)
-
-    def finish(self) -> None:
-        self.state.connections.discard(self.connection)
-        super().finish()
-
     # -- helpers --------------------------------------------------------------------------------------------------
-    def _body(self) -> bytes:
-        n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
-
     def _send(self, status: int, body: bytes = b"", headers: dict | None = None, head: bool = False) -> None:
         self.send_response(status)
         for k, v in (headers or {}).items():

@@ -10,10 +10,9 @@ import itertools
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .local_server import LocalServer
+from .local_server import LocalServer, TrackedHandler
 
 REPO = r"(?P<repo>[^/]+/[^/]+)"
 _counter = itertools.count(1)
@@ -33,24 +32,8 @@ class MsState:
         self.repos[repo_id]["branches"][branch][path] = data
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(TrackedHandler):
     state: MsState
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def setup(self) -> None:
-        super().setup()
-        self.state.connections.add(self.connection)
-
-    def finish(self) -> None:
-        self.state.connections.discard(self.connection)
-        super().finish()
-
-    def _body(self) -> bytes:
-        n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
 
     def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
         self.send_response(status)

@@ -5,7 +5,30 @@ from __future__ import annotations
 
 import socket
 import threading
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class TrackedHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 keep-alive handler that records its connection in `state.connections` (so `stop()` can cut it),
+    quiet in test output, with the request body helper both fake hubs use."""
+
+    protocol_version = "HTTP/1.1"
+    state = None
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.state.connections.add(self.connection)
+
+    def finish(self) -> None:
+        self.state.connections.discard(self.connection)
+        super().finish()
+
+    def _body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
 
 
 class LocalServer:
