@@ -58,35 +58,28 @@ def timed(fn) -> float:
 
 
 # Ways of forming Σ w x xᵀ per head [H, N, D] → [H, D, D] float64, for comparison with targets.second_moment.
-def product_float64_chunks(x, w=None, n=1024):
-    """float64 products of n-token chunks (more output tiles for the GPU), summed in float64."""
+def product_chunks(x, w=None, n=1024, dtype=torch.float64):
+    """Products of n-token chunks in `dtype` (more output tiles for the GPU), summed in float64. With float32 (TF32 off)
+    bf16·bf16 products are exact, only the within-chunk sums round."""
     H, N, D = x.shape
     S = -(-N // n)
-    x64 = x.new_zeros(H, S * n, D, dtype=torch.float64)
-    x64[:, :N] = x
-    x64 = x64.view(H * S, n, D)
-    xw = x64
+    xc = x.new_zeros(H, S * n, D, dtype=dtype)
+    xc[:, :N] = x
+    xc = xc.view(H * S, n, D)
+    xw = xc
     if w is not None:
-        w64 = w.new_zeros(H, S * n, dtype=torch.float64)
-        w64[:, :N] = w
-        xw = x64 * w64.view(H * S, n, 1)
-    return torch.bmm(xw.transpose(1, 2), x64).view(H, S, D, D).sum(1)
+        wc = w.new_zeros(H, S * n, dtype=dtype)
+        wc[:, :N] = w
+        xw = xc * wc.view(H * S, n, 1)
+    return torch.bmm(xw.transpose(1, 2), xc).view(H, S, D, D).to(torch.float64).sum(1)
+
+
+def product_float64_chunks(x, w=None, n=1024):
+    return product_chunks(x, w, n, torch.float64)
 
 
 def product_fp32_chunks(x, w=None, n=1024):
-    """float32 products (TF32 off) of n-token chunks, summed in float64: bf16·bf16 products are exact in fp32, only the
-    within-chunk sums round."""
-    H, N, D = x.shape
-    S = -(-N // n)
-    x32 = x.new_zeros(H, S * n, D, dtype=torch.float32)
-    x32[:, :N] = x
-    x32 = x32.view(H * S, n, D)
-    xw = x32
-    if w is not None:
-        w32 = w.new_zeros(H, S * n, dtype=torch.float32)
-        w32[:, :N] = w
-        xw = x32 * w32.view(H * S, n, 1)
-    return torch.bmm(xw.transpose(1, 2), x32).view(H, S, D, D).to(torch.float64).sum(1)
+    return product_chunks(x, w, n, torch.float32)
 
 
 def product_error(model, ids, batch_size: int, n_kv: int) -> dict:

@@ -161,23 +161,27 @@ class Handler(TrackedHandler):
         self.state.commits.append(commit)
         self._ok({"CommitId": commit, "CommitMessage": payload["commit_message"]})
 
-    def _files(self, repo: str, query: dict) -> None:
+    def _branch_files(self, repo: str, query: dict) -> dict | None:
+        """The files of the asked revision, or None after answering the error (unreadable repo, unknown revision)."""
         r = self._readable(repo)
         if r is None:
-            return
+            return None
         files = r["branches"].get(query.get("Revision", "master"))
         if files is None:
-            return self._fail(404, "revision not exists")
+            self._fail(404, "revision not exists")
+        return files
+
+    def _files(self, repo: str, query: dict) -> None:
+        files = self._branch_files(repo, query)
+        if files is None:
+            return
         self._ok({"Files": [{"Path": p, "Name": p.split("/")[-1], "Size": len(d), "Type": "blob",
                              "Sha256": hashlib.sha256(d).hexdigest()} for p, d in sorted(files.items())]})
 
     def _download(self, repo: str, query: dict) -> None:
-        r = self._readable(repo)
-        if r is None:
-            return
-        files = r["branches"].get(query.get("Revision", "master"))
+        files = self._branch_files(repo, query)
         if files is None:
-            return self._fail(404, "revision not exists")
+            return
         data = files.get(query.get("FilePath", ""))
         if data is None:
             return self._fail(404, f"file {query.get('FilePath')} not exists")
