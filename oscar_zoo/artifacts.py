@@ -1,17 +1,20 @@
 """Artifact folders: atomic writes, sha256 of every file, manifest ↔ files ↔ model consistency, safetensors I/O.
 
 Nothing is pickled. Loading checks the manifest schema, every listed file's size and sha256, and tensor shapes against
-the manifest (and against a model when one is given) before any tensor is handed out.
+the manifest (and against a model when one is given) before any tensor is handed out. Writing replaces a destination
+only if it is absent, empty, or recognisably an artifact folder (`check_destination`): never someone else's files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -86,18 +89,22 @@ def describe_file(folder: Path, name: str) -> ArtifactFile:
     return ArtifactFile(path=name, sha256=sha256_file(path), bytes=path.stat().st_size)
 
 
-def write_artifacts(out_dir: Path, manifest: Manifest, rotations: Rotations) -> Manifest:
+def write_artifacts(out_dir: Path, manifest: Manifest, rotations: Rotations, label: str = "--out") -> Manifest:
     """Write a complete artifact folder atomically: build it in a sibling temp folder, then swap it into place.
 
-    An existing folder at `out_dir` is replaced only once the new one is complete; an interrupted write leaves the old
-    one (or nothing) behind, never a partial folder. Returns the manifest with its `artifacts` list filled in."""
-    out_dir = Path(out_dir)
+    `out_dir` must pass `check_destination` (checked again here, just before the swap; `label` names the option in its
+    message). An existing artifact folder is replaced only once the new one is complete; an interrupted write leaves
+    the old one (or nothing) behind, never a partial folder. Returns the manifest with its `artifacts` list filled
+    in."""
+    out_dir = check_destination(out_dir, label)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    remove_stale_staging(out_dir)
+    tmp = staging_folder(out_dir, "tmp")
     try:
         save_tensors(tmp / ROTATIONS_NAME, rotations.tensors())
         manifest = manifest.model_copy(update={"artifacts": [describe_file(tmp, ROTATIONS_NAME)]})
         atomic_write_text(tmp / MANIFEST_NAME, manifest.to_json())
+        check_destination(out_dir, label)  # the folder may have changed while this run worked
         swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -106,7 +113,11 @@ def write_artifacts(out_dir: Path, manifest: Manifest, rotations: Rotations) -> 
 
 
 def swap_into_place(new: Path, dest: Path) -> None:
-    """Move the complete folder `new` to `dest`, replacing an existing `dest` only after `new` is in place."""
+    """Move the complete folder `new` to `dest`, replacing an existing `dest` only after `new` is in place.
+
+    `dest` is resolved first (`.`, `..`, symlinks): a symlinked destination has its target replaced and the link kept.
+    `new` must live in the same folder as the resolved `dest` (`staging_folder` makes it so)."""
+    dest = Path(dest).resolve()
     if dest.exists():
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.replace(dest, old)
@@ -114,6 +125,102 @@ def swap_into_place(new: Path, dest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(new, dest)
+
+
+# -- may a destination be replaced? ---------------------------------------------------------------------------------
+def artifact_folder_problem(folder: Path) -> str | None:
+    """None when `folder` is recognisably an oscar-zoo artifact folder: its manifest.json parses under the schema and
+    the folder holds exactly manifest.json and the files the manifest lists, nothing else (calibration caches live
+    elsewhere, under $OSCAR_ZOO_CACHE). Otherwise a short reason, for an error message."""
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return f"it has no {MANIFEST_NAME}"
+    try:
+        manifest = Manifest.from_json(path.read_text(), source=MANIFEST_NAME)
+    except IntegrityError as exc:
+        return f"its {exc.message}"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"its {MANIFEST_NAME} cannot be read ({exc})"
+    listed = {MANIFEST_NAME} | {a.path for a in manifest.artifacts}
+    if any(PurePosixPath(p).is_absolute() or ".." in PurePosixPath(p).parts for p in listed):
+        return "its manifest lists a file outside the folder"
+    parents = {str(parent) for p in listed for parent in PurePosixPath(p).parents if str(parent) != "."}
+    extra: list[str] = []
+    for root, dirs, files in os.walk(folder):  # symlinks are entries, never followed
+        rel = Path(root).relative_to(folder).as_posix()
+        names = {name: name if rel == "." else f"{rel}/{name}" for name in [*dirs, *files]}
+        extra += sorted(names[d] + "/" for d in dirs if names[d] not in parents)
+        dirs[:] = [d for d in dirs if names[d] in parents]
+        extra += sorted(names[f] for f in files if names[f] not in listed)
+        listed -= {names[f] for f in files}
+        if len(extra) > 3:
+            break
+    if extra:
+        return f"it holds {', '.join(extra[:3])}{', …' if len(extra) > 3 else ''} besides the manifest's files"
+    if listed:
+        return f"{', '.join(sorted(listed))} listed in its manifest is missing"
+    return None
+
+
+def check_destination(dest: Path, label: str) -> Path:
+    """Resolve `dest` (`~`, `.`, `..`, symlinks) and make sure an artifact folder may be written there without losing
+    anyone's files: it must be absent, an empty folder, or an artifact folder (`artifact_folder_problem`), and it must
+    not be the current folder or hold it (a swap would pull it out from under the shell). Returns the resolved path;
+    raises InputError (exit 2) otherwise, having touched nothing. `label` names the option in the message."""
+    resolved = Path(dest).expanduser().resolve()
+    if resolved.exists() and not resolved.is_dir():
+        raise InputError(f"{label} {dest} exists and is not a folder; nothing was changed",
+                         "pick a new or empty folder")
+    if resolved.is_dir() and any(resolved.iterdir()):
+        problem = artifact_folder_problem(resolved)
+        if problem:
+            raise InputError(f"{label} {dest} is a non-empty folder that is not an oscar-zoo artifact folder "
+                             f"({problem}); nothing was changed",
+                             "pick a new or empty folder, or an earlier artifact folder")
+    cwd = Path.cwd().resolve()
+    if resolved.is_dir() and (resolved == cwd or resolved in cwd.parents):
+        raise InputError(f"{label} {dest} is the current folder or holds it: it is replaced by moving a new folder into"
+                         " its place, which would leave this shell in a deleted folder; nothing was changed",
+                         "name the folder from outside it (e.g. `cd ..` first)")
+    return resolved
+
+
+# -- staging folders beside a destination ---------------------------------------------------------------------------
+def _owner_tag() -> str:
+    """`<host hash>-<pid>`: which process on which machine made a staging folder."""
+    return f"{hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]}-{os.getpid()}"
+
+
+def staging_folder(dest: Path, kind: str) -> Path:
+    """A new hidden folder beside `dest` to build its replacement in, named `.<dest>.<host>-<pid>.<random>.<kind>` so
+    that a later run can recognise the leftovers of a run that was killed (`remove_stale_staging`)."""
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.{_owner_tag()}.", suffix=f".{kind}", dir=dest.parent))
+
+
+def remove_stale_staging(dest: Path) -> None:
+    """Delete staging folders beside `dest` left by killed runs: made on this machine by a process that is gone.
+    Folders of live processes, of other machines (a shared filesystem) and anything else are left alone."""
+    host = _owner_tag().split("-")[0]
+    pattern = re.compile(rf"^\.{re.escape(dest.name)}\.{host}-(?P<pid>\d+)\.[a-z0-9_]+\.(?:tmp|pull)$")
+    try:
+        entries = list(dest.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() and not _process_alive(int(match["pid"])):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
 
 
 def read_manifest(folder: Path) -> Manifest:

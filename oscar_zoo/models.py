@@ -203,6 +203,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def model_id_of(name: str) -> str:
+    """The id a loaded model's identity (and manifest) will carry: the name as given, the Hub id for `demo`."""
+    return DEMO_HF_ID if name == DEMO else name
+
+
 def load_model(
     name: str = DEMO,
     revision: str | None = None,
@@ -222,9 +227,9 @@ def load_model(
     hf_logging.disable_progress_bar()  # progress is ours to show
 
     torch_dtype = resolve_dtype(dtype)
-    model_id, source = name, name
+    model_id, source = model_id_of(name), name
     if name == DEMO:
-        model_id, revision = DEMO_HF_ID, DEMO_REVISION
+        revision = DEMO_REVISION
         source = str(ensure_demo_model(progress))
     path = Path(source)
     kwargs = {"dtype": torch_dtype}

@@ -166,3 +166,75 @@ def test_existing_artifacts_survive_a_failed_recalibration(calibrated, run_cli, 
     assert code == 2
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     shutil.rmtree(out)
+
+
+@pytest.fixture
+def no_model_work(monkeypatch):
+    """Refusals must come before any model work: loading the model fails the test."""
+    from oscar_zoo.commands import calibrate as command
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(command, "load_model", refuse)
+
+
+def _tree(folder):
+    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() else None) for p in folder.rglob("*")}
+
+
+def test_out_refuses_a_folder_of_other_files_before_any_work(run_cli, tiny_model_dir, text_file, tmp_path,
+                                                              no_model_work):
+    thesis = tmp_path / "P"
+    (thesis / "sub").mkdir(parents=True)
+    (thesis / "thesis.tex").write_text("t\n")
+    before = _tree(thesis)
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", thesis)
+    assert code == 2, err
+    assert "not an oscar-zoo artifact folder" in err and "nothing was changed" in err and "Traceback" not in err
+    assert _tree(thesis) == before and sorted(p.name for p in tmp_path.iterdir()) == ["P", "corpus"]
+
+    # a manifest.json alone does not make a folder ours: its files must be exactly the ones the manifest lists
+    (thesis / "manifest.json").write_text("{}")
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", thesis)
+    assert code == 2 and "schema_version" in err and (thesis / "thesis.tex").read_text() == "t\n"
+
+
+def test_out_dot_and_dotdot_are_checked_not_crashed(run_cli, tiny_model_dir, text_file, tmp_path, monkeypatch,
+                                                    no_model_work):
+    work = tmp_path / "work" / "inner"
+    work.mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for out in (".", ".."):
+        code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", out)
+        assert code == 2 and "not an oscar-zoo artifact folder" in err and "Traceback" not in err, (out, err)
+    assert (work / "notes.txt").read_text() == "mine" and sorted(p.name for p in work.parent.iterdir()) == ["inner"]
+
+
+def test_out_replaces_only_a_recognisable_artifact_folder(calibrated, run_cli, tiny_model_dir, text_file, tmp_path,
+                                                         monkeypatch):
+    out, _ = calibrated
+    (out / "plot.png").write_bytes(b"not ours")  # an artifact folder plus a file its manifest does not list
+    before = _tree(out)
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", out)
+    assert code == 2 and "plot.png" in err and _tree(out) == before
+    (out / "plot.png").unlink()
+
+    # the current folder is never swapped away from under the shell, even when it is an artifact folder
+    monkeypatch.chdir(out)
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", ".")
+    assert code == 2 and "current folder" in err
+    monkeypatch.chdir(tmp_path)
+
+    # through a symlink: the target folder is replaced, the link stays, nothing is left beside either
+    link = tmp_path / "links" / "art"
+    link.parent.mkdir()
+    link.symlink_to(out)
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", link, "--clip",
+                           "fixed")
+    assert code == 0, err
+    assert link.is_symlink() and link.resolve() == out.resolve()
+    assert read_manifest(out).clip.mode.value == "fixed"
+    assert [p.name for p in link.parent.iterdir()] == ["art"]
+    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(".")]

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..artifacts import write_artifacts
+from ..artifacts import check_destination, write_artifacts
 from ..calibration.clip_search import DEFAULT_GRID
 from ..calibration import distributed, memory
 from ..calibration.data import load_texts, make_sequences
@@ -21,7 +21,7 @@ from ..calibration.pipeline import CalibrationResult, CalibrationSettings, calib
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError
 from ..manifest import ClipMode, Granularity, ValueTarget
-from ..models import DEMO, arch_info, load_model, resolve_device, resolve_dtype
+from ..models import DEMO, arch_info, load_model, model_id_of, resolve_device, resolve_dtype
 from ..runtime import layout
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
 
@@ -63,7 +63,9 @@ def calibrate_command(
     seed: Annotated[int, typer.Option(help="Seed for the document order.")] = 0,
     device: Device = "auto",
     dtype: Dtype = "bfloat16",
-    out: Annotated[Path | None, typer.Option(help="Output folder (default: artifacts/<model>).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: artifacts/<model>). It must be new, empty, "
+                   "or an earlier artifact folder (a valid manifest.json and exactly the files it lists), which is "
+                   "replaced once the new one is complete; anything else is refused before any work starts.")] = None,
     json_output: Json = False,
     device_map: Annotated[DeviceMap | None, typer.Option(help="Spread the layers over all visible GPUs (then CPU, "
                           "then disk with --offload-folder) through accelerate; --device is then unused.")] = None,
@@ -88,6 +90,8 @@ def calibrate_command(
         raise InputError(f"--tokens {tokens} is less than one sequence of --seq-len {seq_len}")
     if nproc < 1:
         raise InputError(f"--nproc must be positive, got {nproc}")
+    out = out or Path("artifacts") / _slug(model_id_of(model))
+    check_destination(out, "--out")  # before any model work: refuse to replace someone else's folder (exit 2)
     if nproc > 1 and not distributed.in_distributed_env():
         raise typer.Exit(distributed.launch(nproc, distributed.without_option(sys.argv[1:], "--nproc")))
     dp = distributed.from_env(device)
@@ -122,7 +126,6 @@ def calibrate_command(
         distributed.shutdown()
     if result is None:  # a rank other than 0: its share is in rank 0's sums, rank 0 writes and prints
         return
-    out = out or Path("artifacts") / _slug(loaded.identity.id)
     wall = time.perf_counter() - start
     manifest = result.manifest.model_copy(
         update={"calibration": result.manifest.calibration.model_copy(update={"wall_seconds": round(wall, 3)})})
