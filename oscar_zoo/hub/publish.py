@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from ..artifacts import atomic_write_text, check_files, load_artifacts, sha256_file, swap_into_place
+from ..artifacts import (atomic_write_text, check_destination, check_files, load_artifacts, remove_stale_staging,
+                         sha256_file, staging_folder, swap_into_place)
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
 from ..manifest import MANIFEST_NAME, Manifest
 from .base import HUBS, HubClient, split_repo_path
@@ -178,7 +178,7 @@ def pull(src: PullSource, dest: Path | None, client: HubClient | None = None, fo
          progress: Progress = lambda msg: None) -> PullResult:
     client = client or make_client(src.hub)
     dest = Path(dest) if dest is not None else Path(src.subfolder.split("/")[-1] or src.repo_id.split("/")[-1])
-    _check_dest(dest)
+    check_destination(dest, "--dest")  # an earlier pull (or calibrate) may be replaced, nothing else (exit 2)
     commit = client.head(src.repo_id, src.revision)
     where = f"{src.hub}:{src.repo_id}/{src.subfolder}".rstrip("/") + f"@{commit[:12]}"
     progress(f"reading {MANIFEST_NAME} from {where}")
@@ -206,19 +206,12 @@ def pull(src: PullSource, dest: Path | None, client: HubClient | None = None, fo
     return PullResult(src, commit, dest, manifest, files)
 
 
-def _check_dest(dest: Path) -> None:
-    """Pull may replace an earlier pull (a folder holding manifest.json), never a folder of someone else's files."""
-    if dest.exists() and not dest.is_dir():
-        raise InputError(f"--dest {dest} exists and is not a folder")
-    if dest.is_dir() and any(dest.iterdir()) and not (dest / MANIFEST_NAME).is_file():
-        raise InputError(f"--dest {dest} is a non-empty folder that is not an artifact folder; nothing was changed",
-                         "pick a new or empty folder")
-
-
 def _install(dest: Path, manifest_path: Path, files: dict[str, Path], manifest: Manifest) -> None:
-    """Copy into a temp folder beside `dest`, check every sha256 and shape there, then swap it into place."""
+    """Copy into a staging folder beside `dest`, check every sha256 and shape there, then swap it into place."""
+    dest = check_destination(dest, "--dest")  # again: the folder may have changed during the download
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".pull", dir=dest.parent))
+    remove_stale_staging(dest)  # left by pulls that were killed mid-copy
+    tmp = staging_folder(dest, "pull")
     try:
         shutil.copyfile(manifest_path, tmp / MANIFEST_NAME)
         for rel, src in files.items():
@@ -226,6 +219,7 @@ def _install(dest: Path, manifest_path: Path, files: dict[str, Path], manifest: 
             shutil.copyfile(src, tmp / rel)
         check_files(tmp, manifest)  # IntegrityError names the file whose sha256 differs
         load_artifacts(tmp)  # tensor names, shapes, orthogonality
+        check_destination(dest, "--dest")
         swap_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
