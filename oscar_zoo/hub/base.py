@@ -1,16 +1,24 @@
-"""The small interface both hub clients implement, and the redaction every hub message passes through.
+"""The small interface both hub clients implement, the hub timeout, and the redaction every hub message passes through.
 
 A client moves bytes and names commits; it knows nothing about manifests. `publish.py` decides which files move.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
+from ..errors import HubError, InputError
+
 HUBS = ("hf", "modelscope")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+TIMEOUT_ENV = "OSCAR_ZOO_HUB_TIMEOUT"
+DEFAULT_TIMEOUT = 30.0  # seconds a hub may stay silent: to connect, or between two pieces of an answer
 
 
 class HubClient(Protocol):
@@ -60,3 +68,48 @@ def split_repo_path(spec: str) -> tuple[str, str]:
     """`owner/name[/sub/dir]` -> (`owner/name`, `sub/dir`)."""
     parts = [p for p in spec.strip("/").split("/") if p]
     return "/".join(parts[:2]), "/".join(parts[2:])
+
+
+def hub_timeout() -> float:
+    """Seconds any hub request may wait for the hub ($OSCAR_ZOO_HUB_TIMEOUT, default 30); InputError if malformed."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InputError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds",
+                         f"unset it for the default {DEFAULT_TIMEOUT:g} s")
+    return seconds
+
+
+_TIMEOUT_MODULES = {"builtins", "socket", "httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3",
+                    "huggingface_hub", "modelscope_hub"}
+
+
+def is_timeout(exc: BaseException | None) -> bool:
+    """Whether `exc` or an exception it was raised from is a network timeout (socket, httpx, requests, the clients'
+    own wrappers). File-lock timeouts and the like are not."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for cls in type(exc).__mro__:
+            if cls.__module__.split(".")[0] in _TIMEOUT_MODULES and "Timeout" in cls.__name__:
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextmanager
+def timeouts_as_hub_errors(where: str, endpoint: str, seconds: float, call: str) -> Iterator[None]:
+    """Turn a timed-out request into one HubError line (exit 5) that names the call which got no answer."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_timeout(exc):
+            raise
+        raise HubError(f"{where}: {endpoint} did not answer within {seconds:g} s ({call})",
+                       f"check the network and the endpoint; for a slow hub raise {TIMEOUT_ENV} "
+                       f"(now {seconds:g} s)") from None

@@ -2,7 +2,8 @@
 
 Every call passes `endpoint=` explicitly (huggingface_hub reads HF_ENDPOINT only at import), tokens come from the
 library's usual places (HF_TOKEN, `hf auth login`), and every library error becomes one `HubError` line with the token
-redacted. Pulls pin a commit, so `HF_HUB_OFFLINE=1` serves them from the cache.
+redacted. Pulls pin a commit, so `HF_HUB_OFFLINE=1` serves them from the cache. Every request made during a call
+waits at most $OSCAR_ZOO_HUB_TIMEOUT seconds for the hub (huggingface_hub's shared client has none of its own).
 """
 
 from __future__ import annotations
@@ -13,10 +14,30 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import HubError, InputError
-from .base import COMMIT_RE, first_line, redact
+from .base import COMMIT_RE, first_line, hub_timeout, redact, timeouts_as_hub_errors
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_BRANCH = "main"
+_active_timeouts: list[float] = []  # one per oscar-zoo hub call now running; read by the request hook below
+
+
+def _apply_timeout(request) -> None:
+    """httpx request hook: while an oscar-zoo hub call runs, every request it makes (from any thread of the library)
+    gets our timeout for connecting, each read, each write and a pooled connection, whatever the caller passed --
+    huggingface_hub passes `timeout=None` (no limit) on several calls, such as repo_info."""
+    if _active_timeouts:
+        seconds = _active_timeouts[-1]
+        request.extensions["timeout"] = {"connect": seconds, "read": seconds, "write": seconds, "pool": seconds}
+
+
+def _install_timeout_hook() -> None:
+    """Add `_apply_timeout` to huggingface_hub's shared httpx client (re-created after a fork or a close)."""
+    from huggingface_hub import get_session
+
+    session = get_session()
+    hooks = session.event_hooks
+    if _apply_timeout not in hooks["request"]:
+        session.event_hooks = {**hooks, "request": [*hooks["request"], _apply_timeout]}
 
 
 class HuggingFaceHub:
@@ -25,6 +46,7 @@ class HuggingFaceHub:
     def __init__(self, endpoint: str | None = None, token: str | None = None):
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self._explicit_token = token
+        self.timeout = hub_timeout()
 
     # -- credentials ------------------------------------------------------------------------------------------------
     def _token(self) -> str | None:
@@ -44,13 +66,13 @@ class HuggingFaceHub:
 
     # -- repos and commits ------------------------------------------------------------------------------------------
     def ensure_repo(self, repo_id: str, private: bool) -> None:
-        with self._errors(repo_id):
+        with self._errors(repo_id, call="create_repo"):
             self._api().create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
 
     def ensure_branch(self, repo_id: str, revision: str) -> None:
         if revision == DEFAULT_BRANCH or COMMIT_RE.match(revision):
             return
-        with self._errors(repo_id):
+        with self._errors(repo_id, call="create_branch"):
             self._api().create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
 
     def head(self, repo_id: str, revision: str | None) -> str:
@@ -61,7 +83,7 @@ class HuggingFaceHub:
 
         if constants.is_offline_mode():
             return self._cached_ref(repo_id, revision)
-        with self._errors(repo_id, revision):
+        with self._errors(repo_id, revision, call=f"repo_info: the commit of {revision}"):
             sha = self._api().repo_info(repo_id, revision=revision, repo_type="model").sha
         if not sha:
             raise HubError(f"hf: {repo_id} answered without a commit id for revision {revision!r}")
@@ -99,7 +121,7 @@ class HuggingFaceHub:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
 
-        with self._errors(repo_id, commit):
+        with self._errors(repo_id, commit, call=f"download of {path}"):
             try:
                 local = hf_hub_download(repo_id, path, revision=commit, repo_type="model", endpoint=self.endpoint,
                                         token=self._token() or False, force_download=force,
@@ -115,7 +137,7 @@ class HuggingFaceHub:
         from huggingface_hub import CommitOperationAdd
 
         ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(f)) for p, f in sorted(files.items())]
-        with self._errors(repo_id, revision, committing=True):
+        with self._errors(repo_id, revision, committing=True, call="create_commit"):
             info = self._api().create_commit(repo_id, ops, commit_message=message, revision=revision,
                                              parent_commit=parent, repo_type="model")
         return info.oid
@@ -125,13 +147,20 @@ class HuggingFaceHub:
 
     # -- errors -----------------------------------------------------------------------------------------------------
     @contextmanager
-    def _errors(self, repo_id: str, revision: str | None = None, committing: bool = False) -> Iterator[None]:
-        """Map huggingface_hub's exceptions to one-line HubErrors (exit 5), token redacted."""
+    def _errors(self, repo_id: str, revision: str | None = None, committing: bool = False,
+                call: str = "hub request") -> Iterator[None]:
+        """Run one hub call under the hub timeout and map huggingface_hub's exceptions to one-line HubErrors (exit 5),
+        token redacted; `call` names the call in a timeout message."""
         from huggingface_hub import errors as e
 
         where = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
+        _install_timeout_hook()
+        _active_timeouts.append(self.timeout)
         try:
-            yield
+            with timeouts_as_hub_errors(where, self.endpoint, self.timeout, call):
+                yield
+        except HubError:
+            raise
         except e.GatedRepoError:
             raise HubError(f"{where} is gated", f"accept its conditions at {self.endpoint}/{repo_id} and log in "
                                                 "with a token that has access (HF_TOKEN or `hf auth login`)") from None
@@ -171,6 +200,8 @@ class HuggingFaceHub:
                 raise HubError(f"{where}: cannot reach {self.endpoint} ({self._clean(first_line(str(exc)))})",
                                "check the network or HF_ENDPOINT; set HF_HUB_OFFLINE=1 to use cached pulls") from None
             raise
+        finally:
+            _active_timeouts.pop()
 
     def _clean(self, text: str) -> str:
         return redact(text, [self._explicit_token, os.environ.get("HF_TOKEN"), _saved_token()])

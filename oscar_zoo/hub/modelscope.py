@@ -4,12 +4,14 @@ Tokens come from MODELSCOPE_API_TOKEN or `modelscope login`; the endpoint from M
 commit API has no parent-commit precondition and its file API names branches, not commit ids, so here:
 `head` returns the branch name, pulls pin content through the manifest's sha256 (every file is downloaded with its
 expected sha256 and size, and the client re-checks them), and push re-reads zoo.json just before committing to narrow
-(not close) the window in which a concurrent push could be overwritten.
+(not close) the window in which a concurrent push could be overwritten. The `modelscope` client reads its timeouts from
+the environment when first imported; $OSCAR_ZOO_HUB_TIMEOUT becomes those that the user has not set.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import shutil
 import tempfile
@@ -18,10 +20,21 @@ from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 from ..errors import HubError, IntegrityError
-from .base import first_line, redact
+from .base import first_line, hub_timeout, redact, timeouts_as_hub_errors
 
 DEFAULT_ENDPOINT = "https://www.modelscope.cn"
 DEFAULT_BRANCH = "master"
+# The client's per-request limits (connect; each read; a tree page; connecting for a blob upload). Its own retry
+# policy (MODELSCOPE_API_MAX_RETRIES, default 5, with backoff) still applies on top.
+TIMEOUT_VARIABLES = ("MODELSCOPE_API_CONNECT_TIMEOUT", "MODELSCOPE_API_TIMEOUT", "MODELSCOPE_DOWNLOAD_TIMEOUT",
+                     "MODELSCOPE_REPO_TREE_PAGE_TIMEOUT_SECONDS", "MODELSCOPE_UPLOAD_BLOB_CONNECT_TIMEOUT_SECONDS")
+
+
+def _configure_timeouts(seconds: float) -> None:
+    """Give the `modelscope` client our timeout wherever the user has not set one; it takes whole seconds and reads
+    them once, at its first import -- which in the CLI comes after this, in the first call of a ModelScopeHub."""
+    for name in TIMEOUT_VARIABLES:
+        os.environ.setdefault(name, str(max(1, math.ceil(seconds))))
 
 
 class ModelScopeHub:
@@ -30,6 +43,8 @@ class ModelScopeHub:
     def __init__(self, endpoint: str | None = None, token: str | None = None):
         self.endpoint = (endpoint or os.environ.get("MODELSCOPE_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self._explicit_token = token
+        self.timeout = hub_timeout()
+        _configure_timeouts(self.timeout)
 
     def _token(self) -> str | None:
         if self._explicit_token:
@@ -48,9 +63,9 @@ class ModelScopeHub:
 
     # -- repos and commits ------------------------------------------------------------------------------------------
     def ensure_repo(self, repo_id: str, private: bool) -> None:
-        with self._errors(repo_id):
+        with self._errors(repo_id, call="repo_exists / create_repo"):
             api = self._api()
-            if not api.repo_exists(repo_id, repo_type="model"):
+            if not api.repo_exists(repo_id, repo_type="model", re_raise=True):
                 api.create_repo(repo_id, repo_type="model", visibility="private" if private else "public",
                                 exist_ok=True)
 
@@ -61,8 +76,8 @@ class ModelScopeHub:
 
     def head(self, repo_id: str, revision: str | None) -> str:
         """The branch name itself (see the module docstring); checks that the repo is visible first."""
-        with self._errors(repo_id, revision):
-            if not self._api().repo_exists(repo_id, repo_type="model"):
+        with self._errors(repo_id, revision, call="repo_exists"):
+            if not self._api().repo_exists(repo_id, repo_type="model", re_raise=True):
                 raise HubError(f"modelscope:{repo_id}: repository not found (or private and this token cannot "
                                "see it)", "check the repo id; for a private repo set MODELSCOPE_API_TOKEN")
         return revision or DEFAULT_BRANCH
@@ -74,7 +89,7 @@ class ModelScopeHub:
         from modelscope_hub.errors import NotExistError
 
         sha, size = expected or (None, None)
-        with self._errors(repo_id, commit):
+        with self._errors(repo_id, commit, call=f"download of {path}"):
             try:
                 local = self._api().download_file(repo_id, "model", path, revision=commit,
                                                   force=force or sha is None, expected_sha256=sha, file_size=size)
@@ -92,7 +107,8 @@ class ModelScopeHub:
                 (stage / path_in_repo).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(local, stage / path_in_repo)
             # upload_folder print()s a report on stdout; keep stdout for our tables and --json
-            with self._errors(repo_id, revision, committing=True), redirect_stdout(io.StringIO()):
+            with self._errors(repo_id, revision, committing=True, call="upload_folder"), \
+                    redirect_stdout(io.StringIO()):
                 result = self._api().upload_folder(repo_id=repo_id, folder_path=str(stage), path_in_repo="",
                                                    commit_message=message, revision=revision, use_cache=False,
                                                    disable_tqdm=True, tracker_path=str(Path(tmp) / "tracker"))
@@ -106,12 +122,17 @@ class ModelScopeHub:
 
     # -- errors -----------------------------------------------------------------------------------------------------
     @contextmanager
-    def _errors(self, repo_id: str, revision: str | None = None, committing: bool = False) -> Iterator[None]:
+    def _errors(self, repo_id: str, revision: str | None = None, committing: bool = False,
+                call: str = "hub request") -> Iterator[None]:
+        """Map the client's exceptions to one-line errors; a timeout names `call`."""
         from modelscope_hub import errors as e
 
         where = f"modelscope:{repo_id}" + (f"@{revision}" if revision else "")
         try:
-            yield
+            with timeouts_as_hub_errors(where, self.endpoint, self.timeout, call):
+                yield
+        except HubError:
+            raise
         except e.FileIntegrityError as exc:
             raise IntegrityError(f"{where}: a downloaded file does not match the manifest "
                                  f"({self._clean(first_line(str(exc)))})",

@@ -54,3 +54,34 @@ class LocalServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class SilentServer:
+    """Accepts TCP connections on 127.0.0.1 and never answers: a hub that hangs. `stop()` closes every socket."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed by stop()
+                return
+            self.connections.append(conn)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        except OSError:
+            pass
+        self.sock.close()
+        for conn in self.connections:
+            conn.close()
