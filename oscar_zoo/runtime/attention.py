@@ -1,7 +1,9 @@
 """The "oscar" attention function for transformers: rotate q by M_K, attend over the tiers, un-rotate by M_Vᵀ.
 
 Prefill chunks attend to their own exact K/V (plus earlier tokens as their tiers present them); single-token decode
-steps go through `ops.tiered_decode_attention`. Usage (Llama, Mistral, Qwen2/3, Gemma-style GQA models):
+steps go through `ops.tiered_decode_attention`. Binding is explicit: `enable_oscar` puts a pre-hook on every attention
+module that hands the attention function the OscarCache the module was called with (kwarg `oscar_cache`); the
+function reads layer `module.layer_idx` of it. Usage (Llama, Mistral, Qwen2/3, Gemma-style GQA models):
 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
     enable_oscar(model)                                   # registers "oscar" and switches the model to it
@@ -12,6 +14,7 @@ steps go through `ops.tiered_decode_attention`. Usage (Llama, Mistral, Qwen2/3, 
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -21,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import ops, reference
-from .cache import take_pending
+from .cache import OscarCache
 
 ATTN_IMPLEMENTATION = "oscar"
 
@@ -60,10 +63,12 @@ def oscar_attention(
     dropout: float = 0.0,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    oscar_cache: OscarCache | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers attention interface: query [B, H_q, n, D] post-RoPE, key/value as returned by the cache's
-    `update` [B, H_kv, n, D]. Returns [B, n, H_q, D] in query's dtype, and no attention weights."""
+    `update` [B, H_kv, n, D]; `oscar_cache` the cache the module was called with (set by `enable_oscar`'s hook).
+    Returns [B, n, H_q, D] in query's dtype, and no attention weights."""
     if attention_mask is not None:
         raise NotImplementedError(
             "oscar attention got an explicit attention mask: padded batches and custom masks are not supported; "
@@ -72,7 +77,8 @@ def oscar_attention(
     if dropout and module.training:
         raise NotImplementedError("oscar attention is inference-only (attention dropout requested); call model.eval()")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    pending = take_pending(key)
+    layer = oscar_cache.layers[module.layer_idx] if oscar_cache is not None else None
+    pending = layer.take_pending(key) if layer is not None else None
     if sliding_window is not None:
         total = key.shape[2] + (pending.past_len if pending is not None else 0)
         if total > sliding_window:
@@ -85,14 +91,12 @@ def oscar_attention(
         out = dense_attention(query, key, value, scale, softcap)
         return out.transpose(1, 2).contiguous(), None
 
-    layer, n, H_q = pending.layer, query.shape[2], query.shape[1]
-    rot = layer.rotation
-    Mk_q = rot.per_query_head(rot.k, H_q)  # [H_q, D, D] (or shared [1, D, D])
+    n, H_q = query.shape[2], query.shape[1]
+    Mk_q, Mvt_q = layer.per_query_head(H_q)  # [H_q, D, D] (or shared [1, D, D]): M_K and M_Vᵀ
     if n == 1 and layer.quantize and softcap is None:
         q_rot = reference.rotate(query.float(), Mk_q)[:, :, 0]  # [B, H_q, D] q·M_K, kept fp32 for the kernel
         o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale)  # [B, H_q, D] fp32, M_V space
-        o = o.unsqueeze(2)
-        return _unrotate(o, rot, H_q, query.dtype), None
+        return _unrotate(o.unsqueeze(2), Mvt_q, query.dtype), None
     q_rot = reference.rotate(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
     if n == 1:  # BF16 history (test switch) or softcap: the tiers densely, the new token included
         k, v = layer.dense_kv(query.dtype)
@@ -103,13 +107,12 @@ def oscar_attention(
             past_k, past_v = pending.past  # fp32, dequantized history included
             k, v = torch.cat([past_k, key.to(past_k.dtype)], dim=2), torch.cat([past_v, value.to(past_v.dtype)], dim=2)
         o = dense_attention(q_rot, k, v, scale, softcap, q_offset=pending.past_len)
-    return _unrotate(o, rot, H_q, query.dtype), None
+    return _unrotate(o, Mvt_q, query.dtype), None
 
 
-def _unrotate(o: Tensor, rot, n_q_heads: int, dtype: torch.dtype) -> Tensor:
+def _unrotate(o: Tensor, Mvt_q: Tensor, dtype: torch.dtype) -> Tensor:
     """o [B, H_q, n, D] in M_V space → o·M_Vᵀ per query head, as [B, n, H_q, D] in `dtype` (what o_proj reads)."""
-    out = reference.rotate(o.float(), rot.per_query_head(rot.v, n_q_heads).transpose(-1, -2))
-    return out.to(dtype).transpose(1, 2).contiguous()
+    return reference.rotate(o.float(), Mvt_q).to(dtype).transpose(1, 2).contiguous()
 
 
 def oscar_mask(
@@ -132,9 +135,36 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, oscar_mask)
 
 
+_CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cache argument of an attention module
+
+
+def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of an attention module: pass the OscarCache it is called with on to the attention function."""
+    cache = next((kwargs[name] for name in _CACHE_ARGS if kwargs.get(name) is not None), None)
+    if isinstance(cache, OscarCache):
+        kwargs["oscar_cache"] = cache
+    return args, kwargs
+
+
+def _attention_modules(model: torch.nn.Module):
+    """Modules that own a KV-cache layer: a `layer_idx`, a cache argument, and no attention module inside them."""
+    for module in model.modules():
+        params = inspect.signature(module.forward).parameters if hasattr(module, "layer_idx") else {}
+        if any(name in params for name in _CACHE_ARGS) and not hasattr(module, "self_attn"):
+            yield module
+
+
 def enable_oscar(model: torch.nn.Module) -> torch.nn.Module:
-    """Register "oscar" and switch `model` (a transformers PreTrainedModel) to it; returns the model.
-    Rotations are applied only when an OscarCache is passed as past_key_values; without one the model runs exact."""
+    """Register "oscar", switch `model` (a transformers PreTrainedModel) to it and bind its attention modules to the
+    cache they are called with; returns the model. Rotations are applied only when an OscarCache is the cache; without
+    one the model runs exact. On a GPU, generate() then replays single-token decode steps as CUDA graphs (graph.py)."""
+    from .graph import install
+
     register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for module in _attention_modules(model):
+        if not getattr(module, "_oscar_bound", False):
+            module.register_forward_pre_hook(_bind_cache, with_kwargs=True)
+            module._oscar_bound = True
+    install(model)
     return model

@@ -4,11 +4,14 @@ Storage follows `layout.py`; all tiers hold rotated keys/values (k·M_K, v·M_V)
 tokens, demoting the oldest recent tokens into the INT2 history with `ops.quantize_pack`; the attention function in
 `attention.py` reads the tiers back (decode through `ops.tiered_decode_attention`). Use with
 `model.generate(..., cache=OscarCache.from_folder(path))` on a model switched to attn_implementation="oscar".
+
+A single-token decode step is *static*: every tensor it touches keeps its address and shape, tier lengths live on the
+device (int32 [B], updated in place) and writes are indexed by them, so the step can be captured as a CUDA graph
+(`graph.py`). The host keeps a mirror of the lengths (Python ints, advanced by the same rule, never read back).
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,32 +44,18 @@ class Rotation:
 
 @dataclass
 class Pending:
-    """What `update` hands to the attention function of the same layer: the layer, the rotated chunk it returned,
-    and, for a multi-token chunk after earlier tokens, those tokens as their tiers presented them before the chunk."""
+    """What `update` hands to the attention function of the same layer: the rotated chunk it returned, and, for a
+    multi-token chunk after earlier tokens, those tokens as their tiers presented them before the chunk."""
 
-    layer: OscarLayer
     key: Tensor
     past: tuple[Tensor, Tensor] | None
     past_len: int
 
 
-_PENDING: contextvars.ContextVar[Pending | None] = contextvars.ContextVar("oscar_pending", default=None)
-
-
-def take_pending(key: Tensor) -> Pending | None:
-    """The pending update whose returned key is `key` (identity), consumed; None when `key` did not come from an
-    OscarCache (e.g. a forward without cache), in which case attention runs unrotated on the given key/value."""
-    pending = _PENDING.get()
-    if pending is None or pending.key is not key:
-        return None
-    _PENDING.set(None)
-    return pending
-
-
 class OscarLayer(CacheLayerMixin):
     """One attention layer's tiers. Lengths are equal over the batch (padded batches are refused upstream)."""
 
-    is_compileable = False
+    is_compileable = True  # the decode step is static (see the module docstring); generate() then uses graph.py
     is_sliding = False
     is_croppable = False
     _STORAGE = ("sink_k", "sink_v", "hist_k", "hist_v", "sz_k", "sz_v", "recent_k", "recent_v")
@@ -86,6 +75,9 @@ class OscarLayer(CacheLayerMixin):
         self.rotation, self.layer_idx, self.group_size = rotation, layer_idx, group_size
         self.sink, self.recent, self.flush, self.quantize = sink, recent, flush, quantize
         self.n_sink = self.n_hist = self.n_recent = 0
+        self.storage_version = 0  # bumped whenever a storage tensor is replaced (a captured step must be re-captured)
+        self.pending: Pending | None = None
+        self._per_query_head: dict[int, tuple[Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------------------------------------ allocation
 
@@ -105,6 +97,7 @@ class OscarLayer(CacheLayerMixin):
         G = layout.resolve_group_size(D, self.group_size)
         self.device = key_states.device
         self.rotation = self.rotation.to(self.device)
+        self._per_query_head = {}
         bf16 = dict(dtype=layout.TIER_DTYPE, device=self.device)
         self.sink_k = torch.zeros(B, H, self.sink, D, **bf16)
         self.sink_v = torch.zeros(B, H, self.sink, D, **bf16)
@@ -122,12 +115,18 @@ class OscarLayer(CacheLayerMixin):
             self.sz_k = self.sz_v = None
         self.batch_size = B
         self.is_initialized = True
-        self._sync_lengths()
+        self._new_lengths()
 
-    def _sync_lengths(self) -> None:
-        """Refresh the int32 [B] per-tier lengths the decode kernels read."""
+    def _new_lengths(self) -> None:
+        """(Re)allocate the int32 [B] per-tier lengths the decode kernels read, from the host mirror."""
         for name, n in zip(self._LENGTHS, (self.n_sink, self.n_hist, self.n_recent)):
             setattr(self, name, torch.full((self.batch_size,), n, dtype=torch.int32, device=self.device))
+        self.storage_version += 1
+
+    def _sync_lengths(self) -> None:
+        """Write the host mirror into the device lengths, in place (their addresses stay valid for a captured step)."""
+        for name, n in zip(self._LENGTHS, (self.n_sink, self.n_hist, self.n_recent)):
+            getattr(self, name).fill_(n)
 
     def _ensure_history(self, needed: int) -> None:
         cap = self.hist_k.shape[2]
@@ -141,12 +140,27 @@ class OscarLayer(CacheLayerMixin):
             new = torch.zeros(old.shape[:2] + (new_cap,) + old.shape[3:], dtype=old.dtype, device=old.device)
             new[:, :, : self.n_hist] = old[:, :, : self.n_hist]
             setattr(self, name, new)
+        self.storage_version += 1
+
+    def reserve(self, tokens: int) -> None:
+        """Grow the INT2 history now so that a context of `tokens` needs no reallocation later (no re-capture)."""
+        if self.is_initialized:
+            self._ensure_history(max(0, tokens - self.sink - self.recent))
+
+    def per_query_head(self, n_q_heads: int) -> tuple[Tensor, Tensor]:
+        """(M_K, M_Vᵀ) per query head [H_q, D, D] (shared: [1, D, D]), made once per layer and head count."""
+        if n_q_heads not in self._per_query_head:
+            rot = self.rotation
+            mk = rot.per_query_head(rot.k, n_q_heads).contiguous()
+            mvt = rot.per_query_head(rot.v, n_q_heads).transpose(-1, -2).contiguous()
+            self._per_query_head[n_q_heads] = (mk, mvt)
+        return self._per_query_head[n_q_heads]
 
     # ------------------------------------------------------------------------------------------------- writing
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Rotate the new K/V [B, H_kv, n, D], file them into the tiers, and return the rotated chunk (in the input
-        dtype, unquantized: a chunk attends to its own exact K/V). Registers a `Pending` for the attention function."""
+        dtype, unquantized: a chunk attends to its own exact K/V). Leaves a `Pending` for this layer's attention."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size:
@@ -155,9 +169,68 @@ class OscarLayer(CacheLayerMixin):
         v_rot = reference.rotate(value_states, self.rotation.v)  # [B, H_kv, n, D] v·M_V
         n, past_len = k_rot.shape[2], self.get_seq_length()
         past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
-        self._append(k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE), multi=n > 1)
-        _PENDING.set(Pending(self, k_rot, past, past_len))
+        k_tier, v_tier = k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE)
+        if self.is_static_step(n):
+            self.write_token(k_tier, v_tier, self.demotes_next())
+            self.advance_host()
+        else:
+            self._append(k_tier, v_tier, multi=n > 1)
+        self.pending = Pending(k_rot, past, past_len)
         return k_rot, v_rot
+
+    def take_pending(self, key: Tensor) -> Pending:
+        """The update this layer's attention call belongs to, consumed. Raises if there is none, or if the key the
+        attention got is not the one `update` returned (a model that copies or casts it would read the wrong keys)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise RuntimeError(
+                f"OscarCache layer {self.layer_idx} was not updated before its attention ran: the cache's layers do not "
+                f"match the model's (build the cache for this model, one entry per attention layer, in model order)"
+            )
+        if key is not pending.key:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the key reaching attention is not the one OscarCache.update returned (the "
+                f"model copied or cast it); OSCAR needs the rotated key as returned, so this model is not supported"
+            )
+        return pending
+
+    def is_static_step(self, n: int) -> bool:
+        """True when a chunk of `n` tokens is a static decode step: one token, sink full, recent tier past its window
+        (so each step writes one recent slot, and every `flush`-th step demotes the oldest `flush` rows)."""
+        return n == 1 and self.n_sink == self.sink and self.n_recent >= self.recent
+
+    def demotes_next(self) -> bool:
+        return self.n_recent + 1 >= self.recent + self.flush
+
+    def write_token(self, k: Tensor, v: Tensor, demote: bool) -> None:
+        """The static decode write (device work only): k, v [B, H, 1, D] go to recent slot `recent_len`; with `demote`
+        the oldest `flush` recent rows are quantized onto the history at row `hist_len` and the window shifts down."""
+        slot = self.recent_len[:1].long()  # [1], on the device; the batch shares one length
+        self.recent_k.index_copy_(2, slot, k)
+        self.recent_v.index_copy_(2, slot, v)
+        self.recent_len.add_(1)
+        if not demote:
+            return
+        F, W = self.flush, self.recent
+        self._ensure_history(self.n_hist + F)  # eager only: a captured step has its capacity reserved beforehand
+        rows = self.hist_len[:1].long() + torch.arange(F, device=self.device)  # [F] history rows written
+        for tier, hist, sz, clip in ((self.recent_k, self.hist_k, self.sz_k, self.rotation.k_clip),
+                                     (self.recent_v, self.hist_v, self.sz_v, self.rotation.v_clip)):  # fmt: skip
+            if self.quantize:
+                codes, scale_zero = ops.quantize_pack(tier[:, :, :F], clip, self.group_size)
+                hist.index_copy_(2, rows, codes)
+                sz.index_copy_(2, rows, scale_zero)
+            else:
+                hist.index_copy_(2, rows, tier[:, :, :F])
+            tier[:, :, :W] = tier[:, :, F : F + W].clone()
+        self.recent_len.sub_(F)
+        self.hist_len.add_(F)
+
+    def advance_host(self) -> None:
+        """Advance the host mirror of the lengths by one static decode step (what `write_token` did on the device)."""
+        demote = self.demotes_next()
+        self.n_recent += 1 - (self.flush if demote else 0)
+        self.n_hist += self.flush if demote else 0
 
     def _append(self, k: Tensor, v: Tensor, multi: bool) -> None:
         """Sink first (positions < sink), then recent; demote the oldest recent tokens into the history: a multi-token
@@ -237,6 +310,7 @@ class OscarLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.n_sink = self.n_hist = self.n_recent = 0
+        self.pending = None
         if self.is_initialized:
             self._sync_lengths()
 
@@ -250,7 +324,7 @@ class OscarLayer(CacheLayerMixin):
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
         self.batch_size = self.sink_k.shape[0]
-        self._sync_lengths()
+        self._new_lengths()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_storage(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -361,6 +435,44 @@ class OscarCache(Cache):
                 f"artifacts were made for another model"
             )
         return self.layers[layer_idx].update(key_states, value_states)
+
+    # ------------------------------------------------------------------------------- the static decode step
+
+    def reserve(self, tokens: int) -> None:
+        """Size every initialised layer's INT2 history for a context of `tokens` now (after prefill), so decoding up to
+        it never reallocates (and a captured decode step is never re-captured)."""
+        for layer in self.layers:
+            layer.reserve(tokens)
+
+    def static_step_key(self) -> tuple | None:
+        """What identifies the next single-token decode step as a static (capturable) one: (demotes, storage
+        versions); None when it is not static (a layer uninitialised, sink or recent window still filling, BF16
+        history switch). Reserves the history rows a demotion needs first, so the step itself never allocates."""
+        live = [layer for layer in self.layers if layer.rotation is not None]
+        if not live or not all(layer.is_initialized and layer.quantize and layer.is_static_step(1) for layer in live):
+            return None
+        demote = {layer.demotes_next() for layer in live}
+        if len(demote) != 1:
+            return None
+        if True in demote:
+            for layer in live:
+                layer._ensure_history(layer.n_hist + layer.flush)
+        return (demote.pop(), tuple(layer.storage_version for layer in live))
+
+    def host_lengths(self) -> list[tuple[int, int, int]]:
+        return [(layer.n_sink, layer.n_hist, layer.n_recent) for layer in self.layers]
+
+    def restore_host_lengths(self, lengths: list[tuple[int, int, int]]) -> None:
+        """Put back the host mirror (after capturing a step, which runs the Python once but the device work never)."""
+        for layer, (n_sink, n_hist, n_recent) in zip(self.layers, lengths):
+            layer.n_sink, layer.n_hist, layer.n_recent = n_sink, n_hist, n_recent
+            layer.pending = None
+
+    def advance_host(self) -> None:
+        """The host side of one replayed static decode step (the device side is the graph)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.advance_host()
 
     def memory_bytes(self) -> int:
         """Bytes actually allocated by the cache tensors of all layers (history capacity included)."""

@@ -77,7 +77,7 @@ def test_quantized_decode_matches_dense_reference(monkeypatch):
     for t in range(prompt, prompt + steps):
         key, value = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
     q = torch.randn(B, H_Q, 1, D)
-    out, weights = oscar_attention(STUB, q, key, value, None, scaling=SCALE)
+    out, weights = oscar_attention(STUB, q, key, value, None, scaling=SCALE, oscar_cache=cache)
     assert calls == [1] and weights is None and out.shape == (B, 1, H_Q, D)
 
     layer = cache.layers[0]
@@ -105,7 +105,7 @@ def test_second_chunk_attends_tiers_and_its_own_exact_kv():
     cache.update(k[:, :, :n1], v[:, :, :n1], 0)
     key, value = cache.update(k[:, :, n1:], v[:, :, n1:], 0)
     q = torch.randn(B, H_Q, n2, D)
-    out, _ = oscar_attention(STUB, q, key, value, None, scaling=SCALE)
+    out, _ = oscar_attention(STUB, q, key, value, None, scaling=SCALE, oscar_cache=cache)
 
     rk1, rv1 = reference.rotate(k[:, :, :n1], Mk[0]), reference.rotate(v[:, :, :n1], Mv[0])
     k_hat = torch.cat([reference.fake_quant_tiers(rk1.float(), torch.full((H_KV,), 0.96)), key.float()], 2)
@@ -122,12 +122,12 @@ def test_softcap_and_scaling_are_respected():
     k, v = _kv(1, 101, seed=5)
     key, value = cache.update(k[:, :, :100], v[:, :, :100], 0)
     q = torch.randn(1, H_Q, 100, D) * 3
-    out, _ = oscar_attention(STUB, q, key, value, None, scaling=0.2, softcap=5.0)
+    out, _ = oscar_attention(STUB, q, key, value, None, scaling=0.2, softcap=5.0, oscar_cache=cache)
     expected = _dense_ref(q, key, value, Mk[0], Mv[0], 0, scale=0.2, softcap=5.0)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
     key, value = cache.update(k[:, :, 100:], v[:, :, 100:], 0)
     q1 = torch.randn(1, H_Q, 1, D) * 3
-    out, _ = oscar_attention(STUB, q1, key, value, None, scaling=0.2, softcap=5.0)
+    out, _ = oscar_attention(STUB, q1, key, value, None, scaling=0.2, softcap=5.0, oscar_cache=cache)
     k_all, v_all = cache.layers[0].dense_kv()
     expected = _dense_ref(q1, k_all, v_all, Mk[0], Mv[0], 100, scale=0.2, softcap=5.0)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)

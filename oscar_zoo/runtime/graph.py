@@ -1,0 +1,137 @@
+"""CUDA-graph decode for OscarCache: capture one single-token decode step of the whole model once, replay it after.
+
+A static decode step (`OscarLayer.is_static_step`: sink full, recent window full) touches only tensors of fixed
+address and shape and reads the tier lengths on the device, so it can be captured. Two graphs exist per batch shape:
+the plain step and the every-`flush`-steps step that also demotes (the host knows which comes next from its mirror of
+the lengths; it never reads the device). The first step of each kind runs eagerly (it compiles the kernels), the next
+is captured and replayed, and every later one is a replay. A history reallocation (growth past its reserve) or a new
+batch shape drops the graphs and captures again; `OscarCache.reserve(tokens)` after prefill avoids that.
+
+`install(model)` routes transformers' `generate()` through this: OscarCache is a compileable cache, so on a GPU
+generate() asks `model.get_compiled_call()` for its decode forward, and gets a `DecodeGraphs` (other caches get the
+model's own compiled call). Prefill, CPU runs and steps that are not static stay eager, through the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_STATIC_INPUTS = ("input_ids", "position_ids", "cache_position")  # tensors copied into the graph's inputs per step
+_CACHE_ARGS = ("cache", "past_key_values")
+_EAGER_FLAGS = ("output_attentions", "output_hidden_states")  # outputs a replay does not give back
+
+
+class DecodeGraphs:
+    """Callable like the model (keyword arguments, as generate() calls it); replays captured decode steps of caches
+    that offer a static step (OscarCache; the protocol is `static_step_key`, `host_lengths`, `restore_host_lengths`,
+    `advance_host`, `get_seq_length`); every other call goes to `fallback`."""
+
+    def __init__(self, model: torch.nn.Module, fallback=None):
+        self.model = model
+        self.fallback = fallback or model.__call__
+        self.graphs: dict[tuple, _Step] = {}
+        self.warm: set[tuple] = set()  # step kinds that have run eagerly once (kernels compiled, workspaces made)
+        self.versions: tuple | None = None  # storage versions the graphs were captured against
+        self.pool = None
+        self.replays = self.captures = 0
+
+    def __call__(self, *args, **kwargs):
+        cache = next((kwargs[n] for n in _CACHE_ARGS if kwargs.get(n) is not None), None)
+        if not hasattr(cache, "static_step_key"):
+            return self.fallback(*args, **kwargs)
+        key = None if args else cache.static_step_key()
+        kind = None if key is None else self._step_kind(kwargs)
+        if kind is None:
+            return self.model(*args, **kwargs)
+        demote, versions = key
+        if versions != self.versions:  # storage moved: the captured addresses are stale
+            self.graphs.clear()
+            self.versions = versions
+        kind = (demote,) + kind
+        if kind not in self.warm:
+            self.warm.add(kind)
+            return self.model(**kwargs)
+        step = self.graphs.get(kind)
+        if step is None:
+            step = self.graphs[kind] = self._capture(cache, kwargs)
+        step.load(kwargs, cache)
+        step.graph.replay()
+        cache.advance_host()
+        self.replays += 1
+        return step.output()
+
+    def _step_kind(self, kwargs: dict) -> tuple | None:
+        """(input shape, the non-tensor arguments) when the call is one token per sequence on a GPU, else None."""
+        ids = kwargs.get("input_ids")
+        if not (isinstance(ids, Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1):
+            return None
+        if any(kwargs.get(flag) for flag in _EAGER_FLAGS):
+            return None
+        others = []
+        for name, value in kwargs.items():
+            if name in _STATIC_INPUTS or name in _CACHE_ARGS or value is None:
+                continue
+            if isinstance(value, Tensor):
+                return None  # an attention mask or embeddings: not part of a captured step
+            others.append((name, repr(value)))
+        return (tuple(ids.shape), tuple(sorted(others)))
+
+    def _capture(self, cache, kwargs: dict) -> _Step:
+        step = _Step(kwargs, cache)
+        lengths = cache.host_lengths()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step.out = self.model(**step.kwargs)
+        cache.restore_host_lengths(lengths)  # capture ran the Python once; the device work runs at replay
+        self.pool = graph.pool()
+        step.graph = graph
+        self.captures += 1
+        return step
+
+
+class _Step:
+    """One captured step: its static input tensors, the graph, and the output it writes."""
+
+    def __init__(self, kwargs: dict, cache):
+        self.kwargs = dict(kwargs)
+        ids = kwargs["input_ids"]
+        if kwargs.get("position_ids") is None:  # else the model would bake the current length into the graph
+            self.kwargs["position_ids"] = torch.zeros_like(ids)
+        for name in _STATIC_INPUTS:
+            if isinstance(self.kwargs.get(name), Tensor):
+                self.kwargs[name] = self.kwargs[name].clone()
+        self.load(kwargs, cache)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out = None
+
+    def load(self, kwargs: dict, cache) -> None:
+        for name in _STATIC_INPUTS:
+            static = self.kwargs.get(name)
+            if static is None:
+                continue
+            given = kwargs.get(name)
+            if given is not None:
+                static.copy_(given)
+            else:  # position ids of the next token: the host mirror of the length
+                static.fill_(cache.get_seq_length())
+
+    def output(self):
+        """The step's output with its logits copied out of the graph's buffer (the next replay overwrites it)."""
+        return type(self.out)(**{k: v.clone() if k == "logits" else v for k, v in self.out.items()})
+
+
+def install(model: torch.nn.Module) -> None:
+    """Make `model.get_compiled_call` (what generate() uses for decode steps with a compileable cache on a GPU) return
+    a `DecodeGraphs` that replays OscarCache steps and hands every other cache to the model's own compiled call."""
+    if getattr(model, "_oscar_graphs", None) is not None or not hasattr(model, "get_compiled_call"):
+        return
+    own = type(model).get_compiled_call
+    graphs = DecodeGraphs(model)
+    model._oscar_graphs = graphs
+
+    def get_compiled_call(compile_config=None):
+        graphs.fallback = lambda *a, **kw: own(model, compile_config)(*a, **kw)
+        return graphs
+
+    model.get_compiled_call = get_compiled_call

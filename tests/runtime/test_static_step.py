@@ -1,0 +1,205 @@
+"""The static (CUDA-graph capturable) decode step of OscarCache and the explicit cache binding of the attention.
+
+The static step writes by device-side lengths and demotes in place; the general filing path (`OscarLayer._append`,
+Python-int slices and a cat) is an independent implementation of the same tier rule, so the two must give identical
+tiers and identical logits. On CPU both run through the reference ops, and under TRITON_INTERPRET=1 through the
+Triton kernels; the GPU copies check capture + replay in generate() (marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
+
+from oscar_zoo.runtime import attention, layout, ops, reference
+from oscar_zoo.runtime.attention import enable_oscar, oscar_attention
+from oscar_zoo.runtime.cache import OscarCache, OscarLayer
+from oscar_zoo.runtime.graph import DecodeGraphs
+
+D = 64
+
+
+def _rotations(L: int, H: int, D: int = D, seed: int = 0) -> torch.Tensor:
+    mats = [reference.random_orthogonal(D, seed=seed + i) for i in range(L * H)]
+    return torch.stack(mats).float().reshape(L, H, D, D)
+
+
+def _llama(layers: int = 2, dtype=torch.bfloat16, device="cpu"):
+    """SmolLM2's attention shape (9 q / 3 kv heads, head_dim 64), small elsewhere, random weights."""
+    cfg = LlamaConfig(vocab_size=512, hidden_size=144, intermediate_size=288, num_hidden_layers=layers,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=D, max_position_embeddings=2048,
+                      initializer_range=0.1)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _cache(L: int, H: int = 3, D: int = D, **kw) -> OscarCache:
+    clips = torch.linspace(0.9, 0.97, L * H).reshape(L, H)
+    return OscarCache(_rotations(L, H, D), _rotations(L, H, D, seed=50), clips, 0.92, **kw)
+
+
+@torch.no_grad()
+def _decode_logits(model, cache, ids, prompt: int) -> torch.Tensor:
+    """Prefill ids[:, :prompt], then teacher-force the rest one token at a time; logits [B, steps, V] fp32."""
+    out = [model(ids[:, :prompt], cache=cache).logits[:, -1]]
+    for t in range(prompt, ids.shape[1]):
+        out.append(model(ids[:, t : t + 1], cache=cache).logits[:, -1])
+    return torch.stack(out, 1).float()
+
+
+def _general_path_only(monkeypatch):
+    monkeypatch.setattr(OscarLayer, "is_static_step", lambda self, n: False)
+
+
+@pytest.mark.parametrize(("backend", "B", "steps", "tiers"), [("reference", 1, 45, (64, 256)),
+                                                              ("reference", 3, 45, (64, 256)),
+                                                              ("interpreter", 2, 17, (16, 32))])
+def test_static_step_equals_general_path(backend, B, steps, tiers, monkeypatch):
+    """A prefill 10 tokens past sink + recent, then teacher-forced decode steps (45: 5 demotions; 17 under the
+    interpreter, with small tiers to keep it quick: 2): the static step (device-indexed writes, in-place demotion)
+    gives bit-identical logits and tiers to the general filing path, through the reference ops or the Triton kernels
+    (interpreter); the static path and the kernels were taken."""
+    sink, recent = tiers
+    prompt = sink + recent + 10
+    if backend == "interpreter":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel_calls = []
+    real = ops._launch_int2
+    monkeypatch.setattr(ops, "_launch_int2", lambda *a: kernel_calls.append(1) or real(*a))
+    static_writes = []
+    real_write = OscarLayer.write_token
+    monkeypatch.setattr(OscarLayer, "write_token", lambda self, *a: static_writes.append(1) or real_write(self, *a))
+    model = enable_oscar(_llama(layers=1))
+    ids = torch.randint(0, 512, (B, prompt + steps), generator=torch.Generator().manual_seed(B))
+    static_cache = _cache(1, sink=sink, recent=recent)
+    static = _decode_logits(model, static_cache, ids, prompt)
+    assert len(static_writes) == steps and (len(kernel_calls) == steps) == (backend == "interpreter")
+
+    with monkeypatch.context() as m:
+        _general_path_only(m)
+        general_cache = _cache(1, sink=sink, recent=recent)
+        general = _decode_logits(model, general_cache, ids, prompt)
+    assert len(static_writes) == steps  # the general path never went through write_token
+    assert torch.equal(static, general)
+    a, b = static_cache.layers[0], general_cache.layers[0]
+    assert (a.n_sink, a.n_hist, a.n_recent) == (b.n_sink, b.n_hist, b.n_recent)
+    assert (a.n_sink, a.n_hist, a.n_recent) == (sink, 10 + 8 * (steps // 8), recent + steps % 8)
+    assert a.hist_len.tolist() == [a.n_hist] * B and a.recent_len.tolist() == [a.n_recent] * B
+    for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
+        assert torch.equal(getattr(a, name)[:, :, : a.n_recent], getattr(b, name)[:, :, : a.n_recent]), name
+    for name in ("hist_k", "hist_v", "sz_k", "sz_v"):
+        assert torch.equal(getattr(a, name)[:, :, : a.n_hist], getattr(b, name)[:, :, : a.n_hist]), name
+
+
+def test_static_step_keeps_every_address_and_lengths_on_the_device():
+    """Across 20 static steps (two demotions) no storage tensor moves (after the history is reserved), the host mirror
+    equals the device lengths, and the key of the next step says when a demotion comes."""
+    cache = _cache(1)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 3, 340, D, generator=g).bfloat16(), torch.randn(2, 3, 340, D, generator=g).bfloat16()
+    cache.update(k[:, :, :320], v[:, :, :320], 0)
+    cache.reserve(340)
+    ptrs = {name: getattr(layer, name).data_ptr() for name in layer._STORAGE + layer._LENGTHS}
+    kinds = []
+    for t in range(320, 340):
+        kinds.append(cache.static_step_key()[0])
+        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+        assert (layer.sink_len.tolist(), layer.hist_len.tolist(), layer.recent_len.tolist()) == (
+            [64, 64], [layer.n_hist] * 2, [layer.n_recent] * 2)  # fmt: skip
+    assert {name: getattr(layer, name).data_ptr() for name in ptrs} == ptrs
+    assert kinds == [n % 8 == 7 for n in range(20)]  # recent 256 → 263, the 8th step demotes
+
+
+def test_step_is_not_static_while_the_windows_fill():
+    cache = _cache(1)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 3, 100, D, generator=g).bfloat16()
+    assert cache.static_step_key() is None  # uninitialised
+    cache.update(k, k, 0)
+    assert cache.static_step_key() is None  # recent window 36 < 256: single tokens still go to the general path
+
+
+# ------------------------------------------------------------------------------------------------------ binding
+
+
+def test_attention_refuses_a_layer_that_was_not_updated_and_a_copied_key():
+    """Binding is by the module's layer_idx: attention for a layer whose cache layer got no update raises (a cache
+    whose layers do not line up with the model's), and so does a key that is not the tensor update returned."""
+    cache = _cache(2)
+    k = torch.randn(1, 3, 10, D).bfloat16()
+    key, value = cache.update(k, k, 0)
+    q = torch.randn(1, 9, 10, D).bfloat16()
+    stub = lambda idx: type("Attn", (), {"layer_idx": idx, "training": False})()  # noqa: E731
+    with pytest.raises(RuntimeError, match="layer 1 was not updated"):
+        oscar_attention(stub(1), q, key, value, None, oscar_cache=cache)
+    with pytest.raises(RuntimeError, match="copied or cast"):
+        oscar_attention(stub(0), q, key.clone(), value, None, oscar_cache=cache)
+
+
+def test_model_that_copies_the_key_raises(monkeypatch):
+    """A whole model whose keys reach attention as a copy (here: an update wrapper that clones) fails loudly instead
+    of attending unrotated queries to rotated keys; without an OscarCache the same model runs exact."""
+    model = enable_oscar(_llama(dtype=torch.float32))
+    ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(0))
+    real = OscarCache.update
+    monkeypatch.setattr(OscarCache, "update", lambda self, *a, **kw: tuple(t.clone() for t in real(self, *a, **kw)))
+    with pytest.raises(RuntimeError, match="copied or cast"), torch.no_grad():
+        model(ids, cache=_cache(2))
+    with torch.no_grad():
+        exact = model(ids, cache=DynamicCache()).logits
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(exact, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_enable_oscar_hooks_attention_modules_once_and_routes_generate():
+    model = _llama()
+    enable_oscar(model)
+    enable_oscar(model)
+    hooked = [m for m in model.modules() if getattr(m, "_oscar_bound", False)]
+    assert [m.layer_idx for m in hooked] == [0, 1]
+    assert all(len(m._forward_pre_hooks) == 1 for m in hooked)
+    assert isinstance(model.get_compiled_call(None), DecodeGraphs)
+    assert all(layer.is_compileable for layer in _cache(2).layers)
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+
+def _qwen3(device):
+    """Qwen3-8B's attention shape (32 q / 8 kv heads, head_dim 128, QK-norm), 4 layers, small MLP and vocab."""
+    cfg = Qwen3Config(vocab_size=2048, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                      initializer_range=0.08)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device=device, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("B", [1, 4])
+def test_generate_replays_captured_steps_equal_to_eager(arch, B):
+    """generate() on a GPU with OscarCache replays a captured decode step (no user code): 220 greedy tokens from a
+    400-token prompt (27 demotions) equal the eager path's (compile disabled), logits included, and all but the first
+    few steps were replays."""
+    model = enable_oscar(_qwen3("cuda") if arch == "qwen3" else _llama(device="cuda"))
+    cfg = model.config
+    L, H, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    ids = torch.randint(0, cfg.vocab_size, (B, 400), generator=torch.Generator().manual_seed(0)).cuda()
+    runs = {}
+    for mode in ("eager", "graph"):
+        cache = _cache(L, H, Dh)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=220, do_sample=False,
+                             cache=cache, disable_compile=mode == "eager", output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+        runs[mode] = (out.sequences, torch.stack(out.logits, 1).float(), cache.layers[0].n_hist)
+    graphs = model._oscar_graphs
+    assert graphs.replays >= 210 and graphs.captures >= 2
+    assert torch.equal(runs["graph"][0], runs["eager"][0])
+    assert torch.equal(runs["graph"][1], runs["eager"][1])
+    assert runs["graph"][2] == runs["eager"][2] == 400 - layout.SINK - layout.RECENT + 8 * (219 // 8)
