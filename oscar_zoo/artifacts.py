@@ -8,6 +8,7 @@ only if it is absent, empty, or recognisably an artifact folder (`check_destinat
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -242,21 +243,26 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
 def check_files(folder: Path, manifest: Manifest) -> None:
     """Every file the manifest lists exists with its recorded size and sha256; raises IntegrityError naming the file."""
     for entry in manifest.artifacts:
-        path = Path(folder) / entry.path
         if Path(entry.path).is_absolute() or ".." in Path(entry.path).parts:
             raise IntegrityError(f"manifest lists a file outside the folder: {entry.path}")
+        path = Path(folder) / entry.path
         if not path.is_file():
             raise IntegrityError(f"{entry.path} is listed in the manifest but missing from {folder}")
-        size = path.stat().st_size
-        if size != entry.bytes:
-            raise IntegrityError(f"{entry.path} has {size} bytes, the manifest says {entry.bytes}: the file is damaged")
-        digest = sha256_file(path)
-        if digest != entry.sha256:
-            raise IntegrityError(
-                f"{entry.path} sha256 {digest[:12]}… does not match the manifest's {entry.sha256[:12]}…: "
-                "the file was altered or corrupted",
-                "re-download or re-calibrate; do not use these rotations",
-            )
+        check_file(path, entry)
+
+
+def check_file(path: Path, entry: ArtifactFile) -> None:
+    """The file at `path` has the size and sha256 the manifest's `entry` records (the size first: it costs nothing)."""
+    size = Path(path).stat().st_size
+    if size != entry.bytes:
+        raise IntegrityError(f"{entry.path} has {size} bytes, the manifest says {entry.bytes}: the file is damaged")
+    digest = sha256_file(path)
+    if digest != entry.sha256:
+        raise IntegrityError(
+            f"{entry.path} sha256 {digest[:12]}… does not match the manifest's {entry.sha256[:12]}…: "
+            "the file was altered or corrupted",
+            "re-download or re-calibrate; do not use these rotations",
+        )
 
 
 def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
@@ -275,12 +281,13 @@ def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
     return manifest, rotations
 
 
-def _check_shapes(r: Rotations, manifest: Manifest) -> None:
+def expected_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of `rotations.safetensors`, as the manifest's model and rotation spec imply."""
     m = manifest.model
     L = len(manifest.rotation.layer_ids)
     H = m.num_kv_heads if manifest.rotation.granularity.value == "per-head" else 1
     D = m.head_dim
-    expected = {
+    return {
         "k_rotation": (L, H, D, D),
         "v_rotation": (L, H, D, D),
         "k_eigenvalues": (L, H, D),
@@ -289,7 +296,21 @@ def _check_shapes(r: Rotations, manifest: Manifest) -> None:
         "v_clip": (L, H),
         "layer_ids": (L,),
     }
-    for name, shape in expected.items():
+
+
+SAFETENSORS_HEADER_MAX = 1 << 16  # the JSON header of 7 tensors takes well under 1 KiB
+
+
+def rotations_size_range(manifest: Manifest) -> tuple[int, int]:
+    """(least, most) bytes `rotations.safetensors` can take for this manifest: its tensors (4 bytes per element: all
+    float32 but layer_ids int32) plus the 8-byte length and a JSON header of at most 64 KiB."""
+    payload = 4 * sum(math.prod(shape) for shape in expected_shapes(manifest).values())
+    return payload + 8, payload + 8 + SAFETENSORS_HEADER_MAX
+
+
+def _check_shapes(r: Rotations, manifest: Manifest) -> None:
+    L, D = len(manifest.rotation.layer_ids), manifest.model.head_dim
+    for name, shape in expected_shapes(manifest).items():
         got = tuple(getattr(r, name).shape)
         if got != shape:
             raise IntegrityError(f"{ROTATIONS_NAME}: {name} has shape {list(got)}, the manifest implies {list(shape)}")

@@ -10,13 +10,15 @@ import json
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import IntegrityError
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 ROTATIONS_NAME = "rotations.safetensors"
+ARTIFACT_FILES = (ROTATIONS_NAME,)  # the files a manifest may list: the format has no others (the model card that push
+# writes beside them is generated from the manifest, not listed in it)
 
 
 class _Frozen(BaseModel):
@@ -99,8 +101,16 @@ class CalibrationRecord(_Frozen):
 
 class ArtifactFile(_Frozen):
     path: str
-    sha256: str
-    bytes: int
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _format_file(cls, path: str) -> str:
+        if path not in ARTIFACT_FILES:
+            raise ValueError(f"{path!r} is not a file of the oscar-zoo artifact format (only "
+                             f"{', '.join(ARTIFACT_FILES)}); refusing it")
+        return path
 
 
 class Manifest(_Frozen):
@@ -114,6 +124,14 @@ class Manifest(_Frozen):
     artifacts: list[ArtifactFile] = Field(default_factory=list)
     bits_per_element: dict[str, float]
     verification: dict[str, Any] | None = None
+
+    @field_validator("artifacts")
+    @classmethod
+    def _each_once(cls, artifacts: list[ArtifactFile]) -> list[ArtifactFile]:
+        paths = [a.path for a in artifacts]
+        if len(set(paths)) != len(paths):
+            raise ValueError("a file is listed twice")
+        return artifacts
 
     def to_json(self) -> str:
         return canonical_json(self.model_dump(mode="json"))

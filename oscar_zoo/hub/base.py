@@ -37,10 +37,18 @@ class HubClient(Protocol):
     def head(self, repo_id: str, revision: str | None) -> str:
         """The commit id `revision` (branch, tag or commit; None = default branch) points to."""
 
-    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False,
-              expected: tuple[str, int] | None = None) -> Path | None:
+    def file_sizes(self, repo_id: str, folder: str, commit: str) -> dict[str, int] | None:
+        """{path in repo: bytes} of the files in `folder` ("" = the root) at `commit`, from the hub's listing, before
+        anything is downloaded; None when the hub cannot be asked (offline mode)."""
+
+    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False, sha256: str | None = None,
+              size: int | None = None) -> Path | None:
         """Download one file at `commit` into the client's cache and return its local path; None if absent there.
-        `expected` = (sha256, bytes) when known: a client that can verify on download does (the caller re-checks)."""
+        With `size`, a download that grows past it is stopped and leaves nothing behind (IntegrityError); a client
+        that can verify `sha256` on download does. The caller re-checks both and `discard`s what it refuses."""
+
+    def discard(self, local: Path) -> None:
+        """Remove a file that `fetch` returned from the client's cache (it was refused)."""
 
     def commit(self, repo_id: str, files: dict[str, Path], message: str, revision: str | None,
                parent: str | None) -> str:

@@ -3,7 +3,7 @@
 Every call passes `endpoint=` explicitly (huggingface_hub reads HF_ENDPOINT only at import), tokens come from the
 library's usual places (HF_TOKEN, `hf auth login`), and every library error becomes one `HubError` line with the token
 redacted. Pulls pin a commit, so `HF_HUB_OFFLINE=1` serves them from the cache. Every request made during a call
-waits at most $OSCAR_ZOO_HUB_TIMEOUT seconds for the hub (huggingface_hub's shared client has none of its own).
+waits at most $OSCAR_ZOO_HUB_TIMEOUT seconds for the hub, and a download stops past its expected size (`hf_limits`).
 """
 
 from __future__ import annotations
@@ -13,31 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import HubError, InputError
+from ..errors import HubError, InputError, IntegrityError
 from .base import COMMIT_RE, first_line, hub_timeout, redact, timeouts_as_hub_errors
+from .hf_limits import DownloadTooLarge, limits
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_BRANCH = "main"
-_active_timeouts: list[float] = []  # one per oscar-zoo hub call now running; read by the request hook below
-
-
-def _apply_timeout(request) -> None:
-    """httpx request hook: while an oscar-zoo hub call runs, every request it makes (from any thread of the library)
-    gets our timeout for connecting, each read, each write and a pooled connection, whatever the caller passed --
-    huggingface_hub passes `timeout=None` (no limit) on several calls, such as repo_info."""
-    if _active_timeouts:
-        seconds = _active_timeouts[-1]
-        request.extensions["timeout"] = {"connect": seconds, "read": seconds, "write": seconds, "pool": seconds}
-
-
-def _install_timeout_hook() -> None:
-    """Add `_apply_timeout` to huggingface_hub's shared httpx client (re-created after a fork or a close)."""
-    from huggingface_hub import get_session
-
-    session = get_session()
-    hooks = session.event_hooks
-    if _apply_timeout not in hooks["request"]:
-        session.event_hooks = {**hooks, "request": [*hooks["request"], _apply_timeout]}
 
 
 class HuggingFaceHub:
@@ -116,12 +97,29 @@ class HuggingFaceHub:
             )
         return ref.read_text().strip()
 
-    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False,
-              expected: tuple[str, int] | None = None) -> Path | None:
+    def file_sizes(self, repo_id: str, folder: str, commit: str) -> dict[str, int] | None:
+        from huggingface_hub import constants
+        from huggingface_hub.errors import EntryNotFoundError
+        from huggingface_hub.hf_api import RepoFile
+
+        if constants.is_offline_mode():
+            return None
+        with self._errors(repo_id, commit, call=f"list_repo_tree of {folder or '/'}"):
+            try:
+                entries = list(self._api().list_repo_tree(repo_id, path_in_repo=folder or None, revision=commit,
+                                                          repo_type="model"))
+            except EntryNotFoundError:  # no such folder at this commit
+                return {}
+        return {e.path: e.size for e in entries if isinstance(e, RepoFile)}
+
+    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False, sha256: str | None = None,
+              size: int | None = None) -> Path | None:
+        """`size` caps the download as it arrives (DownloadTooLarge -> IntegrityError, nothing cached); the caller
+        checks size and sha256 of the result. `sha256` is not needed here: huggingface_hub cannot check it."""
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
 
-        with self._errors(repo_id, commit, call=f"download of {path}"):
+        with self._errors(repo_id, commit, call=f"download of {path}", max_bytes=size):
             try:
                 local = hf_hub_download(repo_id, path, revision=commit, repo_type="model", endpoint=self.endpoint,
                                         token=self._token() or False, force_download=force,
@@ -142,25 +140,34 @@ class HuggingFaceHub:
                                              parent_commit=parent, repo_type="model")
         return info.oid
 
+    def discard(self, local: Path) -> None:
+        """Remove a refused download from the hub cache: its snapshot entry and the blob it points to."""
+        local = Path(local)
+        blob = local.resolve()
+        local.unlink(missing_ok=True)
+        if blob != local and "blobs" in blob.parts:
+            blob.unlink(missing_ok=True)
+
     def web_url(self, repo_id: str, subfolder: str = "") -> str:
         return f"{self.endpoint}/{repo_id}" + (f"/tree/main/{subfolder}" if subfolder else "")
 
     # -- errors -----------------------------------------------------------------------------------------------------
     @contextmanager
     def _errors(self, repo_id: str, revision: str | None = None, committing: bool = False,
-                call: str = "hub request") -> Iterator[None]:
-        """Run one hub call under the hub timeout and map huggingface_hub's exceptions to one-line HubErrors (exit 5),
-        token redacted; `call` names the call in a timeout message."""
+                call: str = "hub request", max_bytes: int | None = None) -> Iterator[None]:
+        """Run one hub call under the hub timeout (and a download under `max_bytes`) and map huggingface_hub's
+        exceptions to one-line HubErrors (exit 5), token redacted; `call` names the call in a timeout message."""
         from huggingface_hub import errors as e
 
         where = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
-        _install_timeout_hook()
-        _active_timeouts.append(self.timeout)
         try:
-            with timeouts_as_hub_errors(where, self.endpoint, self.timeout, call):
+            with limits(self.timeout, max_bytes), timeouts_as_hub_errors(where, self.endpoint, self.timeout, call):
                 yield
         except HubError:
             raise
+        except DownloadTooLarge as exc:
+            raise IntegrityError(f"{where}: refused the {call}: {exc}; nothing was kept",
+                                 "the hub copy does not match its manifest; do not use it") from None
         except e.GatedRepoError:
             raise HubError(f"{where} is gated", f"accept its conditions at {self.endpoint}/{repo_id} and log in "
                                                 "with a token that has access (HF_TOKEN or `hf auth login`)") from None
@@ -200,8 +207,6 @@ class HuggingFaceHub:
                 raise HubError(f"{where}: cannot reach {self.endpoint} ({self._clean(first_line(str(exc)))})",
                                "check the network or HF_ENDPOINT; set HF_HUB_OFFLINE=1 to use cached pulls") from None
             raise
-        finally:
-            _active_timeouts.pop()
 
     def _clean(self, text: str) -> str:
         return redact(text, [self._explicit_token, os.environ.get("HF_TOKEN"), _saved_token()])

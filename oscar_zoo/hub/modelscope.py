@@ -82,20 +82,30 @@ class ModelScopeHub:
                                "see it)", "check the repo id; for a private repo set MODELSCOPE_API_TOKEN")
         return revision or DEFAULT_BRANCH
 
-    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False,
-              expected: tuple[str, int] | None = None) -> Path | None:
-        """Files with an expected sha256 are verified (and cache hits validated) by the client; the cache is keyed by
-        branch name, so files without one (manifest, zoo.json) are always downloaded afresh."""
+    def file_sizes(self, repo_id: str, folder: str, commit: str) -> dict[str, int] | None:
+        with self._errors(repo_id, commit, call=f"get_model_files of {folder or '/'}"):
+            files = self._api().get_model_files(repo_id, revision=commit, root=folder or None, recursive=True)
+        return {f["Path"]: int(f["Size"]) for f in files if f.get("Size") is not None}
+
+    def fetch(self, repo_id: str, path: str, commit: str, force: bool = False, sha256: str | None = None,
+              size: int | None = None) -> Path | None:
+        """The client checks `size` against what the server announces and sends, and `sha256` (also validating a
+        cache hit), discarding what it refuses; the cache is keyed by branch name, so a file without a sha256
+        (manifest, zoo.json) is always downloaded afresh."""
         from modelscope_hub.errors import NotExistError
 
-        sha, size = expected or (None, None)
         with self._errors(repo_id, commit, call=f"download of {path}"):
             try:
                 local = self._api().download_file(repo_id, "model", path, revision=commit,
-                                                  force=force or sha is None, expected_sha256=sha, file_size=size)
+                                                  force=force or sha256 is None, expected_sha256=sha256,
+                                                  file_size=size)
             except NotExistError:
                 return None
         return Path(local)
+
+    def discard(self, local: Path) -> None:
+        """Remove a refused download from the client's cache (a plain file under snapshots/<branch>/)."""
+        Path(local).unlink(missing_ok=True)
 
     def commit(self, repo_id: str, files: dict[str, Path], message: str, revision: str | None,
                parent: str | None) -> str:

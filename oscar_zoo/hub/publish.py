@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from ..artifacts import (atomic_write_text, check_destination, check_files, load_artifacts, remove_stale_staging,
-                         sha256_file, staging_folder, swap_into_place)
+from ..artifacts import (atomic_write_text, check_destination, check_file, check_files, load_artifacts,
+                         remove_stale_staging, rotations_size_range, sha256_file, staging_folder, swap_into_place)
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
-from ..manifest import MANIFEST_NAME, Manifest
+from ..manifest import MANIFEST_NAME, ROTATIONS_NAME, Manifest
 from .base import HUBS, HubClient, split_repo_path
 from .card import render_model_card, render_zoo_card
 from .catalog import CatalogEntry, find_entry
@@ -27,6 +27,7 @@ from .zoo import ZOO_NAME, ZooIndex, verification_summary, zoo_entry
 
 Progress = Callable[[str], None]
 CARD_NAME = "README.md"
+MANIFEST_MAX_BYTES = 1 << 20  # a manifest takes a few KiB; anything near this is not one
 
 
 def make_client(hub: str) -> HubClient:
@@ -181,29 +182,81 @@ def pull(src: PullSource, dest: Path | None, client: HubClient | None = None, fo
     check_destination(dest, "--dest")  # an earlier pull (or calibrate) may be replaced, nothing else (exit 2)
     commit = client.head(src.repo_id, src.revision)
     where = f"{src.hub}:{src.repo_id}/{src.subfolder}".rstrip("/") + f"@{commit[:12]}"
+    sizes = client.file_sizes(src.repo_id, src.subfolder, commit)  # None offline: then the cached copies are checked
+    manifest_in_repo = _in_repo(src.subfolder, MANIFEST_NAME)
+    manifest_size = None if sizes is None else sizes.get(manifest_in_repo)
+    if sizes is not None and manifest_size is None:
+        raise _no_manifest(where)
+    if manifest_size is not None and manifest_size > MANIFEST_MAX_BYTES:
+        raise IntegrityError(f"{where}/{MANIFEST_NAME} has {manifest_size:,} bytes, too many for a manifest; nothing "
+                             "was downloaded", "this is not an oscar-zoo artifact folder; do not use it")
     progress(f"reading {MANIFEST_NAME} from {where}")
-    manifest_path = client.fetch(src.repo_id, _in_repo(src.subfolder, MANIFEST_NAME), commit, force=force_download)
+    manifest_path = client.fetch(src.repo_id, manifest_in_repo, commit, force=force_download, size=manifest_size)
     if manifest_path is None:
-        raise HubError(f"{where} has no {MANIFEST_NAME}: it is not an oscar-zoo artifact folder",
-                       "pass REPO_ID/SUBFOLDER for a zoo repo (its zoo.json lists the folders)")
-    text = manifest_path.read_text()
-    manifest = Manifest.from_json(text, source=f"{where}/{MANIFEST_NAME}")  # schema first (exit 4)
-    if src.entry is not None and sha256_file(manifest_path) != src.entry.manifest_sha256:
-        raise IntegrityError(f"{where}/{MANIFEST_NAME} differs from the catalog's copy of {src.entry.name!r}",
-                             "the hub copy changed after it was catalogued; pull by repo id to accept it")
+        raise _no_manifest(where)
+    try:
+        manifest = _read_pulled_manifest(manifest_path, where, src.entry)
+        _check_listing(manifest, sizes, src.subfolder, where)  # before any listed file is downloaded
+    except IntegrityError:
+        client.discard(manifest_path)  # a refused manifest does not stay in the hub cache
+        raise
     local: dict[str, Path] = {}
     for i, art in enumerate(manifest.artifacts, 1):
-        if Path(art.path).is_absolute() or ".." in PurePosixPath(art.path).parts:
-            raise IntegrityError(f"{where}/{MANIFEST_NAME} lists a file outside its folder: {art.path}")
         progress(f"downloading {art.path} ({art.bytes:,} bytes) [{i}/{len(manifest.artifacts)}]")
         path = client.fetch(src.repo_id, _in_repo(src.subfolder, art.path), commit, force=force_download,
-                            expected=(art.sha256, art.bytes))
+                            sha256=art.sha256, size=art.bytes)
         if path is None:
             raise HubError(f"{where}: {art.path} is listed in the manifest but missing from the repo")
+        try:
+            check_file(path, art)
+        except IntegrityError as exc:
+            client.discard(path)  # nor does a refused file
+            raise IntegrityError(f"{where}: {exc.message}", exc.advice) from None
         local[art.path] = path
     _install(dest, manifest_path, local, manifest)
     files = [(a.path, a.bytes, a.sha256) for a in manifest.artifacts]
     return PullResult(src, commit, dest, manifest, files)
+
+
+def _no_manifest(where: str) -> HubError:
+    return HubError(f"{where} has no {MANIFEST_NAME}: it is not an oscar-zoo artifact folder",
+                    "pass REPO_ID/SUBFOLDER for a zoo repo (its zoo.json lists the folders)")
+
+
+def _read_pulled_manifest(path: Path, where: str, entry: CatalogEntry | None) -> Manifest:
+    """Schema first (exit 4); with a catalog name, byte-identical to the catalogued manifest."""
+    if path.stat().st_size > MANIFEST_MAX_BYTES:
+        raise IntegrityError(f"{where}/{MANIFEST_NAME} has {path.stat().st_size:,} bytes, too many for a manifest")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise IntegrityError(f"{where}/{MANIFEST_NAME} is not UTF-8 text; it is not an oscar-zoo manifest") from None
+    manifest = Manifest.from_json(text, source=f"{where}/{MANIFEST_NAME}")
+    if entry is not None and sha256_file(path) != entry.manifest_sha256:
+        raise IntegrityError(f"{where}/{MANIFEST_NAME} differs from the catalog's copy of {entry.name!r}",
+                             "the hub copy changed after it was catalogued; pull by repo id to accept it")
+    return manifest
+
+
+def _check_listing(manifest: Manifest, sizes: dict[str, int] | None, subfolder: str, where: str) -> None:
+    """Before downloading: the schema admits only the format's files; each must be as big as the manifest's geometry
+    implies and, when the hub's listing is at hand, exactly as big there as the manifest says."""
+    for art in manifest.artifacts:
+        if art.path == ROTATIONS_NAME:
+            least, most = rotations_size_range(manifest)
+            if not least <= art.bytes <= most:
+                raise IntegrityError(f"{where}/{MANIFEST_NAME} says {art.path} has {art.bytes:,} bytes, but the "
+                                     f"tensors it describes take {least:,} to {most:,}; nothing was downloaded",
+                                     "the manifest is inconsistent; do not use it")
+        if sizes is None:
+            continue
+        on_hub = sizes.get(_in_repo(subfolder, art.path))
+        if on_hub is None:
+            raise HubError(f"{where}: {art.path} is listed in the manifest but missing from the repo")
+        if on_hub != art.bytes:
+            raise IntegrityError(f"{where}: {art.path} has {on_hub:,} bytes on the hub, the manifest says "
+                                 f"{art.bytes:,}; nothing was downloaded",
+                                 "the hub copy was altered or corrupted; do not use it")
 
 
 def _install(dest: Path, manifest_path: Path, files: dict[str, Path], manifest: Manifest) -> None:

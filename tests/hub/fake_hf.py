@@ -33,6 +33,8 @@ class HubState:
         self.lock = threading.Lock()
         self.requests: list[str] = []
         self.connections: set = set()  # open sockets, closed by stop() so keep-alive clients see the server go away
+        self.overlong: dict[str, bytes] = {}  # path -> bytes a GET streams instead (no Content-Length): a lying hub
+        self.sent: dict[str, int] = {}  # bytes of an `overlong` body written before the client hung up
 
     def create(self, repo_id: str, private: bool) -> None:
         first = _new_commit_id()
@@ -241,8 +243,25 @@ class Handler(TrackedHandler):
         if path not in files:
             return self._error(404, "EntryNotFound", f"{path} does not exist on {rev}", head=head)
         data = files[path]
-        self._send(200, data, {"X-Repo-Commit": sha, "ETag": f'"{git_blob_sha1(data)}"',
-                               "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}, head=head)
+        headers = {"X-Repo-Commit": sha, "ETag": f'"{git_blob_sha1(data)}"', "Content-Type": "application/octet-stream"}
+        if not head and path in self.state.overlong:
+            return self._stream_until_hung_up(path, self.state.overlong[path], headers)
+        self._send(200, data, {**headers, "Accept-Ranges": "bytes"}, head=head)
+
+    def _stream_until_hung_up(self, path: str, body: bytes, headers: dict) -> None:
+        """Send `body` with no Content-Length (delimited by closing the connection), counting what got out."""
+        self.send_response(200)
+        for k, v in {**headers, "Connection": "close"}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.close_connection = True
+        self.state.sent[path] = 0
+        try:
+            for i in range(0, len(body), 1 << 16):
+                self.wfile.write(body[i:i + (1 << 16)])
+                self.state.sent[path] += len(body[i:i + (1 << 16)])
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
 
 class FakeHub(LocalServer):
