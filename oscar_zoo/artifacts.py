@@ -173,6 +173,9 @@ def check_destination(dest: Path, label: str) -> Path:
     if resolved.exists() and not resolved.is_dir():
         raise InputError(f"{label} {dest} exists and is not a folder; nothing was changed",
                          "pick a new or empty folder")
+    above = next(p for p in resolved.parents if p.exists())
+    if not resolved.exists() and not above.is_dir():
+        raise InputError(f"{label} {dest} lies under {above}, which is a file; nothing was changed")
     if resolved.is_dir() and any(resolved.iterdir()):
         problem = artifact_folder_problem(resolved)
         if problem:

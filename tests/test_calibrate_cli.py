@@ -194,6 +194,10 @@ def test_out_refuses_a_folder_of_other_files_before_any_work(run_cli, tiny_model
     assert "not an oscar-zoo artifact folder" in err and "nothing was changed" in err and "Traceback" not in err
     assert _tree(thesis) == before and sorted(p.name for p in tmp_path.iterdir()) == ["P", "corpus"]
 
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out",
+                           thesis / "thesis.tex" / "art")
+    assert code == 2 and "which is a file" in err and _tree(thesis) == before
+
     # a manifest.json alone does not make a folder ours: its files must be exactly the ones the manifest lists
     (thesis / "manifest.json").write_text("{}")
     code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", thesis)

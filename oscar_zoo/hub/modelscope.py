@@ -10,10 +10,12 @@ the environment when first imported; $OSCAR_ZOO_HUB_TIMEOUT becomes those that t
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -31,10 +33,18 @@ TIMEOUT_VARIABLES = ("MODELSCOPE_API_CONNECT_TIMEOUT", "MODELSCOPE_API_TIMEOUT",
 
 
 def _configure_timeouts(seconds: float) -> None:
-    """Give the `modelscope` client our timeout wherever the user has not set one; it takes whole seconds and reads
-    them once, at its first import -- which in the CLI comes after this, in the first call of a ModelScopeHub."""
-    for name in TIMEOUT_VARIABLES:
-        os.environ.setdefault(name, str(max(1, math.ceil(seconds))))
+    """Give the `modelscope` client our timeout wherever the user has not set one. It takes whole seconds from the
+    environment once, when `modelscope_hub.constants` is first imported: so set them for that import only (child
+    processes see the user's environment). Already imported (by the embedding program), it keeps what it read."""
+    if "modelscope_hub.constants" in sys.modules:
+        return
+    added = [name for name in TIMEOUT_VARIABLES if name not in os.environ]
+    os.environ.update({name: str(max(1, math.ceil(seconds))) for name in added})
+    try:
+        importlib.import_module("modelscope_hub.constants")
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 class ModelScopeHub:
