@@ -3,11 +3,14 @@
 A random-weight model of a real architecture (Qwen3-8B shapes on the GPU, a demo-sized Llama on CPU) gets its cache
 filled to a context, then runs greedy decode steps through `model.forward` (the step `generate` takes, without its
 host-side bookkeeping) with each cache: OscarCache (INT2 history, random orthogonal rotations, clip 0.96/0.92),
-transformers' DynamicCache and StaticCache, and "prealloc" (a BF16 cache written in place and read as an exact-length
-view: the BF16 floor a serving engine gets). Fill modes: "model" runs a chunked prefill of random token ids; "kv"
+transformers' DynamicCache and StaticCache, "prealloc" (a BF16 cache written in place and read as an exact-length
+view), and "bf16graph" (a BF16 cache of fixed capacity with a device-side length, read at its exact length by the
+runtime's split-K BF16 kernel: the fastest BF16 decode that can be captured). With --graph (the GPU default), OSCAR
+and bf16graph decode as CUDA-graph replays through `oscar_zoo.runtime.graph.DecodeGraphs` (the path generate() takes),
+and each row also reports the sum of its kernels' device times (torch.profiler over eager steps) beside the step. Fill modes: "model" runs a chunked prefill of random token ids; "kv"
 writes random K/V straight into each layer (OscarCache through its own filing path: rotate-free `_append`, which
 quantizes the history as prefill does) — decode cost does not depend on the values, and a 100K prefill is not what is
-measured. Details go to $OUT/bench_generate.json when OUT is set.
+measured. Details go to $OUT/bench_generate_<model>.json when OUT is set.
 
 Usage: PYTHONPATH=. python benchmarks/bench_generate.py [--layers 8] [--contexts 8192 32768] [--batches 1 8]
 """
@@ -22,6 +25,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -29,11 +33,13 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3C
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_zoo.runtime import cache as cache_mod, layout, ops, reference
-from oscar_zoo.runtime.attention import enable_oscar
+from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation
 from oscar_zoo.runtime.cache import OscarCache
+from oscar_zoo.runtime.graph import install
 
-KINDS = ("oscar", "dynamic", "static", "prealloc")
-BF16_KINDS = ("dynamic", "static", "prealloc")
+KINDS = ("oscar", "dynamic", "static", "prealloc", "bf16graph")
+BF16_KINDS = ("dynamic", "static", "prealloc", "bf16graph")
+GRAPH_KINDS = ("oscar", "bf16graph")  # caches with a static (capturable) decode step
 GB = 1e9
 
 
@@ -41,19 +47,26 @@ GB = 1e9
 
 
 def model_config(name: str, layers: int | None = None):
-    """"qwen3-8b": Qwen3-8B shapes (36 layers, 32 q / 8 kv heads, d=128); "demo": a SmolLM2-sized Llama slice."""
+    """"qwen3-8b": Qwen3-8B shapes (36 layers, 32 q / 8 kv heads, d=128); "smollm2": SmolLM2-135M's shapes (30 layers,
+    9 q / 3 kv heads, d=64; the context limit raised so long rows run); "demo": a small SmolLM2-sized Llama slice."""
     if name == "qwen3-8b":
         return Qwen3Config(
             vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers or 36,
             num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
             rope_theta=1e6, tie_word_embeddings=False,
         )  # fmt: skip
+    if name == "smollm2":
+        return LlamaConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 30,
+            num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=262144,
+            rope_theta=100000.0, tie_word_embeddings=True,
+        )  # fmt: skip
     if name == "demo":
         return LlamaConfig(
             vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 2,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=65536,
         )  # fmt: skip
-    raise ValueError(f"unknown model {name!r}: use qwen3-8b or demo")
+    raise ValueError(f"unknown model {name!r}: use qwen3-8b, smollm2 or demo")
 
 
 def build_model(name: str, layers: int | None, device: torch.device, dtype=torch.bfloat16) -> torch.nn.Module:
@@ -111,6 +124,94 @@ class PreallocLayer(CacheLayerMixin):
         return self.capacity
 
 
+class GraphBF16Layer(PreallocLayer):
+    """A BF16 K/V buffer of fixed capacity with an int32 [B] device length: a decode token is written at that length
+    (index_copy_, no host value), and `bf16_split_attention` reads exactly `length` rows with the runtime's split-K
+    BF16 kernel. The fastest BF16 decode that a CUDA graph can hold (no mask, no repeat_kv, no padding reads)."""
+
+    is_compileable = True
+    LAYERS: dict[int, "GraphBF16Layer"] = {}  # layer_idx → layer, for the attention function (benchmark only)
+
+    def __init__(self, capacity: int, layer_idx: int):
+        super().__init__(capacity)
+        self.layer_idx = layer_idx
+        GraphBF16Layer.LAYERS[layer_idx] = self
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        B, H, _, D = key_states.shape
+        self.length = torch.zeros(B, dtype=torch.int32, device=key_states.device)
+        self.empty = torch.zeros(B, H, 0, D, dtype=key_states.dtype, device=key_states.device)  # no sink tier
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[2] != 1:
+            out = super().update(key_states, value_states)
+            self.length.fill_(self.n)
+            return out
+        slot = self.length[:1].long()
+        self.keys.index_copy_(2, slot, key_states)
+        self.values.index_copy_(2, slot, value_states)
+        self.length.add_(1)
+        self.n += 1  # host mirror (a replayed step advances it in `advance_host`)
+        return key_states, value_states
+
+
+class GraphBF16Cache(Cache):
+    """Cache of GraphBF16Layer with the static-step protocol of oscar_zoo.runtime.graph.DecodeGraphs."""
+
+    def __init__(self, capacity: int, num_layers: int):
+        super().__init__(layers=[GraphBF16Layer(capacity, i) for i in range(num_layers)])
+
+    def static_step_key(self):
+        ok = all(layer.is_initialized and layer.n < layer.capacity for layer in self.layers)
+        return (False, tuple(layer.keys.data_ptr() for layer in self.layers)) if ok else None
+
+    def host_lengths(self):
+        return [layer.n for layer in self.layers]
+
+    def restore_host_lengths(self, lengths):
+        for layer, n in zip(self.layers, lengths):
+            layer.n = n
+
+    def advance_host(self):
+        for layer in self.layers:
+            layer.n += 1
+
+
+def bf16_split_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Attention of "bf16graph": decode steps through ops.decode_bf16_partial + merge over the exact length; a
+    prefill chunk (fill=model) through SDPA over the buffer's exact-length view."""
+    layer = GraphBF16Layer.LAYERS[module.layer_idx]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if query.shape[2] != 1:
+        from oscar_zoo.runtime.attention import dense_attention
+
+        out = dense_attention(query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], scale)
+        return out.transpose(1, 2).contiguous(), None
+    zero = torch.zeros_like(layer.length)
+    B, H_kv, T_cap = layer.keys.shape[:3]
+    splits = ops._int2_splits(B, H_kv, T_cap, query.device, None)  # the INT2 kernel's split rule (≈ 4 programs/SM)
+    o, lse = ops.decode_bf16_partial(query[:, :, 0], layer.empty, layer.empty, zero, layer.keys, layer.values,
+                                     layer.length, scale, num_splits=splits)  # fmt: skip
+    o, _ = ops.merge_partials(o, lse)  # [B, H_q, D] fp32
+    return o.to(query.dtype).unsqueeze(1), None
+
+
+def check_bf16graph(model, cache: GraphBF16Cache) -> float:
+    """Max |kernel − SDPA| of layer 0's decode attention at the filled length, random q (0 when not on the kernels)."""
+    layer = cache.layers[0]
+    cfg = model.config
+    B = layer.keys.shape[0]
+    q = torch.randn(B, cfg.num_attention_heads, 1, layer.keys.shape[-1], device=layer.keys.device, dtype=torch.bfloat16)
+    got, _ = bf16_split_attention(SimpleNamespace(layer_idx=0), q, None, None, None)
+    from oscar_zoo.runtime.attention import dense_attention
+
+    ref = dense_attention(q, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], q.shape[-1] ** -0.5)
+    return (got.float() - ref.transpose(1, 2).float()).abs().max().item()
+
+
 def oscar_rotations(L: int, H_kv: int, D: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Random orthogonal per-head rotations M_K, M_V float32 [L, H_kv, D, D] (sign-fixed QR of Gaussians)."""
     g = torch.Generator().manual_seed(seed)
@@ -133,6 +234,8 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
         return StaticCache(config=cfg, max_cache_len=capacity)
     if kind == "prealloc":
         return Cache(layers=[PreallocLayer(capacity) for _ in range(L)])
+    if kind == "bf16graph":
+        return GraphBF16Cache(capacity, L)
     raise ValueError(f"unknown cache kind {kind!r}: use one of {KINDS}")
 
 
@@ -140,6 +243,14 @@ def use_attention(model, kind: str) -> None:
     """OscarCache needs attn_implementation "oscar"; the BF16 caches run transformers' own "sdpa"."""
     if kind == "oscar":
         enable_oscar(model)
+    elif kind == "bf16graph":
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register("bf16graph", bf16_split_attention)
+        AttentionMaskInterface.register("bf16graph", lambda *a, **kw: None)
+        model.set_attn_implementation("bf16graph")
+        install(model)
     else:
         model.set_attn_implementation("sdpa")
 
@@ -152,7 +263,7 @@ def kv_bytes(cache: Cache) -> int:
     total = 0
     for layer in cache.layers:
         if getattr(layer, "is_initialized", False):
-            total += layer.keys.nbytes + layer.values.nbytes
+            total += layer.keys.nbytes + layer.values.nbytes + (layer.length.nbytes if hasattr(layer, "length") else 0)
     return total
 
 
@@ -171,7 +282,8 @@ def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capa
         hist = capacity * layout.bytes_per_token(D, G)  # codes + float16 scale/zero, one of K or V
         return L * (2 * B * H_kv * (bf16 + hist) + 3 * B * 4)  # + int32 [B] lengths of 3 tiers
     rows = T if kind == "dynamic" else capacity
-    return L * 2 * B * H_kv * rows * D * 2
+    lengths = B * 4 if kind == "bf16graph" else 0  # its int32 [B] device length
+    return L * (2 * B * H_kv * rows * D * 2 + lengths)
 
 
 # --------------------------------------------------------------------------------------------- fill and decode
@@ -214,15 +326,35 @@ def fill_kv(cache: Cache, model, B: int, T: int, reserve: int, chunk: int = 8192
 
 
 @torch.inference_mode()
-def decode(model, cache: Cache, tokens: Tensor, steps: int) -> Tensor:
-    """`steps` greedy decode steps from tokens [B, 1]; returns the generated ids [B, steps]. No host syncs."""
+def decode(model, cache: Cache, tokens: Tensor, steps: int, graph: bool = False) -> Tensor:
+    """`steps` greedy decode steps from tokens [B, 1]; returns the generated ids [B, steps]. No host syncs. With
+    `graph`, each step goes through the model's DecodeGraphs (as generate() on a GPU does): replays once captured."""
     kw = cache_kwarg(model)
+    forward = model._oscar_graphs if graph else model
     out = []
     for _ in range(steps):
-        logits = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+        logits = forward(input_ids=tokens, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
         tokens = logits[:, -1].argmax(-1, keepdim=True)
         out.append(tokens)
     return torch.cat(out, dim=1)
+
+
+def kernel_times(model, cache: Cache, tokens: Tensor, steps: int, graph: bool = False) -> tuple[float | None, int, list]:
+    """Kernels of `steps` decode steps (torch.profiler; eager, or graph replays): the sum of their device times per
+    step (eager: what the step would cost with no host overhead and no gaps between kernels), kernels per step, and
+    the ten costliest kernels as (name, ms per step, launches per step)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(tokens.device)
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        decode(model, cache, tokens, steps, graph)
+        _sync(tokens.device)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]
+    top = [(e.key[:80], e.self_device_time_total / 1e3 / steps, e.count / steps) for e in top]
+    return (total_us / 1e3 / steps if total_us else None), sum(e.count for e in kernels) // steps, top
 
 
 # --------------------------------------------------------------------------------------------- phase timing
@@ -286,24 +418,21 @@ def phase_targets(timer: PhaseTimer, kind: str):
         return [
             (ops, "tiered_decode_attention", timer.wrap("attention kernels", ops.tiered_decode_attention)),
             (reference, "rotate", timer.wrap("rotation", reference.rotate)),
-            (cache_mod.OscarLayer, "_append", timer.wrap("cache write + demotion", cache_mod.OscarLayer._append)),
+            (cache_mod.OscarLayer, "write_token", timer.wrap("cache write + demotion", cache_mod.OscarLayer.write_token)),
         ]
     from transformers.integrations import sdpa_attention
-
-    layer_cls = {"dynamic": "DynamicLayer", "static": "StaticLayer", "prealloc": None}[kind]
-    targets = []
-    if layer_cls:
-        import transformers.cache_utils as cu
-
-        cls = getattr(cu, layer_cls)
-        targets.append((cls, "update", timer.wrap("cache write", cls.update)))
-    else:
-        targets.append((PreallocLayer, "update", timer.wrap("cache write", PreallocLayer.update)))
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    fn = timer.wrap("attention kernels", sdpa_attention.sdpa_attention_forward)
-    targets.append((ALL_ATTENTION_FUNCTIONS, "_local_mapping", {**ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa": fn}))
-    return targets
+    if kind == "bf16graph":
+        attn_name, attn_fn, cls = "bf16graph", bf16_split_attention, GraphBF16Layer
+    else:
+        import transformers.cache_utils as cu
+
+        cls = {"dynamic": cu.DynamicLayer, "static": cu.StaticLayer, "prealloc": PreallocLayer}[kind]
+        attn_name, attn_fn = "sdpa", sdpa_attention.sdpa_attention_forward
+    fn = timer.wrap("attention kernels", attn_fn)
+    return [(cls, "update", timer.wrap("cache write", cls.update)),
+            (ALL_ATTENTION_FUNCTIONS, "_local_mapping", {**ALL_ATTENTION_FUNCTIONS._local_mapping, attn_name: fn})]
 
 
 # ------------------------------------------------------------------------------------------------------ one row
@@ -314,15 +443,20 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str, chunk: int, phases: bool) -> dict:
-    """Fill a fresh cache of `kind` to T tokens for batch B, decode warmup + steps, and measure."""
+def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str, chunk: int, phases: bool,
+            graph: bool = False, fold: bool = False) -> dict:
+    """Fill a fresh cache of `kind` to T tokens for batch B, decode warmup + steps, and measure. `graph` (OSCAR and
+    bf16graph only): the steps are CUDA-graph replays, and the row adds the kernels' summed device time per step.
+    `fold` (OSCAR): the value rotation folded into v_proj/o_proj (once per model; later caches share the rotations)."""
+    graph = graph and kind in GRAPH_KINDS
+    fold = fold and kind == "oscar"
     dev = next(model.parameters()).device
     cfg = model.config
     L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    extra = warmup + steps + 2 * layout.FLUSH  # decode steps: warmup, timed, phase-timed
+    extra = warmup + steps + 6 * layout.FLUSH  # decode steps: warmup, timed, phase-timed, kernel-timed (2×)
     capacity = T + extra + 1
-    row = dict(kind=kind, batch=B, context=T, steps=steps, fill=fill, layers=L)
+    row = dict(kind=kind, batch=B, context=T, steps=steps, fill=fill, layers=L, graph=graph, fold=fold)
     use_attention(model, kind)
     gc.collect()
     if dev.type == "cuda":
@@ -330,6 +464,9 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     cache = make_cache(kind, model, capacity)
+    if fold and not getattr(model, "_oscar_folded", False):
+        fold_value_rotation(model, cache)  # the benchmark's rotations are the same for every OSCAR cache (seed 0)
+        model._oscar_folded = True
     t0 = time.perf_counter()
     if fill == "model":
         ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev, generator=torch.Generator(dev).manual_seed(2))
@@ -341,13 +478,15 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     row["fill_s"] = time.perf_counter() - t0
     if dev.type == "cuda":
         row["kv_allocated_by_fill"] = torch.cuda.memory_allocated() - base
-    decode(model, cache, tokens, warmup)
+    if kind == "bf16graph":
+        row["max_abs_vs_sdpa"] = check_bf16graph(model, cache)
+    decode(model, cache, tokens, warmup, graph)
     _sync(dev)
     t0 = time.perf_counter()
     if dev.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-    out = decode(model, cache, tokens, steps)
+    out = decode(model, cache, tokens, steps, graph)
     cpu_s = time.perf_counter() - t0  # host time to enqueue the steps (≈ wall time when the step is host-bound)
     if dev.type == "cuda":
         end.record()
@@ -366,6 +505,12 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     if dev.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated()
         row["peak_over_model_bytes"] = row["peak_bytes"] - base
+    if graph:
+        row["replays"] = model._oscar_graphs.replays
+        kernel_ms, kernel_count, top = kernel_times(model, cache, tokens, 2 * layout.FLUSH)
+        row.update(kernel_ms_per_step=kernel_ms, kernels_per_step=kernel_count, top_kernels=top)
+        kernel_ms, kernel_count, top = kernel_times(model, cache, tokens, 2 * layout.FLUSH, graph=True)
+        row.update(graph_kernel_ms_per_step=kernel_ms, graph_kernels_per_step=kernel_count, graph_top_kernels=top)
     if phases:
         timer = PhaseTimer(dev)
         with patched(phase_targets(timer, kind)):
@@ -388,6 +533,18 @@ def _capacity(cache: Cache, capacity: int) -> int:
     return capacity
 
 
+def floor_ms(kind: str, B: int, T: int, cfg, weight_bytes: int, bandwidth: float) -> float:
+    """Bandwidth floor of one decode step: the weights plus the KV bytes attention must read, at `bandwidth` B/s."""
+    L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if kind == "oscar":
+        full = min(T, layout.SINK + layout.RECENT)
+        per_head = (T - full) * layout.bytes_per_token(D, D) + full * D * 2
+    else:
+        per_head = T * D * 2
+    return (weight_bytes + L * 2 * B * H_kv * per_head) / bandwidth * 1e3
+
+
 def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
     """run_row, reporting a predicted or actual out-of-memory as a row instead of failing."""
     cfg = model.config
@@ -397,7 +554,10 @@ def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
         return dict(kind=kind, batch=B, context=T, status="does not fit",
                     note=f"needs {need / GB:.1f} GB of KV, {free_bytes / GB:.1f} GB free")  # fmt: skip
     try:
-        return run_row(model, kind, B, T, args.steps, args.warmup, args.fill, args.chunk, phases)
+        row = run_row(model, kind, B, T, args.steps, args.warmup, args.fill, args.chunk, phases, args.graph, args.fold)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        row["floor_ms"] = floor_ms(kind, B, T, cfg, weights, args.bandwidth_tbs * 1e12)
+        return row
     except torch.OutOfMemoryError as e:
         gc.collect()
         torch.cuda.empty_cache()
@@ -421,18 +581,22 @@ def print_tables(result: dict) -> None:
             best[key] = min(best.get(key, math.inf), r["ms_per_step"])
     print(f"\n{result['model']} ({result['layers']} layers), {result['device']}, {result['steps']} timed decode steps, "
           f"fill={result['fill']}")  # fmt: skip
-    print("| context | batch | cache | KV B/token/layer | KV GB | peak GB | ms/step | host ms/step | tok/s | "
-          "speedup vs best BF16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| context | batch | cache | graph | KV B/token/layer | KV GB | peak GB | ms/step | host ms/step | "
+          "kernels ms/step | step / kernels | floor ms | tok/s | speedup vs best BF16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["status"] != "ok":
-            print(f"| {r['context']} | {r['batch']} | {r['kind']} | | | | {r['status']} | | | {r.get('note', '')} |")
+            print(f"| {r['context']} | {r['batch']} | {r['kind']} | | | | | {r['status']} | | | | | | "
+                  f"{r.get('note', '')} |")  # fmt: skip
             continue
         b = best.get((r["context"], r["batch"]))
         sp = f"{b / r['ms_per_step']:.2f}x" if b else "—"
-        print(f"| {r['context']} | {r['batch']} | {r['kind']} | {r['bytes_per_token_per_layer']:.0f} | "
-              f"{r['kv_bytes'] / GB:.2f} | {r.get('peak_bytes', 0) / GB:.1f} | {r['ms_per_step']:.2f} | "
-              f"{r['host_ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | {sp} |")  # fmt: skip
+        kern = r.get("kernel_ms_per_step")
+        kern_s, over = (f"{kern:.2f}", f"{r['ms_per_step'] / kern:.2f}x") if kern else ("", "")
+        print(f"| {r['context']} | {r['batch']} | {r['kind']} | {'yes' if r.get('graph') else 'no'} | "
+              f"{r['bytes_per_token_per_layer']:.0f} | {r['kv_bytes'] / GB:.2f} | {r.get('peak_bytes', 0) / GB:.1f} | "
+              f"{r['ms_per_step']:.2f} | {r['host_ms_per_step']:.2f} | {kern_s} | {over} | "
+              f"{r.get('floor_ms', float('nan')):.2f} | {r['tokens_per_s']:.0f} | {sp} |")  # fmt: skip
     if result.get("budget"):
         print(f"\nFixed KV budget {result['budget_gb']:.0f} GB: largest batch that fits, measured decode throughput")
         print("| context | cache | max batch | ms/step | tok/s | throughput vs BF16 |")
@@ -440,6 +604,10 @@ def print_tables(result: dict) -> None:
         for b in result["budget"]:
             print(f"| {b['context']} | {b['kind']} | {b['max_batch']} | {b.get('ms_per_step', float('nan')):.2f} | "
                   f"{b.get('tokens_per_s', float('nan')):.0f} | {b.get('ratio', '')} |")  # fmt: skip
+    for r in rows:
+        if r.get("top_kernels"):
+            top = "; ".join(f"{name} {ms:.3f} ms ×{n:.0f}" for name, ms, n in r["top_kernels"][:5])
+            print(f"kernels {r['kind']} ctx {r['context']} batch {r['batch']}: {r['kernels_per_step']} per step; {top}")
     for r in rows:
         if r.get("phases_ms_per_step"):
             parts = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_ms_per_step"].items())
@@ -453,7 +621,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=None, help="shrink the model to N layers")
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 100_000, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--kinds", nargs="+", default=["oscar", "prealloc", "dynamic"], choices=KINDS)
+    ap.add_argument("--kinds", nargs="+", default=None, choices=KINDS,
+                    help="default: oscar bf16graph with --graph, else oscar prealloc dynamic")
+    ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode OSCAR and bf16graph as CUDA-graph replays (default: on a GPU)")
+    ap.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
+                    help="fold OSCAR's value rotation into v_proj/o_proj (the served configuration)")
+    ap.add_argument("--bandwidth-tbs", type=float, default=4.27, help="HBM bandwidth for the floor column (TB/s)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
     ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps first (covers a demotion)")
     ap.add_argument("--fill", choices=["kv", "model"], default="kv")
@@ -464,12 +638,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--extra", nargs="*", default=[], help="more rows as kind:context:batch (e.g. static:32768:1)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.graph = dev.type == "cuda" if args.graph is None else args.graph
+    args.kinds = args.kinds or (["oscar", "bf16graph"] if args.graph else ["oscar", "prealloc", "dynamic"])
     name = args.model or ("qwen3-8b" if dev.type == "cuda" else "demo")
     model = build_model(name, args.layers, dev)
     L = model.config.num_hidden_layers
     phase_rows = {tuple(int(x) for x in p.split(":")) for p in args.phases}
     result = dict(model=name, layers=L, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                  torch=torch.__version__, steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[],
+                  torch=torch.__version__, steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
                   budget_gb=args.budget_gb, budget=[])  # fmt: skip
     if dev.type == "cuda":
         result["model_bytes"] = torch.cuda.memory_allocated()
@@ -485,7 +661,7 @@ def main(argv=None) -> dict:
 
     def save():
         if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "bench_generate.json"), "w") as f:
+            with open(os.path.join(os.environ["OUT"], f"bench_generate_{name}.json"), "w") as f:
                 json.dump(result, f, indent=2, default=str)
 
     combos = [(kind, T, B) for T in args.contexts for B in args.batches for kind in args.kinds]

@@ -93,6 +93,8 @@ def oscar_attention(
 
     n, H_q = query.shape[2], query.shape[1]
     Mk_q, Mvt_q = layer.per_query_head(H_q)  # [H_q, D, D] (or shared [1, D, D]): M_K and M_Vᵀ
+    if layer.v_folded:  # o_proj un-rotates
+        Mvt_q = None
     if n == 1 and layer.quantize and softcap is None:
         q_rot = reference.rotate(query.float(), Mk_q)[:, :, 0]  # [B, H_q, D] q·M_K, kept fp32 for the kernel
         o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale)  # [B, H_q, D] fp32, M_V space
@@ -110,9 +112,48 @@ def oscar_attention(
     return _unrotate(o, Mvt_q, query.dtype), None
 
 
-def _unrotate(o: Tensor, Mvt_q: Tensor, dtype: torch.dtype) -> Tensor:
-    """o [B, H_q, n, D] in M_V space → o·M_Vᵀ per query head, as [B, n, H_q, D] in `dtype` (what o_proj reads)."""
-    return reference.rotate(o.float(), Mvt_q).to(dtype).transpose(1, 2).contiguous()
+def _unrotate(o: Tensor, Mvt_q: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """o [B, H_q, n, D] in M_V space → o·M_Vᵀ per query head (None: o_proj does it), as [B, n, H_q, D] in `dtype`."""
+    if Mvt_q is not None:
+        o = reference.rotate(o.float(), Mvt_q)
+    return o.to(dtype).transpose(1, 2).contiguous()
+
+
+@torch.no_grad()
+def fold_value_rotation(model: torch.nn.Module, cache: OscarCache) -> int:
+    """Fold each layer's value rotation into the weights, as the reference runtime does: the V rows of KV head h in
+    v_proj become M_hᵀ·W_h (bias b_h·M_h), and the input columns of query head j in o_proj become W_o,j·M_h(j), so
+    the cache rotates no value and the attention un-rotates no output. Exact in real arithmetic; computed in float64
+    and stored in the weights' dtype. The model then gives the same outputs with no cache or a BF16 one; `cache` (and
+    any OscarCache with the same rotations) skips the two steps, and an OscarCache of other rotations is refused. Returns the number of layers folded. Needs `enable_oscar`
+    first and plain nn.Linear v_proj/o_proj (Llama, Mistral, Qwen2/3, Gemma); refuses a model folded already."""
+    folded = 0
+    for module in _attention_modules(model):
+        layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
+        if layer is None or layer.rotation is None:
+            continue
+        if getattr(module, "_oscar_v_fold", None) is not None:
+            raise ValueError(f"layer {module.layer_idx} is folded already; reload the model to fold other rotations")
+        v_proj, o_proj = getattr(module, "v_proj", None), getattr(module, "o_proj", None)
+        if not (isinstance(v_proj, torch.nn.Linear) and isinstance(o_proj, torch.nn.Linear)):
+            raise NotImplementedError(
+                f"{type(module).__name__} has no plain v_proj/o_proj linear layers to fold the value rotation into; "
+                f"use the cache unfolded"
+            )
+        M = layer.rotation.v.to(device=v_proj.weight.device, dtype=torch.float64)  # [H or 1, D, D]
+        D = M.shape[-1]
+        H_kv, H_q = v_proj.out_features // D, o_proj.in_features // D
+        M_kv = M.expand(H_kv, D, D)
+        W_v = v_proj.weight.double().view(H_kv, D, -1)  # [H_kv, D, hidden]
+        v_proj.weight.copy_(torch.einsum("hde,hdk->hek", M_kv, W_v).reshape(v_proj.weight.shape))
+        if v_proj.bias is not None:
+            v_proj.bias.copy_(torch.einsum("hd,hde->he", v_proj.bias.double().view(H_kv, D), M_kv).flatten())
+        M_q = M_kv.repeat_interleave(H_q // H_kv, dim=0)  # [H_q, D, D]
+        W_o = o_proj.weight.double().view(o_proj.out_features, H_q, D)  # [hidden, H_q, D]
+        o_proj.weight.copy_(torch.einsum("kjd,jde->kje", W_o, M_q).reshape(o_proj.weight.shape))
+        module._oscar_v_fold = layer._v_given.detach().clone()
+        folded += 1
+    return folded
 
 
 def oscar_mask(
@@ -143,6 +184,8 @@ def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     cache = next((kwargs[name] for name in _CACHE_ARGS if kwargs.get(name) is not None), None)
     if isinstance(cache, OscarCache):
         kwargs["oscar_cache"] = cache
+        if module.layer_idx < len(cache.layers):  # else cache.update names the mismatch
+            cache.layers[module.layer_idx].bind_value_fold(getattr(module, "_oscar_v_fold", None))
     return args, kwargs
 
 

@@ -73,10 +73,13 @@ class OscarLayer(CacheLayerMixin):
     ):
         super().__init__()
         self.rotation, self.layer_idx, self.group_size = rotation, layer_idx, group_size
+        self._v_given = rotation.v if rotation is not None else None
         self.sink, self.recent, self.flush, self.quantize = sink, recent, flush, quantize
         self.n_sink = self.n_hist = self.n_recent = 0
         self.storage_version = 0  # bumped whenever a storage tensor is replaced (a captured step must be re-captured)
         self.pending: Pending | None = None
+        self.v_folded = False  # the model's v_proj/o_proj carry M_V (attention.fold_value_rotation): values arrive
+        self._fold_seen: Tensor | None = None  # rotated and outputs leave un-rotated, so neither is done here
         self._per_query_head: dict[int, tuple[Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------------------------------------ allocation
@@ -166,7 +169,7 @@ class OscarLayer(CacheLayerMixin):
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
         k_rot = reference.rotate(key_states, self.rotation.k)  # [B, H_kv, n, D] k·M_K
-        v_rot = reference.rotate(value_states, self.rotation.v)  # [B, H_kv, n, D] v·M_V
+        v_rot = value_states if self.v_folded else reference.rotate(value_states, self.rotation.v)  # v·M_V
         n, past_len = k_rot.shape[2], self.get_seq_length()
         past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
         k_tier, v_tier = k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE)
@@ -177,6 +180,18 @@ class OscarLayer(CacheLayerMixin):
             self._append(k_tier, v_tier, multi=n > 1)
         self.pending = Pending(k_rot, past, past_len)
         return k_rot, v_rot
+
+    def bind_value_fold(self, fold: Tensor | None) -> None:
+        """Told by the attention module before each call: the M_V folded into its weights (None: not folded). Only the
+        rotation this layer holds may be folded; another one would mix two value bases."""
+        if fold is not self._fold_seen:  # compared on the host, with the rotation as given (no device work)
+            if fold is not None and (self.rotation is None or not torch.equal(fold, self._v_given)):
+                raise ValueError(
+                    f"layer {self.layer_idx}: the model's v_proj/o_proj carry another value rotation than this "
+                    f"OscarCache's; fold_value_rotation with this cache's rotations, or reload the model"
+                )
+            self._fold_seen = fold
+        self.v_folded = fold is not None
 
     def take_pending(self, key: Tensor) -> Pending:
         """The update this layer's attention call belongs to, consumed. Raises if there is none, or if the key the

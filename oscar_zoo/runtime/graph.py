@@ -3,9 +3,10 @@
 A static decode step (`OscarLayer.is_static_step`: sink full, recent window full) touches only tensors of fixed
 address and shape and reads the tier lengths on the device, so it can be captured. Two graphs exist per batch shape:
 the plain step and the every-`flush`-steps step that also demotes (the host knows which comes next from its mirror of
-the lengths; it never reads the device). The first step of each kind runs eagerly (it compiles the kernels), the next
-is captured and replayed, and every later one is a replay. A history reallocation (growth past its reserve) or a new
-batch shape drops the graphs and captures again; `OscarCache.reserve(tokens)` after prefill avoids that.
+the lengths; it never reads the device). The first step of each kind runs eagerly (it compiles the kernels and makes
+the per-layer constants), the next is captured and replayed, and every later one is a replay. A history reallocation
+(growth past its reserve) or another cache drops the graphs, and each kind runs once eagerly and is captured again;
+`OscarCache.reserve(tokens)` after prefill avoids that.
 
 `install(model)` routes transformers' `generate()` through this: OscarCache is a compileable cache, so on a GPU
 generate() asks `model.get_compiled_call()` for its decode forward, and gets a `DecodeGraphs` (other caches get the
@@ -45,8 +46,10 @@ class DecodeGraphs:
         if kind is None:
             return self.model(*args, **kwargs)
         demote, versions = key
-        if versions != self.versions:  # storage moved: the captured addresses are stale
+        if versions != self.versions:  # storage moved (or another cache): the captured addresses are stale
             self.graphs.clear()
+            self.warm.clear()  # a step of the new storage runs eagerly first (lazy per-layer tensors made outside)
+            self.pool = None  # a pool whose graphs are all gone cannot be captured into again
             self.versions = versions
         kind = (demote,) + kind
         if kind not in self.warm:

@@ -355,9 +355,11 @@ def decode_bf16_partial(
     recent_v: Tensor,
     recent_len: Tensor,
     sm_scale: float,
+    num_splits: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Split-K attention over the BF16 sink and recent tiers in one launch: partial o fp32 [B, H_q, S, D] and lse
-    [B, H_q, S], the sink's splits first."""
+    [B, H_q, S], the sink's splits first. The recent tier is split per tile of tokens, or into `num_splits` parts
+    (several tiles each: fewer partials to merge when the tier is long)."""
     sink_len, recent_len = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
     B, H_q, D = q.shape
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
@@ -368,6 +370,9 @@ def decode_bf16_partial(
         return torch.stack([p[0] for p in parts], 2), torch.stack([p[1] for p in parts], 2)
     bn = BF16_BLOCK_N if q.is_cuda else 16
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
+    if num_splits is not None:
+        _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
+        s_recent = int(num_splits)
     o = _alloc((B, H_q, s_sink + s_recent, D), torch.float32, q.device)
     lse = _alloc((B, H_q, s_sink + s_recent), torch.float32, q.device)
     _launch_bf16(q, _last_contiguous(sink_k, 1), _last_contiguous(sink_v, 1), sink_len, _last_contiguous(recent_k, 1),

@@ -18,11 +18,12 @@ def model():
 
 
 def _storage_bytes(cache) -> int:
-    """Independent count: every tensor attribute of every layer (OSCAR) or its K/V (BF16 caches), by storage."""
+    """Independent count: every tensor attribute of every layer (OSCAR, bf16graph) or its K/V (transformers' caches
+    and prealloc), by storage."""
     seen, total = set(), 0
     for layer in cache.layers:
-        tensors = vars(layer).values() if isinstance(cache, OscarCache) else (layer.keys, layer.values)
-        for t in tensors:
+        own = isinstance(cache, (OscarCache, bg.GraphBF16Cache))  # caches whose every tensor is per-token storage
+        for t in vars(layer).values() if own else (layer.keys, layer.values):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 total += t.untyped_storage().nbytes()

@@ -7,12 +7,14 @@ Triton kernels; the GPU copies check capture + replay in generate() (marked gpu)
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
 
 from oscar_zoo.runtime import attention, layout, ops, reference
-from oscar_zoo.runtime.attention import enable_oscar, oscar_attention
+from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache, OscarLayer
 from oscar_zoo.runtime.graph import DecodeGraphs
 
@@ -181,22 +183,25 @@ def _qwen3(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-@pytest.mark.parametrize("B", [1, 4])
-def test_generate_replays_captured_steps_equal_to_eager(arch, B):
+@pytest.mark.parametrize(("arch", "B", "fold"), [("qwen3", 1, False), ("qwen3", 4, True), ("llama", 1, False),
+                                                 ("llama", 3, True)])
+def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold):
     """generate() on a GPU with OscarCache replays a captured decode step (no user code): 220 greedy tokens from a
-    400-token prompt (27 demotions) equal the eager path's (compile disabled), logits included, and all but the first
-    few steps were replays."""
+    400-token prompt (27 demotions, one history reallocation) equal the eager path's (compile disabled), logits
+    included, and all but the first few steps were replays; with the value rotation folded into the weights too."""
     model = enable_oscar(_qwen3("cuda") if arch == "qwen3" else _llama(device="cuda"))
     cfg = model.config
     L, H, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    if fold:
+        fold_value_rotation(model, _cache(L, H, Dh))
     ids = torch.randint(0, cfg.vocab_size, (B, 400), generator=torch.Generator().manual_seed(0)).cuda()
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     runs = {}
     for mode in ("eager", "graph"):
         cache = _cache(L, H, Dh)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=220, do_sample=False,
-                             cache=cache, disable_compile=mode == "eager", output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
+                             disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True,
+                             **{cache_kw: cache})  # fmt: skip
         runs[mode] = (out.sequences, torch.stack(out.logits, 1).float(), cache.layers[0].n_hist)
     graphs = model._oscar_graphs
     assert graphs.replays >= 210 and graphs.captures >= 2

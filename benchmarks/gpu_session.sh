@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full]
+# quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+OUT=${OUT:-/tmp/oscar-gpu}
+mkdir -p "$OUT"
+mode=${1:-quick}
+if [ "$mode" != bench ]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime 2>&1 | tee "$OUT/test_gpu.log" | tail -15
+fi
+if [ "$mode" != full ]; then
+  python3 benchmarks/bench_generate.py --contexts 100000 8192 --batches 1 --budget-contexts --phases \
+    2>&1 | tee "$OUT/bench_generate.log" | tail -12
+else
+  python3 benchmarks/bench_generate.py --contexts 8192 32768 100000 131072 --batches 1 8 32 --budget-contexts 100000 \
+    --phases 2>&1 | tee "$OUT/bench_generate.log" | tail -40
+  python3 benchmarks/bench_generate.py --model smollm2 --contexts 8192 32768 100000 --batches 1 8 32 \
+    --budget-contexts --phases 2>&1 | tee "$OUT/bench_generate_smollm2.log" | tail -16
+fi
