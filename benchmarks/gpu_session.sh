@@ -18,4 +18,6 @@ else
     --phases 2>&1 | tee "$OUT/bench_generate.log" | tail -40
   python3 benchmarks/bench_generate.py --model smollm2 --contexts 8192 32768 100000 --batches 1 8 32 \
     --budget-contexts --phases 2>&1 | tee "$OUT/bench_generate_smollm2.log" | tail -16
+  OUT= python3 benchmarks/bench_generate.py --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
+    --phases 2>&1 | tee "$OUT/bench_generate_eager.log" | tail -6
 fi
