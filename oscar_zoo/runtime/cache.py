@@ -12,6 +12,7 @@ device (int32 [B], updated in place) and writes are indexed by them, so the step
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import layout, ops, reference
 
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
+_STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
 
 
 @dataclass
@@ -76,7 +78,7 @@ class OscarLayer(CacheLayerMixin):
         self._v_given = rotation.v if rotation is not None else None
         self.sink, self.recent, self.flush, self.quantize = sink, recent, flush, quantize
         self.n_sink = self.n_hist = self.n_recent = 0
-        self.storage_version = 0  # bumped whenever a storage tensor is replaced (a captured step must be re-captured)
+        self.storage_version = 0  # renewed whenever a storage tensor is replaced (a captured step must be re-captured)
         self.pending: Pending | None = None
         self.v_folded = False  # the model's v_proj/o_proj carry M_V (attention.fold_value_rotation): values arrive
         self._fold_seen: Tensor | None = None  # rotated and outputs leave un-rotated, so neither is done here
@@ -124,7 +126,7 @@ class OscarLayer(CacheLayerMixin):
         """(Re)allocate the int32 [B] per-tier lengths the decode kernels read, from the host mirror."""
         for name, n in zip(self._LENGTHS, (self.n_sink, self.n_hist, self.n_recent)):
             setattr(self, name, torch.full((self.batch_size,), n, dtype=torch.int32, device=self.device))
-        self.storage_version += 1
+        self.storage_version = next(_STORAGE_IDS)
 
     def _sync_lengths(self) -> None:
         """Write the host mirror into the device lengths, in place (their addresses stay valid for a captured step)."""
@@ -143,7 +145,7 @@ class OscarLayer(CacheLayerMixin):
             new = torch.zeros(old.shape[:2] + (new_cap,) + old.shape[3:], dtype=old.dtype, device=old.device)
             new[:, :, : self.n_hist] = old[:, :, : self.n_hist]
             setattr(self, name, new)
-        self.storage_version += 1
+        self.storage_version = next(_STORAGE_IDS)
 
     def reserve(self, tokens: int) -> None:
         """Grow the INT2 history now so that a context of `tokens` needs no reallocation later (no re-capture)."""

@@ -47,9 +47,7 @@ class DecodeGraphs:
             return self.model(*args, **kwargs)
         demote, versions = key
         if versions != self.versions:  # storage moved (or another cache): the captured addresses are stale
-            self.graphs.clear()
-            self.warm.clear()  # a step of the new storage runs eagerly first (lazy per-layer tensors made outside)
-            self.pool = None  # a pool whose graphs are all gone cannot be captured into again
+            self.reset()  # a step of the new storage runs eagerly first (lazy per-layer tensors made outside)
             self.versions = versions
         kind = (demote,) + kind
         if kind not in self.warm:
@@ -62,7 +60,14 @@ class DecodeGraphs:
         step.graph.replay()
         cache.advance_host()
         self.replays += 1
-        return step.output()
+        return step.output(cache)
+
+    def reset(self) -> None:
+        """Drop every captured graph and its memory pool (the next static step warms up and captures again)."""
+        self.graphs.clear()
+        self.warm.clear()
+        self.pool = None
+        self.versions = None
 
     def _step_kind(self, kwargs: dict) -> tuple | None:
         """(input shape, the non-tensor arguments) when the call is one token per sequence on a GPU, else None."""
@@ -84,8 +89,8 @@ class DecodeGraphs:
         step = _Step(kwargs, cache)
         lengths = cache.host_lengths()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step.out = self.model(**step.kwargs)
+        with torch.cuda.graph(graph, pool=self.pool):  # a pool whose graphs are all gone cannot be captured into
+            step.keep(self.model(**{**kwargs, **step.inputs}))
         cache.restore_host_lengths(lengths)  # capture ran the Python once; the device work runs at replay
         self.pool = graph.pool()
         step.graph = graph
@@ -94,34 +99,39 @@ class DecodeGraphs:
 
 
 class _Step:
-    """One captured step: its static input tensors, the graph, and the output it writes."""
+    """One captured step: its static input tensors, the graph, and the logits buffer it writes. It keeps no
+    reference to the cache (a cache dropped by the user is freed; its graphs are never replayed again, because the
+    storage versions of a new cache are new)."""
 
     def __init__(self, kwargs: dict, cache):
-        self.kwargs = dict(kwargs)
         ids = kwargs["input_ids"]
-        if kwargs.get("position_ids") is None:  # else the model would bake the current length into the graph
-            self.kwargs["position_ids"] = torch.zeros_like(ids)
-        for name in _STATIC_INPUTS:
-            if isinstance(self.kwargs.get(name), Tensor):
-                self.kwargs[name] = self.kwargs[name].clone()
+        self.inputs = {n: kwargs[n].clone() for n in _STATIC_INPUTS if isinstance(kwargs.get(n), Tensor)}
+        self.inputs.setdefault("position_ids", torch.zeros_like(ids))  # else the length would be baked into the graph
         self.load(kwargs, cache)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out = None
+        self.logits: Tensor | None = None
+        self.out_type = None
+        self.cache_field: str | None = None
 
     def load(self, kwargs: dict, cache) -> None:
-        for name in _STATIC_INPUTS:
-            static = self.kwargs.get(name)
-            if static is None:
-                continue
+        for name, static in self.inputs.items():
             given = kwargs.get(name)
             if given is not None:
                 static.copy_(given)
             else:  # position ids of the next token: the host mirror of the length
                 static.fill_(cache.get_seq_length())
 
-    def output(self):
-        """The step's output with its logits copied out of the graph's buffer (the next replay overwrites it)."""
-        return type(self.out)(**{k: v.clone() if k == "logits" else v for k, v in self.out.items()})
+    def keep(self, out) -> None:
+        """Remember what the captured forward returned: its type, its logits buffer and the name of its cache field."""
+        self.out_type, self.logits = type(out), out.logits
+        self.cache_field = next((n for n in _CACHE_ARGS if out.get(n) is not None), None)
+
+    def output(self, cache):
+        """The step's output: logits copied out of the graph's buffer (the next replay overwrites it), and the cache."""
+        fields = {"logits": self.logits.clone()}
+        if self.cache_field is not None:
+            fields[self.cache_field] = cache
+        return self.out_type(**fields)
 
 
 def install(model: torch.nn.Module) -> None:
