@@ -151,7 +151,7 @@ def fold_value_rotation(model: torch.nn.Module, cache: OscarCache) -> int:
         M_q = M_kv.repeat_interleave(H_q // H_kv, dim=0)  # [H_q, D, D]
         W_o = o_proj.weight.double().view(o_proj.out_features, H_q, D)  # [hidden, H_q, D]
         o_proj.weight.copy_(torch.einsum("kjd,jde->kje", W_o, M_q).reshape(o_proj.weight.shape))
-        module._oscar_v_fold = layer._v_given.detach().clone()
+        module._oscar_v_fold = layer.v_fingerprint
         folded += 1
     return folded
 

@@ -12,6 +12,7 @@ device (int32 [B], updated in place) and writes are indexed by them, so the step
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class Rotation:
     def per_query_head(self, M: Tensor, n_q_heads: int) -> Tensor:
         """M [H, D, D] → [H_q, D, D], GQA convention (query head j uses KV head j // g); shared stays [1, D, D]."""
         return M if M.shape[0] == 1 else M.repeat_interleave(n_q_heads // M.shape[0], dim=0)
+
+
+def fingerprint(t: Tensor) -> str:
+    """sha256 of a tensor's float32 values (host copy): names a rotation without keeping or comparing tensors."""
+    return hashlib.sha256(t.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 @dataclass
@@ -75,13 +81,13 @@ class OscarLayer(CacheLayerMixin):
     ):
         super().__init__()
         self.rotation, self.layer_idx, self.group_size = rotation, layer_idx, group_size
-        self._v_given = rotation.v if rotation is not None else None
+        self.v_fingerprint = fingerprint(rotation.v) if rotation is not None else None  # identifies M_V for folds
         self.sink, self.recent, self.flush, self.quantize = sink, recent, flush, quantize
         self.n_sink = self.n_hist = self.n_recent = 0
         self.storage_version = 0  # renewed whenever a storage tensor is replaced (a captured step must be re-captured)
         self.pending: Pending | None = None
         self.v_folded = False  # the model's v_proj/o_proj carry M_V (attention.fold_value_rotation): values arrive
-        self._fold_seen: Tensor | None = None  # rotated and outputs leave un-rotated, so neither is done here
+        # rotated and outputs leave un-rotated, so neither is done here
         self._per_query_head: dict[int, tuple[Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------------------------------------ allocation
@@ -183,16 +189,14 @@ class OscarLayer(CacheLayerMixin):
         self.pending = Pending(k_rot, past, past_len)
         return k_rot, v_rot
 
-    def bind_value_fold(self, fold: Tensor | None) -> None:
-        """Told by the attention module before each call: the M_V folded into its weights (None: not folded). Only the
-        rotation this layer holds may be folded; another one would mix two value bases."""
-        if fold is not self._fold_seen:  # compared on the host, with the rotation as given (no device work)
-            if fold is not None and (self.rotation is None or not torch.equal(fold, self._v_given)):
-                raise ValueError(
-                    f"layer {self.layer_idx}: the model's v_proj/o_proj carry another value rotation than this "
-                    f"OscarCache's; fold_value_rotation with this cache's rotations, or reload the model"
-                )
-            self._fold_seen = fold
+    def bind_value_fold(self, fold: str | None) -> None:
+        """Told by the attention module before each call: the fingerprint of the M_V folded into its weights (None:
+        not folded). Only the rotation this layer holds may be folded; another one would mix two value bases."""
+        if fold is not None and fold != self.v_fingerprint:
+            raise ValueError(
+                f"layer {self.layer_idx}: the model's v_proj/o_proj carry another value rotation than this "
+                f"OscarCache's; fold_value_rotation with this cache's rotations, or reload the model"
+            )
         self.v_folded = fold is not None
 
     def take_pending(self, key: Tensor) -> Pending:

@@ -23,8 +23,7 @@ def _storage_bytes(cache) -> int:
     seen, total = set(), 0
     for layer in cache.layers:
         own = isinstance(cache, (OscarCache, bg.GraphBF16Cache))  # caches whose every tensor is per-token storage
-        tensors = [t for name, t in vars(layer).items() if name != "_v_given"] if own else [layer.keys, layer.values]
-        for t in tensors:  # (_v_given: the rotation as given, a per-model constant like `rotation`, not storage)
+        for t in vars(layer).values() if own else (layer.keys, layer.values):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 total += t.untyped_storage().nbytes()
