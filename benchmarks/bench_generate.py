@@ -25,6 +25,7 @@ import json
 import math
 import os
 import time
+import weakref
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -131,7 +132,8 @@ class GraphBF16Layer(PreallocLayer):
     BF16 kernel. The fastest BF16 decode that a CUDA graph can hold (no mask, no repeat_kv, no padding reads)."""
 
     is_compileable = True
-    LAYERS: dict[int, "GraphBF16Layer"] = {}  # layer_idx → layer, for the attention function (benchmark only)
+    LAYERS: "weakref.WeakValueDictionary[int, GraphBF16Layer]" = weakref.WeakValueDictionary()  # layer_idx → layer
+    # for the attention function (benchmark only; weak, so a finished row's cache is freed)
     STORAGE_IDS = itertools.count(1)
 
     def __init__(self, capacity: int, layer_idx: int):
@@ -664,7 +666,7 @@ def main(argv=None) -> dict:
             return None
         gc.collect()
         torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info()[0] - 4 * GB  # headroom for activations and the transient copies
+        return torch.cuda.mem_get_info()[0] - 2 * GB  # headroom for activations and the transient copies
 
     def save():
         if os.environ.get("OUT"):
