@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
 # Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full]
-# quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md
+# quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
+# budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/oscar-gpu}
@@ -10,7 +11,12 @@ mode=${1:-quick}
 if [ "$mode" != bench ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime 2>&1 | tee "$OUT/test_gpu.log" | tail -15
 fi
-if [ "$mode" != full ]; then
+if [ "$mode" = budget ]; then
+  python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts 100000 --phases \
+    2>&1 | tee "$OUT/bench_generate.log" | tail -14
+  OUT= python3 benchmarks/bench_generate.py --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
+    --phases 2>&1 | tee "$OUT/bench_generate_eager.log" | tail -6
+elif [ "$mode" != full ]; then
   python3 benchmarks/bench_generate.py --contexts 100000 8192 --batches 1 --budget-contexts --phases \
     2>&1 | tee "$OUT/bench_generate.log" | tail -12
 else
