@@ -7,12 +7,13 @@ import shutil
 import pytest
 import torch
 
-from oscar_zoo.artifacts import check_model_matches, load_artifacts, read_manifest
+from oscar_zoo.artifacts import check_model_matches, load_artifacts, load_tensors, read_manifest
 from oscar_zoo.calibration.data import corpus_dir, make_sequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, calibrate
 from oscar_zoo.errors import IntegrityError
 from oscar_zoo.manifest import Manifest
 from oscar_zoo.models import load_model
+from oscar_zoo.runtime import reference as R
 
 SMALL = ["--tokens", "256", "--seq-len", "64", "--heldout", "1", "--device", "cpu", "--dtype", "float32"]
 
@@ -34,15 +35,38 @@ def calibrated(run_cli, tiny_model_dir, text_file, tmp_path, monkeypatch):
     return out, json.loads(stdout)
 
 
-def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_model_dir, text_file):
+def _check_k_clips_minimise_the_logit_error(cache, rot, grid):
+    """Recompute the K clip choice independently of the clip search's code: for each (layer, KV head) and grid ratio,
+    quantize the held-out keys in the rotated space, rotate the error δk back (δk·Mᵀ) and take the mean squared logit
+    error E[(q·δk)²] = δkᵀ C_Q δk in float64, C_Q the calibration queries' second moment from the pass-1 sums. The
+    stored ratio must attain the smallest error, and the errors must tell the ratios apart (else nothing is checked)."""
+    (store,) = (cache / "calibration").iterdir()  # the one accumulator store of this run
+    pass1, heldout = load_tensors(store / "pass1.safetensors"), load_tensors(store / "heldout.safetensors")
+    C_Q = pass1["key.sums"] / pass1["key.weights"][..., None, None]  # [L, H_kv, D, D] float64
+    L, H = rot.k_clip.shape
+    for layer in range(L):
+        k = heldout[f"{layer}.k"]  # [S, H_kv, T, D] unrotated held-out keys
+        for h in range(H):
+            M = rot.k_rotation[layer, h]
+            rows = k[:, h].reshape(-1, k.shape[-1]).float() @ M  # [S·T, D] as the cache stores them
+            errors = []
+            for r in grid:
+                dk = (R.fake_quant(rows, r) - rows).double() @ M.double().T
+                errors.append(torch.einsum("nd,de,ne->n", dk, C_Q[layer, h], dk).mean().item())
+            chosen = min(range(len(grid)), key=lambda i: abs(grid[i] - rot.k_clip[layer, h].item()))
+            assert errors[chosen] <= min(errors) * (1 + 1e-6), (layer, h, grid[chosen], errors)
+            assert max(errors) > 1.5 * min(errors), (layer, h, errors)
+
+
+def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_model_dir, text_file, tmp_path):
     out, summary = calibrated
     manifest, rot = load_artifacts(out)
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "rotations.safetensors"]
     assert manifest.model.num_kv_heads == 2 and manifest.rotation.granularity.value == "per-head"
     assert rot.k_rotation.shape == (2, 2, 64, 64) and rot.k_clip.shape == (2, 2)
-    assert set(rot.k_clip.flatten().tolist()) <= {round(r, 6) for r in manifest.clip.grid} | set(manifest.clip.grid) \
-        or torch.allclose(rot.k_clip, rot.k_clip)  # values come from the grid (float32)
-    assert all(min(abs(c - g) for g in manifest.clip.grid) < 1e-6 for c in rot.v_clip.flatten().tolist())
+    for clips in (rot.k_clip, rot.v_clip):  # values come from the grid (stored as float32)
+        assert all(min(abs(c - g) for g in manifest.clip.grid) < 1e-6 for c in clips.flatten().tolist())
+    _check_k_clips_minimise_the_logit_error(tmp_path / "cache", rot, manifest.clip.grid)
     assert manifest.calibration.tokens == 256 and manifest.calibration.sequences == 4
     assert manifest.bits_per_element["131072"] == pytest.approx(2.533, abs=1e-3)  # head_dim 64: 2 + 32/64 + windows
     assert summary["forward_passes"] == ["pass1", "heldout", "pass2"] and len(summary["layers"]) == 2
