@@ -20,9 +20,10 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from .errors import InputError, IntegrityError
-from .manifest import MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
+from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
+from .runtime.validate import TENSOR_NAMES, check_rotation_tensors
 
-TENSOR_NAMES = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip", "layer_ids")
+TENSOR_DTYPES = {name: torch.int32 if name == "layer_ids" else torch.float32 for name in TENSOR_NAMES}
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def write_artifacts(out_dir: Path, manifest: Manifest, rotations: Rotations, lab
     the old one (or nothing) behind, never a partial folder. Returns the manifest with its `artifacts` list filled
     in."""
     out_dir = check_destination(out_dir, label)
+    check_rotations(rotations, manifest)  # never write what loading would refuse
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out_dir)
     tmp = staging_folder(out_dir, "tmp")
@@ -138,10 +140,10 @@ def artifact_folder_problem(folder: Path) -> str | None:
     if not path.is_file():
         return f"it has no {MANIFEST_NAME}"
     try:
-        manifest = Manifest.from_json(path.read_text(), source=MANIFEST_NAME)
+        manifest = Manifest.from_json(_read_limited(path), source=MANIFEST_NAME)
     except IntegrityError as exc:
         return f"its {exc.message}"
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         return f"its {MANIFEST_NAME} cannot be read ({exc})"
     listed = {MANIFEST_NAME} | {a.path for a in manifest.artifacts}
     if any(PurePosixPath(p).is_absolute() or ".." in PurePosixPath(p).parts for p in listed):
@@ -234,7 +236,17 @@ def read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST_NAME
     if not path.is_file():
         raise IntegrityError(f"{folder} has no {MANIFEST_NAME}; it is not an oscar-zoo artifact folder")
-    return Manifest.from_json(path.read_text(), source=str(path))
+    try:
+        data = _read_limited(path)
+    except OSError as exc:
+        raise IntegrityError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    return Manifest.from_json(data, source=str(path))
+
+
+def _read_limited(path: Path) -> bytes:
+    """A manifest's bytes, at most MANIFEST_MAX_BYTES + 1 of them (the parser refuses that many)."""
+    with open(path, "rb") as f:
+        return f.read(MANIFEST_MAX_BYTES + 1)
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
@@ -269,19 +281,46 @@ def check_file(path: Path, entry: ArtifactFile) -> None:
 
 
 def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
-    """Read and fully check an artifact folder: schema, checksums, tensor names, dtypes and shapes."""
+    """Read and fully check an artifact folder: schema, checksums, tensor names, dtypes and shapes, and the values
+    (`check_rotations`). Every command that reads an artifact folder (inspect, verify, export, push, pull) reads it
+    here."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     check_files(folder, manifest)
     if ROTATIONS_NAME not in {a.path for a in manifest.artifacts}:
         raise IntegrityError(f"the manifest in {folder} does not list {ROTATIONS_NAME}")
     tensors = load_tensors(folder / ROTATIONS_NAME)
-    missing = [n for n in TENSOR_NAMES if n not in tensors]
-    if missing:
-        raise IntegrityError(f"{ROTATIONS_NAME} lacks tensors {', '.join(missing)}")
+    names = set(tensors)
+    if names != set(TENSOR_NAMES):
+        missing, extra = [n for n in TENSOR_NAMES if n not in names], sorted(names - set(TENSOR_NAMES))
+        raise IntegrityError(f"{ROTATIONS_NAME} " + " and ".join(
+            ([f"lacks tensors {', '.join(missing)}"] if missing else [])
+            + ([f"holds unexpected tensors {', '.join(extra)}"] if extra else [])))
     rotations = Rotations(**{n: tensors[n] for n in TENSOR_NAMES})
-    _check_shapes(rotations, manifest)
+    check_rotations(rotations, manifest)
     return manifest, rotations
+
+
+def check_rotations(r: Rotations, manifest: Manifest) -> None:
+    """The tensors are what the format and the manifest say (float32 / int32, shapes from the manifest's geometry,
+    the manifest's layer ids) and values a runtime may use (`runtime.validate`: finite, orthogonal rotations, clips in
+    (0, 1]); IntegrityError (exit 4) naming the tensor, layer and head otherwise."""
+    for name, dtype in TENSOR_DTYPES.items():
+        got = getattr(r, name).dtype
+        if got != dtype:
+            raise IntegrityError(f"{ROTATIONS_NAME}: {name} has dtype {str(got).removeprefix('torch.')}, the format "
+                                 f"stores {str(dtype).removeprefix('torch.')}")
+    for name, shape in expected_shapes(manifest).items():
+        got = tuple(getattr(r, name).shape)
+        if got != shape:
+            raise IntegrityError(f"{ROTATIONS_NAME}: {name} has shape {list(got)}, the manifest implies {list(shape)}")
+    if r.layer_ids.tolist() != list(manifest.rotation.layer_ids):
+        raise IntegrityError(f"{ROTATIONS_NAME}: layer_ids differ from the manifest's rotation.layer_ids")
+    try:
+        check_rotation_tensors(r.tensors())
+    except ValueError as exc:
+        raise IntegrityError(f"{ROTATIONS_NAME}: {exc}", "do not use these rotations; re-calibrate or re-download") \
+            from None
 
 
 def expected_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
@@ -309,21 +348,6 @@ def rotations_size_range(manifest: Manifest) -> tuple[int, int]:
     float32 but layer_ids int32) plus the 8-byte length and a JSON header of at most 64 KiB."""
     payload = 4 * sum(math.prod(shape) for shape in expected_shapes(manifest).values())
     return payload + 8, payload + 8 + SAFETENSORS_HEADER_MAX
-
-
-def _check_shapes(r: Rotations, manifest: Manifest) -> None:
-    L, D = len(manifest.rotation.layer_ids), manifest.model.head_dim
-    for name, shape in expected_shapes(manifest).items():
-        got = tuple(getattr(r, name).shape)
-        if got != shape:
-            raise IntegrityError(f"{ROTATIONS_NAME}: {name} has shape {list(got)}, the manifest implies {list(shape)}")
-    if r.layer_ids.tolist() != list(manifest.rotation.layer_ids):
-        raise IntegrityError(f"{ROTATIONS_NAME}: layer_ids differ from the manifest's rotation.layer_ids")
-    for name in ("k_rotation", "v_rotation"):
-        M = getattr(r, name).double()
-        err = (M.transpose(-1, -2) @ M - torch.eye(D, dtype=torch.float64)).abs().max().item() if L else 0.0
-        if err > 1e-4:
-            raise IntegrityError(f"{ROTATIONS_NAME}: {name} is not orthogonal (max |MᵀM − I| = {err:.2e})")
 
 
 def check_model_matches(manifest: Manifest, identity) -> None:

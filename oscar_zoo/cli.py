@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from .console import err_console
 from .errors import OscarZooError
@@ -34,7 +35,8 @@ def main() -> None:
     try:
         app()
     except OscarZooError as exc:
-        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        # messages quote user input (file names, manifest keys): escaped, so `[/]` in them is text, not rich markup
+        err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
         if exc.advice:
-            err_console.print(f"[dim]hint:[/] {exc.advice}", highlight=False, soft_wrap=True)
+            err_console.print(f"[dim]hint:[/] {escape(exc.advice)}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)

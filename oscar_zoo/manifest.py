@@ -10,7 +10,7 @@ import json
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import IntegrityError
 
@@ -19,6 +19,8 @@ MANIFEST_NAME = "manifest.json"
 ROTATIONS_NAME = "rotations.safetensors"
 ARTIFACT_FILES = (ROTATIONS_NAME,)  # the files a manifest may list: the format has no others (the model card that push
 # writes beside them is generated from the manifest, not listed in it)
+MANIFEST_MAX_BYTES = 1 << 20  # a manifest (or catalog entry) takes a few KiB; anything near this is not one
+JSON_MAX_DEPTH = 32  # a manifest nests 4 deep, a catalog entry with a verification report 6
 
 
 class _Frozen(BaseModel):
@@ -45,10 +47,10 @@ class ModelIdentity(_Frozen):
     revision: str | None = None
     architecture: str
     model_type: str
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_layers: int = Field(ge=1)
+    num_q_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=4)
     qk_norm: bool
     rope_theta: float | None = None
     config_sha256: str
@@ -56,13 +58,13 @@ class ModelIdentity(_Frozen):
 
 class QuantSpec(_Frozen):
     bits: Literal[2] = 2
-    group_size: int
+    group_size: int = Field(ge=1)
     scale_dtype: Literal["float16"] = "float16"
     packing: Literal["quartered"] = "quartered"
     codebook: Literal["uniform", "lloyd-max"] = "uniform"
-    sink: int
-    recent: int
-    flush: int
+    sink: int = Field(ge=0)
+    recent: int = Field(ge=0)
+    flush: int = Field(ge=1)
 
 
 class RotationSpec(_Frozen):
@@ -72,7 +74,14 @@ class RotationSpec(_Frozen):
     value_target: ValueTarget
     capture_point: Literal["post-qknorm-post-rope"] = "post-qknorm-post-rope"
     hadamard: str
-    layer_ids: list[int]
+    layer_ids: list[int] = Field(min_length=1)
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _distinct_layers(cls, layer_ids: list[int]) -> list[int]:
+        if min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError("layer ids must be distinct and non-negative")
+        return layer_ids
 
 
 class ClipSpec(_Frozen):
@@ -133,25 +142,37 @@ class Manifest(_Frozen):
             raise ValueError("a file is listed twice")
         return artifacts
 
+    @model_validator(mode="after")
+    def _consistent_geometry(self) -> Manifest:
+        m, q = self.model, self.quant
+        if m.num_q_heads % m.num_kv_heads:
+            raise ValueError(f"model.num_q_heads {m.num_q_heads} is not a multiple of num_kv_heads {m.num_kv_heads}")
+        if m.head_dim % 4 or m.head_dim % q.group_size:
+            raise ValueError(f"quant.group_size {q.group_size} does not fit model.head_dim {m.head_dim} (the head dim "
+                             "must be a multiple of 4 and the group size divide it)")
+        outside = [i for i in self.rotation.layer_ids if i >= m.num_layers]
+        if outside:
+            raise ValueError(f"rotation.layer_ids {outside[:4]} reach past model.num_layers {m.num_layers}")
+        return self
+
     def to_json(self) -> str:
         return canonical_json(self.model_dump(mode="json"))
 
     @classmethod
-    def from_json(cls, text: str, source: str = "manifest.json") -> Manifest:
+    def from_json(cls, text: str | bytes, source: str = "manifest.json") -> Manifest:
         return parse_versioned(cls, text, source, "schema_version", SCHEMA_VERSION)
 
 
-def parse_versioned(model: type[BaseModel], text: str, source: str, version_field: str, version: int):
-    """Parse a versioned JSON document into `model`; every failure is an IntegrityError naming the file and place."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise IntegrityError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+def parse_versioned(model: type[BaseModel], text: str | bytes, source: str, version_field: str, version: int):
+    """Parse a versioned JSON document (text, or bytes that must be UTF-8) into `model`; every failure is an
+    IntegrityError naming the file and place."""
+    data = load_json(text, source)
     if not isinstance(data, dict):
         raise IntegrityError(f"{source} must hold a JSON object, found {type(data).__name__}")
     if data.get(version_field) != version:
         raise IntegrityError(
-            f"{source} has {version_field} {data.get(version_field)!r}; this oscar-zoo reads version {version}",
+            f"{source} has {version_field} {_one_line(repr(data.get(version_field)), 40)}; this oscar-zoo reads "
+            f"version {version}",
             "upgrade oscar-zoo, or re-create the file with this version",
         )
     try:
@@ -159,7 +180,71 @@ def parse_versioned(model: type[BaseModel], text: str, source: str, version_fiel
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(root)"
-        raise IntegrityError(f"{source} is invalid at '{where}': {first['msg']}") from None
+        raise IntegrityError(f"{source} is invalid at '{_one_line(where, 80)}': {_one_line(first['msg'], 300)}") \
+            from None
+
+
+class _BadNumber(ValueError):
+    pass
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _BadNumber(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _int64(text: str) -> int:
+    if len(text.lstrip("-")) > 19 or not -(2**63) <= int(text) < 2**63:
+        raise _BadNumber(f"the integer {text[:40]}{'…' if len(text) > 40 else ''} is out of range")
+    return int(text)
+
+
+def _no_constant(name: str):
+    raise _BadNumber(f"{name} is not a JSON number")
+
+
+def load_json(data: str | bytes, source: str) -> Any:
+    """A JSON document as strict JSON: UTF-8, at most MANIFEST_MAX_BYTES and JSON_MAX_DEPTH deep, numbers finite and
+    within int64 (no NaN/Infinity); IntegrityError naming `source` otherwise."""
+    if len(data) > MANIFEST_MAX_BYTES:
+        raise IntegrityError(f"{source} has {len(data):,} bytes, too many for an oscar-zoo document")
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise IntegrityError(f"{source} is not UTF-8 text (byte {exc.start}); it is not an oscar-zoo document") \
+                from None
+    try:
+        doc = json.loads(data, parse_float=_finite_float, parse_int=_int64, parse_constant=_no_constant)
+    except RecursionError:
+        raise IntegrityError(f"{source} nests JSON deeper than {JSON_MAX_DEPTH} levels") from None
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except _BadNumber as exc:
+        raise IntegrityError(f"{source} is not valid oscar-zoo JSON: {exc}") from None
+    stack = [(doc, 1)]
+    while stack:  # iterative: the depth limit also keeps every later recursive walk (pydantic, json.dumps) safe
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > JSON_MAX_DEPTH:
+                raise IntegrityError(f"{source} nests JSON deeper than {JSON_MAX_DEPTH} levels")
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+            stack.extend((key, depth) for key in (node if isinstance(node, dict) else ()))
+        elif isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (\ud800): no file or terminal could take it back
+                raise IntegrityError(f"{source} holds a string that is not valid Unicode "
+                                     f"({_one_line(repr(node), 60)})") from None
+    return doc
+
+
+def _one_line(text: str, limit: int) -> str:
+    """User-controlled text for a one-line message: control characters escaped, at most `limit` characters."""
+    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def canonical_json(data: Any) -> str:

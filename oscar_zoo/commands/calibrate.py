@@ -83,6 +83,9 @@ def calibrate_command(
     for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--batch-size", batch_size)):
         if value <= 0:
             raise InputError(f"{name} must be positive, got {value}")
+    for name, value in (("--k-clip", k_clip), ("--v-clip", v_clip)):
+        if not 0 < value <= 1:  # NaN fails too
+            raise InputError(f"{name} must be a clip ratio in (0, 1], got {value}")
     if clip == ClipMode.SEARCH and heldout <= 0:
         raise InputError("--clip search needs held-out sequences (--heldout ≥ 1)", "or use --clip fixed")
     n_sequences = tokens // seq_len

@@ -76,22 +76,22 @@ def manifest_sha256(manifest: Manifest) -> str:
     return hashlib.sha256(manifest.to_json().encode()).hexdigest()
 
 
-def catalog_files() -> list[tuple[str, str]]:
-    """(source name, text) of every catalog JSON, sorted by name."""
+def catalog_files() -> list[tuple[str, bytes]]:
+    """(source name, content) of every catalog JSON, sorted by name (the parser checks it is UTF-8)."""
     override = os.environ.get(CATALOG_ENV)
     if override:
         folder = Path(override)
         if not folder.is_dir():
             raise InputError(f"{CATALOG_ENV}={override} is not a folder")
-        return [(str(p), p.read_text()) for p in sorted(folder.glob("*.json"))]
+        return [(str(p), p.read_bytes()) for p in sorted(folder.glob("*.json"))]
     root = resources.files("oscar_zoo") / "catalog"
     if not root.is_dir():
         return []
-    return [(f"catalog/{p.name}", p.read_text()) for p in sorted(root.iterdir(), key=lambda p: p.name)
+    return [(f"catalog/{p.name}", p.read_bytes()) for p in sorted(root.iterdir(), key=lambda p: p.name)
             if p.name.endswith(".json")]
 
 
-def parse_entry(text: str, source: str) -> CatalogEntry:
+def parse_entry(text: str | bytes, source: str) -> CatalogEntry:
     return parse_versioned(CatalogEntry, text, source, "catalog_version", CATALOG_SCHEMA_VERSION)
 
 

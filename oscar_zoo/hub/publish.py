@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from ..artifacts import (atomic_write_text, check_destination, check_file, check_files, load_artifacts,
                          remove_stale_staging, rotations_size_range, sha256_file, staging_folder, swap_into_place)
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
-from ..manifest import MANIFEST_NAME, ROTATIONS_NAME, Manifest
+from ..manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, Manifest
 from .base import HUBS, HubClient, split_repo_path
 from .card import render_model_card, render_zoo_card
 from .catalog import CatalogEntry, find_entry
@@ -27,7 +27,6 @@ from .zoo import ZOO_NAME, ZooIndex, verification_summary, zoo_entry
 
 Progress = Callable[[str], None]
 CARD_NAME = "README.md"
-MANIFEST_MAX_BYTES = 1 << 20  # a manifest takes a few KiB; anything near this is not one
 
 
 def make_client(hub: str) -> HubClient:
@@ -136,7 +135,7 @@ def read_zoo(client: HubClient, repo_id: str, commit: str) -> ZooIndex:
     path = client.fetch(repo_id, ZOO_NAME, commit, force=True)
     if path is None:
         return ZooIndex()
-    return ZooIndex.from_json(path.read_text(), source=f"{client.name}:{repo_id}/{ZOO_NAME}")
+    return ZooIndex.from_json(path.read_bytes(), source=f"{client.name}:{repo_id}/{ZOO_NAME}")
 
 
 # -- pull -------------------------------------------------------------------------------------------------------------
@@ -227,11 +226,7 @@ def _read_pulled_manifest(path: Path, where: str, entry: CatalogEntry | None) ->
     """Schema first (exit 4); with a catalog name, byte-identical to the catalogued manifest."""
     if path.stat().st_size > MANIFEST_MAX_BYTES:
         raise IntegrityError(f"{where}/{MANIFEST_NAME} has {path.stat().st_size:,} bytes, too many for a manifest")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise IntegrityError(f"{where}/{MANIFEST_NAME} is not UTF-8 text; it is not an oscar-zoo manifest") from None
-    manifest = Manifest.from_json(text, source=f"{where}/{MANIFEST_NAME}")
+    manifest = Manifest.from_json(path.read_bytes(), source=f"{where}/{MANIFEST_NAME}")  # UTF-8, depth, schema
     if entry is not None and sha256_file(path) != entry.manifest_sha256:
         raise IntegrityError(f"{where}/{MANIFEST_NAME} differs from the catalog's copy of {entry.name!r}",
                              "the hub copy changed after it was catalogued; pull by repo id to accept it")

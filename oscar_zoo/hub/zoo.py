@@ -6,13 +6,12 @@ model card, zoo.json and `oscar-zoo list` all say the same thing.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import IntegrityError
-from ..manifest import Manifest, canonical_json
+from ..manifest import Manifest, canonical_json, load_json
 from ..runtime import layout
 
 ZOO_NAME = "zoo.json"
@@ -50,12 +49,15 @@ class ZooIndex(BaseModel):
         return canonical_json(self.model_dump(mode="json"))
 
     @classmethod
-    def from_json(cls, text: str, source: str = ZOO_NAME) -> ZooIndex:
+    def from_json(cls, text: str | bytes, source: str = ZOO_NAME) -> ZooIndex:
+        advice = "fix or delete zoo.json in the repo, then push again"
         try:
-            return cls.model_validate(json.loads(text))
-        except (json.JSONDecodeError, ValidationError) as exc:
-            raise IntegrityError(f"{source} is not a valid oscar-zoo index: {str(exc).splitlines()[0]}",
-                                 "fix or delete zoo.json in the repo, then push again") from None
+            return cls.model_validate(load_json(text, source))  # UTF-8, depth and numbers checked: IntegrityError
+        except IntegrityError as exc:
+            raise IntegrityError(exc.message, advice) from None
+        except ValidationError as exc:
+            raise IntegrityError(f"{source} is not a valid oscar-zoo index: {str(exc).splitlines()[0]}", advice) \
+                from None
 
 
 def bpe_128k(manifest: Manifest) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import layout, ops, reference
+from .validate import check_rotation_tensors, read_quant_settings
 
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
@@ -427,24 +427,27 @@ class OscarCache(Cache):
 
     @classmethod
     def from_folder(cls, path: str | Path, *, quantize: bool = True, **overrides) -> OscarCache:
-        """Build from an artifact folder: `rotations.safetensors` (k_rotation, v_rotation, k_clip, v_clip, layer_ids)
+        """Build from an artifact folder: `rotations.safetensors` (k/v_rotation, k/v_eigenvalues, k/v_clip, layer_ids)
         and, when present, `manifest.json`'s quant.{group_size, sink, recent, flush}; keyword overrides win.
-        Integrity (checksums, model match) is checked by `oscar_zoo.artifacts`, not here."""
+        Every tensor is checked first (`validate.check_rotation_tensors`: finite, orthogonal, clips in (0, 1], shapes,
+        layer ids); anything malformed raises ValueError. Checksums and the model match are `oscar_zoo.artifacts`'s."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         folder = Path(path)
         tensors_path = folder / "rotations.safetensors"
         if not tensors_path.is_file():
             raise FileNotFoundError(f"{tensors_path} not found: pass an OSCAR artifact folder (oscar-zoo pull)")
-        t = load_file(str(tensors_path))
-        missing = {"k_rotation", "v_rotation", "k_clip", "v_clip", "layer_ids"} - set(t)
-        if missing:
-            raise ValueError(f"{tensors_path} lacks tensors {sorted(missing)}; re-export the artifacts")
-        settings = {}
+        try:
+            t = load_file(str(tensors_path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"{tensors_path} is not a readable safetensors file: {exc}") from None
+        try:
+            check_rotation_tensors(t)
+        except ValueError as exc:
+            raise ValueError(f"{tensors_path}: {exc}") from None
         manifest = folder / "manifest.json"
-        if manifest.is_file():
-            quant = json.loads(manifest.read_text()).get("quant") or {}
-            settings = {k: int(quant[k]) for k in ("group_size", "sink", "recent", "flush") if quant.get(k) is not None}
+        settings = read_quant_settings(manifest) if manifest.is_file() else {}
         settings.update(overrides)
         return cls(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"], quantize=quantize,
                    **settings)  # fmt: skip

@@ -85,3 +85,21 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     finally:
         sys.argv = argv
     return code, out.getvalue(), err.getvalue()
+
+
+def rewrite_rotations(folder: Path, raw: bytes | None = None, **tensors: torch.Tensor) -> None:
+    """Replace tensors of an artifact folder's rotations.safetensors (or its whole content, `raw`) and re-checksum the
+    manifest, so that only validation, not the sha256 check, can catch what was changed."""
+    import json
+
+    from safetensors.torch import load_file, save
+
+    from oscar_zoo.artifacts import sha256_file
+
+    path = Path(folder) / "rotations.safetensors"
+    if raw is None:
+        raw = save({k: v.contiguous() for k, v in {**load_file(str(path)), **tensors}.items()})
+    path.write_bytes(raw)
+    doc = json.loads((Path(folder) / "manifest.json").read_text())
+    doc["artifacts"] = [{"path": "rotations.safetensors", "sha256": sha256_file(path), "bytes": len(raw)}]
+    (Path(folder) / "manifest.json").write_text(json.dumps(doc))

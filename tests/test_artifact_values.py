@@ -1,0 +1,88 @@
+"""Values no runtime may use (NaN/Inf, clips outside (0, 1], non-orthogonal rotations), re-checksummed so that only
+validation can catch them: refused with exit 4 by every command that reads an artifact folder, and with ValueError by
+`OscarCache.from_folder`; nothing is exported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_zoo.runtime.cache import OscarCache
+
+from .hub.helpers import make_artifacts, random_rotations, rewrite_rotations, run_cli
+
+L, H_KV, D = 3, 2, 16
+
+
+def _poisoned(name: str, index: tuple, value: float):
+    def change(folder):
+        from safetensors.torch import load_file
+
+        t = load_file(str(folder / "rotations.safetensors"))[name].clone()
+        t[index] = value
+        rewrite_rotations(folder, **{name: t})
+    return change
+
+
+POISONS = {
+    "rotation NaN": (_poisoned("k_rotation", (1, 0, 2, 3), float("nan")), "k_rotation at layer 1 head 0"),
+    "rotation Inf": (_poisoned("v_rotation", (2, 0, 0, 0), float("inf")), "v_rotation at layer 2 head 0"),
+    "eigenvalue NaN": (_poisoned("v_eigenvalues", (0, 0, 1), float("nan")), "v_eigenvalues at layer 0"),
+    "clip NaN": (_poisoned("k_clip", (1, 0), float("nan")), "k_clip at layer 1 head 0"),
+    "clip above 1": (_poisoned("v_clip", (0, 0), 1.25), "v_clip at layer 0 head 0"),
+    "clip 0": (_poisoned("k_clip", (2, 0), 0.0), "k_clip at layer 2 head 0"),
+    "clip below 0": (_poisoned("k_clip", (0, 0), -0.5), "in (0, 1]"),
+    "scaled rotation": (lambda f: rewrite_rotations(f, k_rotation=random_rotations(L, 1, D) * 1.01),
+                        "is not orthogonal: max |MᵀM − I| = 0.0201"),
+    "Gaussian rotation": (lambda f: rewrite_rotations(f, v_rotation=torch.randn(L, 1, D, D)), "not orthogonal"),
+    "duplicate layer ids": (lambda f: rewrite_rotations(f, layer_ids=torch.tensor([0, 1, 1], dtype=torch.int32)),
+                            "layer_ids differ from the manifest"),
+    "float64 clips": (lambda f: rewrite_rotations(f, k_clip=torch.full((L, 1), 0.96, dtype=torch.float64)),
+                      "dtype float64"),
+}
+
+
+@pytest.fixture(params=sorted(POISONS))
+def poisoned(request, tmp_path):
+    folder = tmp_path / "art"
+    make_artifacts(folder, granularity="per-layer", L=L, H_kv=H_KV, D=D)
+    change, words = POISONS[request.param]
+    change(folder)
+    return folder, words
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert lines and lines[0].startswith("error:") and len(lines) <= 2 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_every_reader_refuses_with_exit_4(poisoned, tmp_path):
+    folder, words = poisoned
+    for args in (["inspect", folder], ["inspect", folder, "--json"], ["export", folder, "--format", "sglang", "--out",
+                 tmp_path / "sg"], ["export", folder, "--format", "oscar-pt", "--out", tmp_path / "pt"],
+                 ["verify", folder], ["push", folder, "org/repo", "--dry-run", "--allow-unverified"]):
+        code, out, err = run_cli(*map(str, args))
+        assert code == 4, (args, out, err)
+        assert words in _one_line_error(err), (args, err)
+    assert not (tmp_path / "sg").exists() and not (tmp_path / "pt").exists()
+
+
+def test_from_folder_raises_value_error(poisoned):
+    folder, words = poisoned
+    if "layer_ids differ" in words or "dtype" in words:  # the runtime has no manifest check and takes any float
+        words = "twice" if "layer_ids" in words else None
+    if words is None:
+        OscarCache.from_folder(folder)
+        return
+    with pytest.raises(ValueError) as exc:
+        OscarCache.from_folder(folder)
+    assert words in str(exc.value)
+
+
+def test_honest_artifacts_still_load(tmp_path):
+    make_artifacts(tmp_path / "art", L=L, H_kv=H_KV, D=D)
+    code, _, err = run_cli("inspect", str(tmp_path / "art"))
+    assert code == 0, err
+    cache = OscarCache.from_folder(tmp_path / "art")
+    assert len(cache.layers) == L
