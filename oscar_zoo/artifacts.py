@@ -231,6 +231,8 @@ def _process_alive(pid: int) -> bool:
 
 def read_manifest(folder: Path) -> Manifest:
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder} is a file, not an artifact folder", "pass the folder that holds manifest.json")
     if not folder.is_dir():
         raise InputError(f"artifact folder {folder} does not exist", "run `oscar-zoo calibrate` or `oscar-zoo pull`")
     path = folder / MANIFEST_NAME

@@ -86,3 +86,9 @@ def test_honest_artifacts_still_load(tmp_path):
     assert code == 0, err
     cache = OscarCache.from_folder(tmp_path / "art")
     assert len(cache.layers) == L
+
+
+def test_a_file_passed_as_the_artifact_folder_says_so(tmp_path):
+    make_artifacts(tmp_path / "art", L=L, H_kv=H_KV, D=D)
+    code, _, err = run_cli("inspect", str(tmp_path / "art" / "manifest.json"))
+    assert code == 2 and "is a file, not an artifact folder" in err and "does not exist" not in err

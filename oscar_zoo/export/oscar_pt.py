@@ -1,8 +1,11 @@
-"""The published OSCAR-RotationZoo `.pt` form (METHOD.md §8), in and out.
+"""The published OSCAR-RotationZoo `.pt` form, in and out.
 
-One pickle dict per K and V: `{"format_version": 1, "objective": "qqt_r_h_pbr" | "sst_r_h_pbr",
+One pickle dict per K and V: `{"format_version": 1, "objective": "qqt_r_h_pbr" | "sst_r_h_pbr" | "hadamard" | …,
 "source_grouping": "layer", "layers": {layer_id: {"layer_id", "rotation": fp32[D, D], "eigenvalues": fp32[D]}}}`.
-Reading uses `torch.load(weights_only=True)` only and checks every field; anything else is refused (exit 4).
+Reading uses `torch.load(weights_only=True)` only and checks every field; the reference runtime needs only
+`{"layers": {layer_id: {"rotation": …}}}` (int or str keys), so that minimal form is read too. Anything malformed is
+refused (exit 4); a missing path or a folder is bad input (exit 2). Rotations must pass the runtime's check
+(`runtime.validate`: finite and orthogonal) before anything is written.
 Writing per-head artifacts needs `average_heads`: the mean of per-head rotations is not orthogonal, so it is
 re-orthogonalised by polar decomposition (the orthogonal factor U·Vᵀ of the mean's SVD, the nearest rotation in
 Frobenius norm), and the agreement between heads (mean |diag(R_0ᵀ R_h)|) is reported so the caller can warn.
@@ -11,7 +14,7 @@ Frobenius norm), and the agreement between heads (mean |diag(R_0ᵀ R_h)|) is re
 from __future__ import annotations
 
 import io
-import pickle
+import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,32 +26,44 @@ from ..errors import InputError, IntegrityError
 from ..manifest import (CalibrationRecord, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec, RotationSpec,
                         ValueTarget)
 from ..runtime import layout
+from ..runtime.validate import check_finite, check_rotation
 
 K_FILE = "k_rotation_qqt_r_h_pbr.pt"
 V_FILE = "v_rotation_sst_r_h_pbr.pt"
 K_OBJECTIVE, V_OBJECTIVE = "qqt_r_h_pbr", "sst_r_h_pbr"
+TARGETS = {K_OBJECTIVE: ("qqt", "ktk"), V_OBJECTIVE: ("sst", "vtv")}  # the reference script's key / value targets;
+# its data-free `hadamard` and the `uresidual` method write the same objective into both files
 REFERENCE_GROUP_SIZE = 128  # the reference runtime's --kv-cache-quant-group-size
 
 
 @dataclass(frozen=True)
 class LayerRotations:
-    """One `.pt` file's content: `rotation` float32 [L, D, D], `eigenvalues` float32 [L, D] (ascending)."""
+    """One `.pt` file's content: `rotation` float32 [L, D, D], `eigenvalues` float32 [L, D] (ascending; zeros when
+    the file has none), `objective` as the file states it (None in the minimal form)."""
 
-    objective: str
+    objective: str | None
     layer_ids: list[int]
     rotation: torch.Tensor
     eigenvalues: torch.Tensor
 
 
 def read_oscar_pt(path: Path, expected_objective: str) -> LayerRotations:
+    """Read one reference `.pt` file meant to hold `expected_objective`'s side (K_OBJECTIVE or V_OBJECTIVE): its
+    structure, shapes and dtypes; the values are checked by `check_layer_rotations`."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a directory, not a rotation file", "pass the .pt file itself")
     if not path.is_file():
-        raise InputError(f"{path} does not exist")
+        raise InputError(f"{path} does not exist" if not path.exists() else f"{path} is not a regular file")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise IntegrityError(f"{path.name} was refused: it is not a plain tensor pickle ({first[:160]})",
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": noise on the way to a refusal
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 -- malformed input makes torch.load raise anything (KeyError on a text
+        # file, IndexError, struct.error, RuntimeError, UnpicklingError, …); each is a refusal, never a traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise IntegrityError(f"{path.name} was refused: it is not a plain tensor file that torch.load(weights_only="
+                             f"True) reads ({type(exc).__name__}{': ' + first[:160] if first else ''})",
                              "only files that load with torch.load(weights_only=True) are accepted") from None
 
     def bad(what: str) -> IntegrityError:
@@ -56,40 +71,80 @@ def read_oscar_pt(path: Path, expected_objective: str) -> LayerRotations:
 
     if not isinstance(obj, dict):
         raise bad(f"top level is {type(obj).__name__}, not a dict")
-    if obj.get("format_version") != 1:
-        raise bad(f"format_version {obj.get('format_version')!r}, expected 1")
-    if obj.get("objective") != expected_objective:
-        raise bad(f"objective {obj.get('objective')!r}, expected {expected_objective!r} (K and V swapped?)")
+    if "format_version" in obj and (type(obj["format_version"]) is not int or obj["format_version"] != 1):
+        raise bad(f"format_version {_short(obj['format_version'])}, expected 1 (one rotation per layer)")
+    objective = obj.get("objective")
+    if objective is not None and not isinstance(objective, str):
+        raise bad(f"objective is a {type(objective).__name__}, not a string")
+    other = V_OBJECTIVE if expected_objective == K_OBJECTIVE else K_OBJECTIVE
+    if objective is not None and objective.split("_")[0] in TARGETS[other]:
+        side = "K" if expected_objective == K_OBJECTIVE else "V"
+        raise bad(f"objective {_short(objective)} is a {'V' if side == 'K' else 'K'} rotation, passed as the {side} "
+                  "file (K and V swapped?)")
     if obj.get("source_grouping", "layer") != "layer":
-        raise bad(f"source_grouping {obj.get('source_grouping')!r}, expected 'layer'")
+        raise bad(f"source_grouping {_short(obj.get('source_grouping'))}, expected 'layer'")
     layers = obj.get("layers")
     if not isinstance(layers, dict) or not layers:
-        raise bad("'layers' is missing or empty")
-    ids, rots, eigs = [], [], []
+        raise bad("'layers' is missing, empty or not a dict")
+    keys: dict[int, object] = {}
+    rots, eigs = [], []
     for key, entry in layers.items():
-        try:
-            lid = int(key)  # the reference loader accepts int or str keys
-        except (TypeError, ValueError):
-            raise bad(f"layer key {key!r} is not an integer") from None
+        lid = _layer_key(key)
+        if lid is None:
+            raise bad(f"layer key {_short(key)} is not a non-negative integer (or its decimal string)")
+        if lid in keys:
+            raise bad(f"layer {lid} appears twice, under the keys {_short(keys[lid])} and {_short(key)}")
+        keys[lid] = key
         if not isinstance(entry, dict):
             raise bad(f"layer {lid} holds {type(entry).__name__}, not a dict")
         rot, eig = entry.get("rotation"), entry.get("eigenvalues")
-        if not isinstance(rot, torch.Tensor) or not isinstance(eig, torch.Tensor):
+        if not isinstance(rot, torch.Tensor) or not (eig is None or isinstance(eig, torch.Tensor)):
             raise bad(f"layer {lid}: rotation/eigenvalues must be tensors, found {type(rot).__name__}/"
                       f"{type(eig).__name__}")
-        if rot.dim() != 2 or rot.shape[0] != rot.shape[1] or tuple(eig.shape) != (rot.shape[0],):
-            raise bad(f"layer {lid}: rotation {list(rot.shape)} / eigenvalues {list(eig.shape)}, expected [D, D] / "
-                      "[D]")
-        if "layer_id" in entry and int(entry["layer_id"]) != lid:
-            raise bad(f"layer key {lid} holds layer_id {entry['layer_id']}")
-        ids.append(lid)
+        if rot.dim() != 2 or rot.shape[0] != rot.shape[1] or rot.shape[0] == 0 or (
+                eig is not None and tuple(eig.shape) != (rot.shape[0],)):
+            raise bad(f"layer {lid}: rotation {list(rot.shape)} / eigenvalues "
+                      f"{list(eig.shape) if eig is not None else None}, expected [D, D] / [D]")
+        for name, t in (("rotation", rot), ("eigenvalues", eig)):
+            if t is not None and (not t.is_floating_point() or t.layout != torch.strided):
+                raise bad(f"layer {lid}: {name} is a {str(t.dtype).removeprefix('torch.')} "
+                          f"{'tensor' if t.layout == torch.strided else 'sparse tensor'}, expected dense float32")
+        if "layer_id" in entry and _layer_key(entry["layer_id"], strings=False) != lid:
+            raise bad(f"layer key {_short(key)} holds layer_id {_short(entry['layer_id'])}")
         rots.append(rot.float())
-        eigs.append(eig.float())
+        eigs.append(eig.float() if eig is not None else torch.zeros(rot.shape[0]))
+    ids = list(keys)
     if len({r.shape[0] for r in rots}) != 1:
         raise bad("layers have different head dims")
     order = sorted(range(len(ids)), key=ids.__getitem__)
-    return LayerRotations(expected_objective, [ids[i] for i in order], torch.stack([rots[i] for i in order]),
+    return LayerRotations(objective, [ids[i] for i in order], torch.stack([rots[i] for i in order]),
                           torch.stack([eigs[i] for i in order]))
+
+
+def check_layer_rotations(path: Path, lr: LayerRotations) -> None:
+    """The runtime's check of one file's values (finite, orthogonal rotations; finite eigenvalues); IntegrityError
+    naming the file and layer."""
+    try:
+        check_rotation("rotation", lr.rotation.unsqueeze(1), lr.layer_ids)  # [L, 1, D, D]
+        check_finite("eigenvalues", lr.eigenvalues.unsqueeze(1), lr.layer_ids)
+    except ValueError as exc:
+        raise IntegrityError(f"{Path(path).name}: {exc}", "these are not usable rotations; nothing was written") \
+            from None
+
+
+def _layer_key(key, strings: bool = True) -> int | None:
+    """A layer id from a dict key or `layer_id` value: a non-negative int (a 0-d integer tensor too), or with
+    `strings` its ASCII decimal string (the reference loader accepts both); None for anything else."""
+    if isinstance(key, torch.Tensor) and key.dim() == 0 and not key.is_floating_point() and key.dtype != torch.bool:
+        key = int(key)
+    if strings and isinstance(key, str) and key.isascii() and key.isdigit():
+        key = int(key)
+    return key if type(key) is int and key >= 0 else None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def write_oscar_pt(path: Path, objective: str, layer_ids: list[int], rotation: torch.Tensor,
@@ -171,10 +226,15 @@ def model_identity_for(model: str, revision: str | None = None) -> ModelIdentity
 
 def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Path,
                     group_size: int = REFERENCE_GROUP_SIZE) -> Manifest:
-    """Two reference `.pt` files -> an oscar-zoo artifact folder (per-layer, fixed clips 0.96 / 0.92)."""
+    """Two reference `.pt` files -> an oscar-zoo artifact folder (per-layer, fixed clips 0.96 / 0.92). Both files are
+    read and checked (structure, the model's geometry, then the runtime's value check) before anything is written."""
+    if group_size < 0:
+        raise InputError(f"--group-size must be ≥ 0, got {group_size}")
+    D, N = identity.head_dim, identity.num_layers
+    if D % layout.CODES_PER_BYTE:
+        raise InputError(f"{identity.id} has head_dim {D}; the INT2 format needs a multiple of {layout.CODES_PER_BYTE}")
     k = read_oscar_pt(k_path, K_OBJECTIVE)
     v = read_oscar_pt(v_path, V_OBJECTIVE)
-    D, N = identity.head_dim, identity.num_layers
     for name, lr in (("K", k), ("V", v)):
         if lr.rotation.shape[-1] != D:
             raise IntegrityError(f"{name} rotations are {lr.rotation.shape[-1]}×{lr.rotation.shape[-1]}, but "
@@ -188,6 +248,8 @@ def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Pa
                                  f"{identity.id}'s {N}", "every attention layer needs a rotation")
     if k.layer_ids != v.layer_ids:
         raise IntegrityError("the K and V files cover different layers")
+    check_layer_rotations(k_path, k)
+    check_layer_rotations(v_path, v)
     G = group_size if group_size and D % group_size == 0 else D
     L = len(k.layer_ids)
     rotations = Rotations(
@@ -207,7 +269,8 @@ def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Pa
                       objective="fixed reference ratios (imported)"),
         calibration=CalibrationRecord(
             dataset=f"imported from OSCAR-RotationZoo files {Path(k_path).name} (sha256 {sha256_file(k_path)}) and "
-                    f"{Path(v_path).name} (sha256 {sha256_file(v_path)})",
+                    f"{Path(v_path).name} (sha256 {sha256_file(v_path)}), objectives {_short(k.objective)} / "
+                    f"{_short(v.objective)}",
             token_ids_sha256="unknown", tokens=0, sequences=0, seq_len=0, heldout_tokens=0, chat_template=False,
             seed=0, device="n/a", dtype="float32",
             versions={"oscar-zoo": getattr(oscar_zoo, "__version__", "unknown"), "torch": torch.__version__},

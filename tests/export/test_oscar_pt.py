@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 
@@ -157,3 +158,176 @@ def test_write_then_read_accepts_int_and_str_keys(tmp_path):
     write_oscar_pt(tmp_path / "k.pt", "qqt_r_h_pbr", [3, 7], R, torch.zeros(2, 8))
     got = read_oscar_pt(tmp_path / "k.pt", "qqt_r_h_pbr")
     assert got.layer_ids == [3, 7] and torch.equal(got.rotation, R)
+
+
+# -- values and malformed files (issue 16) ----------------------------------------------------------------------------
+def _save_pair(folder, k_layers, v_layers=None, k_extra=None, v_extra=None):
+    """Write a K and a V file with the given `layers` dicts (V defaults to a valid copy of the published form)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if v_layers is None:
+        v = random_rotations(L, 1, D, seed=2)[:, 0]
+        v_layers = {i: {"layer_id": i, "rotation": v[i], "eigenvalues": torch.arange(D, dtype=torch.float32)}
+                    for i in range(L)}
+    for name, objective, layers, extra in ((K_FILE, "qqt_r_h_pbr", k_layers, k_extra),
+                                           (V_FILE, "sst_r_h_pbr", v_layers, v_extra)):
+        doc = {"format_version": 1, "objective": objective, "source_grouping": "layer", "layers": layers}
+        torch.save({**doc, **(extra or {})}, folder / name)
+    return folder / K_FILE, folder / V_FILE
+
+
+def _k_layers(change=None):
+    k = random_rotations(L, 1, D, seed=1)[:, 0].clone()
+    if change is not None:
+        change(k)
+    return {i: {"layer_id": i, "rotation": k[i], "eigenvalues": torch.arange(D, dtype=torch.float32)}
+            for i in range(L)}
+
+
+def _import(model_dir, tmp_path, k_file, v_file):
+    code, out, err = run_cli("import-oscar", str(k_file), str(v_file), "--model", str(model_dir), "--out",
+                             str(tmp_path / "art"))
+    lines = err.strip().splitlines()
+    if code:
+        assert lines and lines[0].startswith("error:") and len(lines) <= 2 and "Traceback" not in err, err
+        assert not (tmp_path / "art").exists()
+    return code, out, err
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda k: k.mul_(1.01), "not orthogonal"),  # scaled
+    (lambda k: k[1].copy_(torch.randn(D, D)), "rotation at layer 1 head 0 (index [1, 0]) is not orthogonal"),
+    (lambda k: k[2].zero_(), "rotation at layer 2"),
+    (lambda k: k[0].add_(1e-3 * torch.randn(D, D)), "not orthogonal"),
+    (lambda k: k[1, 2].fill_(float("nan")), "rotation at layer 1 head 0 (index [1, 0, 2, 0]) holds nan"),
+    (lambda k: k[0, 0, 0].fill_(float("inf")), "holds inf"),
+], ids=["scaled", "Gaussian", "zeros", "perturbed", "NaN", "Inf"])
+def test_import_refuses_matrices_that_are_not_rotations(model_dir, tmp_path, change, words):
+    k_file, v_file = _save_pair(tmp_path / "ref", _k_layers(change))
+    code, out, err = _import(model_dir, tmp_path, k_file, v_file)
+    assert code == 4 and K_FILE in err and words in err and "next: verify" not in out, err
+
+
+def test_import_refuses_nan_eigenvalues(model_dir, tmp_path):
+    layers = _k_layers()
+    layers[1]["eigenvalues"] = torch.full((D,), float("nan"))
+    code, _, err = _import(model_dir, tmp_path, *_save_pair(tmp_path / "ref", layers))
+    assert code == 4 and "eigenvalues at layer 1" in err
+
+
+def test_minimal_reference_form_is_accepted(model_dir, tmp_path):
+    """What the reference runtime itself reads: `{"layers": {i: {"rotation": …}}}` (no version, objective,
+    eigenvalues or layer_id), str keys allowed."""
+    k, v = random_rotations(L, 1, D, seed=1)[:, 0], random_rotations(L, 1, D, seed=2)[:, 0]
+    (tmp_path / "ref").mkdir()
+    torch.save({"layers": {i: {"rotation": k[i]} for i in range(L)}}, tmp_path / "ref" / "k.pt")
+    torch.save({"layers": {str(i): {"rotation": v[i]} for i in range(L)}}, tmp_path / "ref" / "v.pt")
+    code, _, err = _import(model_dir, tmp_path, tmp_path / "ref" / "k.pt", tmp_path / "ref" / "v.pt")
+    assert code == 0, err
+    _, rot = load_artifacts(tmp_path / "art")
+    assert torch.equal(rot.k_rotation[:, 0], k) and torch.equal(rot.v_rotation[:, 0], v)
+    assert torch.all(rot.k_eigenvalues == 0)  # unknown: the file has none
+    code, _, err = run_cli("inspect", str(tmp_path / "art"))
+    assert code == 0, err
+
+
+def test_hadamard_method_files_are_not_called_swapped(model_dir, tmp_path):
+    """The reference script's `--method hadamard` writes the same Sylvester Hadamard matrix as K and V rotation."""
+    H = torch.ones(1, 1)
+    while H.shape[0] < D:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    H = H / D**0.5
+    (tmp_path / "ref").mkdir()
+    for name in (K_FILE, V_FILE):
+        torch.save({"format_version": 1, "objective": "hadamard", "source_grouping": "layer",
+                    "layers": {i: {"layer_id": i, "rotation": H.clone(), "eigenvalues": torch.ones(D)}
+                               for i in range(L)}}, tmp_path / "ref" / name)
+    code, out, err = _import(model_dir, tmp_path, tmp_path / "ref" / K_FILE, tmp_path / "ref" / V_FILE)
+    assert code == 0 and "swapped" not in err, err
+    manifest, rot = load_artifacts(tmp_path / "art")
+    assert torch.equal(rot.k_rotation, rot.v_rotation) and "'hadamard' / 'hadamard'" in manifest.calibration.dataset
+
+
+def test_duplicate_int_and_str_layer_keys_are_named(model_dir, tmp_path):
+    layers = _k_layers()
+    layers["0"] = dict(layers[0])
+    code, _, err = _import(model_dir, tmp_path, *_save_pair(tmp_path / "ref", layers))
+    assert code == 4 and "layer 0 appears twice, under the keys 0 and '0'" in err, err
+
+
+def test_paths_that_are_not_files_are_usage_errors(model_dir, tmp_path):
+    _, v_file = _save_pair(tmp_path / "ref", _k_layers())
+    (tmp_path / "folder.pt").mkdir()
+    code, _, err = _import(model_dir, tmp_path, tmp_path / "folder.pt", v_file)
+    assert code == 2 and "is a directory" in err and "does not exist" not in err, err
+    code, _, err = _import(model_dir, tmp_path, tmp_path / "missing.pt", v_file)
+    assert code == 2 and "does not exist" in err
+
+
+def _layers_with(**entry):
+    layers = _k_layers()
+    layers[1] = {**layers[1], **entry}
+    return layers
+
+
+MALFORMED = {  # name -> (bytes of the K file, or a callable writing it; words of the message)
+    "text file": (b"hello, I am a text file\nnot a tensor\n", "was refused"),
+    "empty file": (b"", "was refused"),
+    "JSON": (b'{"layers": {}}', "was refused"),
+    "truncated zip": (lambda p: p.write_bytes(_good_bytes()[: len(_good_bytes()) // 2]), "was refused"),
+    "zip without data": (lambda p: p.write_bytes(_good_bytes()[-200:]), "was refused"),
+    "list at top": (lambda p: torch.save([1, 2], p), "top level is list"),
+    "layers a list": (lambda p: torch.save({"layers": [torch.eye(D)]}, p), "'layers' is missing"),
+    "no layers": (lambda p: torch.save({"format_version": 1}, p), "'layers' is missing"),
+    "format_version 2": (lambda p: torch.save({"format_version": 2, "layers": _k_layers()}, p), "format_version 2"),
+    "format_version '1'": (lambda p: torch.save({"format_version": "1", "layers": _k_layers()}, p),
+                           "format_version '1'"),
+    "objective a tensor": (lambda p: torch.save({"objective": torch.ones(2), "layers": _k_layers()}, p),
+                           "objective is a Tensor"),
+    "swapped": (lambda p: torch.save({"objective": "sst_r_h_pbr", "layers": _k_layers()}, p), "swapped"),
+    "per-head grouping": (lambda p: torch.save({"source_grouping": "head", "layers": _k_layers()}, p),
+                          "source_grouping 'head'"),
+    "key not a number": (lambda p: torch.save({"layers": {"x": _k_layers()[0]}}, p), "layer key 'x'"),
+    "negative key": (lambda p: torch.save({"layers": {-1: _k_layers()[0]}}, p), "layer key -1"),
+    "float key": (lambda p: torch.save({"layers": {1.0: _k_layers()[0]}}, p), "layer key 1.0"),
+    "entry a tensor": (lambda p: torch.save({"layers": {0: torch.eye(D)}}, p), "holds Tensor, not a dict"),
+    "rotation missing": (lambda p: torch.save({"layers": _layers_with(rotation=None)}, p), "must be tensors"),
+    "rotation 1-D": (lambda p: torch.save({"layers": _layers_with(rotation=torch.ones(D))}, p), "expected [D, D]"),
+    "rotation empty": (lambda p: torch.save({"layers": {0: {"rotation": torch.ones(0, 0)}}}, p), "expected [D, D]"),
+    "rotation int": (lambda p: torch.save({"layers": _layers_with(rotation=torch.eye(D, dtype=torch.int64))}, p),
+                     "is a int64 tensor"),
+    "rotation complex": (lambda p: torch.save({"layers": _layers_with(rotation=torch.eye(D, dtype=torch.cfloat))},
+                                              p), "complex64"),
+    "eigenvalues wrong size": (lambda p: torch.save({"layers": _layers_with(eigenvalues=torch.ones(D + 1))}, p),
+                               "eigenvalues [17]"),
+    "eigenvalues a list": (lambda p: torch.save({"layers": _layers_with(eigenvalues=[1.0] * D)}, p),
+                           "must be tensors"),
+    "layer_id mismatch": (lambda p: torch.save({"layers": _layers_with(layer_id=2)}, p), "holds layer_id 2"),
+    "layer_id a string": (lambda p: torch.save({"layers": _layers_with(layer_id="x")}, p), "holds layer_id 'x'"),
+    "layer_id a matrix": (lambda p: torch.save({"layers": _layers_with(layer_id=torch.ones(2, 2))}, p),
+                          "holds layer_id tensor"),
+    "mixed head dims": (lambda p: torch.save({"layers": {0: {"rotation": torch.eye(D)},
+                                                         1: {"rotation": torch.eye(8)}}}, p), "different head dims"),
+    "wrong head dim": (lambda p: torch.save({"layers": {i: {"rotation": torch.eye(8)} for i in range(L)}}, p),
+                       "head_dim 16"),
+    "a layer too many": (lambda p: torch.save({"layers": {i: {"rotation": torch.eye(D)} for i in range(L + 1)}}, p),
+                         "has layers [3]"),
+}
+
+
+def _good_bytes() -> bytes:
+    buf = io.BytesIO()
+    torch.save({"layers": _k_layers()}, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_reference_files_are_exit_4(model_dir, tmp_path, case):
+    make, words = MALFORMED[case]
+    _, v_file = _save_pair(tmp_path / "ref", _k_layers())
+    k_file = tmp_path / "bad.pt"
+    if isinstance(make, bytes):
+        k_file.write_bytes(make)
+    else:
+        make(k_file)
+    code, _, err = _import(model_dir, tmp_path, k_file, v_file)
+    assert code == 4 and words in err, err
