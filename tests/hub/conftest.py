@@ -40,8 +40,14 @@ def hub_env(tmp_path, monkeypatch):
 
 @pytest.fixture
 def hf_hub(hub_env, monkeypatch):
+    """The fake Hub; the client's Xet transfer is off (HF_HUB_DISABLE_XET=1, read at import, so the constant too), so
+    binary files take the LFS protocol the fake speaks, as they do on the real Hub without hf_xet."""
+    from huggingface_hub import constants
+
     from .fake_hf import FakeHub
 
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     hub = FakeHub(tokens={HF_TOKEN}).start()
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)

@@ -1,20 +1,35 @@
 """A small Hugging Face Hub on 127.0.0.1 speaking the subset of the API that huggingface_hub's HfApi and
-hf_hub_download call: create repo, branch, revision info, preupload (always `regular`, so no Xet/LFS), NDJSON commit
-(honouring `parentCommit`), validate-yaml, tree, paths-info, and resolve (HEAD/GET with X-Repo-Commit and ETag)."""
+hf_hub_download call: create repo, branch, revision info, preupload, NDJSON commit (honouring `parentCommit`),
+validate-yaml, tree, paths-info, and resolve (HEAD/GET with X-Repo-Commit and ETag).
+
+Binary files take the path they take on the real Hub (with HF_HUB_DISABLE_XET=1; Xet storage is not faked): preupload
+answers `lfs` for paths the repo's .gitattributes tracks with LFS and for samples with a NUL byte; the client asks
+`POST {repo}.git/info/lfs/objects/batch` where to put each object, PUTs it to the returned (pre-signed) href and
+confirms it at the `verify` href; the commit then carries an `lfsFile` line (oid, size), and a regular `file` line for
+such a path is refused. Downloads of LFS files are answered with a 302 to a "CDN" on another host name (`localhost`
+instead of `127.0.0.1`, same port) carrying X-Linked-Etag (the sha256) and X-Linked-Size, as the Hub does; the client
+must not send its token there. Commits keep every file's content; LFS objects live in `HubState.lfs_objects` by
+sha256, which is what the CDN serves."""
 
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
+import hmac
 import itertools
 import json
 import re
 import threading
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import yaml
 
 from .local_server import LocalServer, TrackedHandler
 
 REPO = r"(?P<repo>[^/]+/[^/]+)"
+LFS_REPO = r"(?P<repo>[^/]+/[^/]+?)\.git/info/lfs/objects"
+CDN_HOST = "localhost"  # the other loopback name: another origin for the client, the same server for us
 _counter = itertools.count(1)
 
 
@@ -26,6 +41,23 @@ def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def lfs_pointer(data: bytes) -> bytes:
+    """The git-lfs pointer file git stores in place of an LFS-tracked file."""
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256_hex(data)}\nsize {len(data)}\n".encode()
+
+
+def is_lfs(files: dict[str, bytes], path: str, sample: bytes) -> bool:
+    """Whether the Hub stores `path` with LFS: its .gitattributes (at this revision) tracks it, or it looks binary."""
+    patterns = [line.split()[0] for line in files.get(".gitattributes", b"").decode().splitlines()
+                if "filter=lfs" in line.split()[1:]]
+    name = path.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatchcase(name if "/" not in pat else path, pat) for pat in patterns) or b"\0" in sample
+
+
 class HubState:
     def __init__(self, tokens: set[str]):
         self.tokens = tokens  # tokens with write access
@@ -35,6 +67,11 @@ class HubState:
         self.connections: set = set()  # open sockets, closed by stop() so keep-alive clients see the server go away
         self.overlong: dict[str, bytes] = {}  # path -> bytes a GET streams instead (no Content-Length): a lying hub
         self.sent: dict[str, int] = {}  # bytes of an `overlong` body written before the client hung up
+        self.lfs_objects: dict[str, bytes] = {}  # sha256 hex -> object bytes (the LFS store the CDN serves)
+        self.cdn_requests: list[tuple[str, str, bool]] = []  # (method, path, sent an Authorization header)
+        self.commit_lines: list[dict] = []  # every NDJSON operation line of every commit, in order
+        self.validated_yaml: list[str] = []  # README contents posted to /api/validate-yaml
+        self.secret = hashlib.sha256(f"cdn-{id(self)}".encode()).digest()  # signs CDN and upload URLs
 
     def create(self, repo_id: str, private: bool) -> None:
         first = _new_commit_id()
@@ -50,15 +87,51 @@ class HubState:
         return None
 
     def tamper(self, repo_id: str, path: str, data: bytes, branch: str = "main") -> None:
-        """Change a file's bytes server-side without a new commit (a corrupted or altered hub copy)."""
+        """Change a file's bytes server-side without a new commit (an altered hub copy): its pointer, size and hashes
+        change with it, and an LFS file's new object is stored for the CDN."""
         repo = self.repos[repo_id]
-        repo["commits"][repo["branches"][branch]][path] = data
+        files = repo["commits"][repo["branches"][branch]]
+        files[path] = data
+        if is_lfs(files, path, data[:512]):
+            self.lfs_objects[sha256_hex(data)] = data
+
+    def corrupt_lfs_object(self, repo_id: str, path: str, data: bytes, branch: str = "main") -> None:
+        """Replace the bytes the CDN serves for an LFS file while the Hub still announces the committed sha256 and
+        size (a corrupted storage object: the client does not hash what it downloads)."""
+        repo = self.repos[repo_id]
+        self.lfs_objects[sha256_hex(repo["commits"][repo["branches"][branch]][path])] = data
+
+    def sign(self, what: str) -> str:
+        return hmac.new(self.secret, what.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 class Handler(TrackedHandler):
     state: HubState
 
     # -- helpers --------------------------------------------------------------------------------------------------
+    def _body(self) -> bytes:
+        """The request body, by Content-Length or chunked transfer encoding (how httpx streams a file object)."""
+        if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
+            return super()._body()
+        chunks = []
+        while True:
+            size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return b"".join(chunks)
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline()  # the CRLF after each chunk
+
+    def _host(self) -> str:
+        return (self.headers.get("Host") or "").rsplit(":", 1)[0]
+
+    def _cdn_url(self, kind: str, oid: str, path: str = "") -> str:
+        """A pre-signed URL on the CDN host: /{kind}/{oid}[/{repo path}]?sig=…"""
+        port = self.server.server_address[1]
+        tail = f"/{quote(path)}" if path else ""
+        return f"http://{CDN_HOST}:{port}/{kind}/{oid}{tail}?sig={self.state.sign(f'{kind}/{oid}')}"
+
     def _send(self, status: int, body: bytes = b"", headers: dict | None = None, head: bool = False) -> None:
         self.send_response(status)
         for k, v in (headers or {}).items():
@@ -105,8 +178,16 @@ class Handler(TrackedHandler):
     def do_POST(self) -> None:
         self._route("POST")
 
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
     def _route(self, method: str) -> None:
         path = unquote(urlsplit(self.path).path)
+        if self._host() == CDN_HOST:
+            self.state.requests.append(f"CDN {method} {path}")
+            self.state.cdn_requests.append((method, path, "Authorization" in self.headers))
+            with self.state.lock:
+                return self._cdn(method, path)
         self.state.requests.append(f"{method} {path}")
         with self.state.lock:
             if self._token() is not None and self._token() not in self.state.tokens:  # like the Hub: a bad token
@@ -115,9 +196,10 @@ class Handler(TrackedHandler):
             if method == "POST" and path == "/api/repos/create":
                 return self._create_repo()
             if method == "POST" and path == "/api/validate-yaml":
-                self._body()
-                return self._json(200, {"errors": [], "warnings": []})
+                return self._validate_yaml()
             routes = [
+                ("POST", rf"^/{LFS_REPO}/batch$", self._lfs_batch),
+                ("POST", rf"^/{LFS_REPO}/verify$", self._lfs_verify),
                 ("GET", rf"^/api/models/{REPO}(?:/revision/(?P<rev>.+))?$", self._revision_info),
                 ("POST", rf"^/api/models/{REPO}/preupload/(?P<rev>.+)$", self._preupload),
                 ("POST", rf"^/api/models/{REPO}/commit/(?P<rev>.+)$", self._commit),
@@ -163,9 +245,14 @@ class Handler(TrackedHandler):
             return
         sha = self.state.resolve(repo, rev)
         existing = self.state.repos[repo]["commits"][sha] if sha else {}
-        self._json(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                                    "oid": git_blob_sha1(existing[f["path"]]) if f["path"] in existing else None}
-                                   for f in body["files"]]})
+        answer = []
+        for f in body["files"]:
+            lfs = is_lfs(existing, f["path"], base64.b64decode(f["sample"]))
+            old = existing.get(f["path"])  # the oid the client compares to skip unchanged files: sha256 for LFS
+            oid = None if old is None else sha256_hex(old) if lfs else git_blob_sha1(old)
+            answer.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
+                           "oid": oid})
+        self._json(200, {"files": answer})
 
     def _commit(self, repo: str, rev: str, head: bool = False) -> None:
         lines = [json.loads(line) for line in self._body().splitlines() if line.strip()]
@@ -180,11 +267,23 @@ class Handler(TrackedHandler):
         if parent and not current.startswith(parent):
             return self._error(412, None, "A commit has happened since. Please refresh and try again.")
         files = dict(r["commits"][current])
+        self.state.commit_lines.extend(lines[1:])
         for op in lines[1:]:
+            value = op["value"]
             if op["key"] == "file":
-                files[op["value"]["path"]] = base64.b64decode(op["value"]["content"])
+                data = base64.b64decode(value["content"])
+                if is_lfs(files, value["path"], data[:512]):
+                    return self._error(400, None, f"Your push was rejected because it contains binary files "
+                                                  f"({value['path']}): store them with LFS")
+                files[value["path"]] = data
+            elif op["key"] == "lfsFile":
+                data = self.state.lfs_objects.get(value["oid"])
+                if value.get("algo") != "sha256" or data is None or len(data) != value["size"]:
+                    return self._error(400, None, f"Your push was rejected because an LFS pointer pointed to a file "
+                                                  f"that does not exist ({value['path']})")
+                files[value["path"]] = data
             elif op["key"] == "deletedFile":
-                files.pop(op["value"]["path"], None)
+                files.pop(value["path"], None)
             else:
                 return self._error(400, None, f"unsupported operation {op['key']}")
         new = _new_commit_id()
@@ -204,7 +303,16 @@ class Handler(TrackedHandler):
         self._json(200, {})
 
     def _entries(self, files: dict[str, bytes], paths) -> list[dict]:
-        return [{"type": "file", "path": p, "oid": git_blob_sha1(files[p]), "size": len(files[p])} for p in paths]
+        entries = []
+        for p in paths:
+            data = files[p]
+            if is_lfs(files, p, data[:512]):  # git holds the pointer; size and lfs describe the object
+                pointer = lfs_pointer(data)
+                entries.append({"type": "file", "path": p, "oid": git_blob_sha1(pointer), "size": len(data),
+                                "lfs": {"oid": sha256_hex(data), "size": len(data), "pointerSize": len(pointer)}})
+            else:
+                entries.append({"type": "file", "path": p, "oid": git_blob_sha1(data), "size": len(data)})
+        return entries
 
     def _tree(self, repo: str, rev: str, path: str | None, head: bool = False) -> None:
         if self._repo(repo) is None:
@@ -243,10 +351,85 @@ class Handler(TrackedHandler):
         if path not in files:
             return self._error(404, "EntryNotFound", f"{path} does not exist on {rev}", head=head)
         data = files[path]
+        if is_lfs(files, path, data[:512]):  # the Hub's answer for an LFS file: a redirect to the CDN, both verbs
+            return self._send(302, b"", {"X-Repo-Commit": sha, "ETag": f'"{git_blob_sha1(lfs_pointer(data))}"',
+                                         "X-Linked-Etag": f'"{sha256_hex(data)}"', "X-Linked-Size": str(len(data)),
+                                         "Location": self._cdn_url("cdn-lfs", sha256_hex(data), path)}, head=head)
         headers = {"X-Repo-Commit": sha, "ETag": f'"{git_blob_sha1(data)}"', "Content-Type": "application/octet-stream"}
         if not head and path in self.state.overlong:
             return self._stream_until_hung_up(path, self.state.overlong[path], headers)
         self._send(200, data, {**headers, "Accept-Ranges": "bytes"}, head=head)
+
+    def _validate_yaml(self) -> None:
+        """README metadata check: the front matter between the leading `---` lines must be a YAML mapping."""
+        content = json.loads(self._body() or b"{}").get("content", "")
+        self.state.validated_yaml.append(content)
+        if content.startswith("---\n"):
+            end = content.find("\n---", 3)
+            try:
+                meta = yaml.safe_load(content[4:end]) if end >= 0 else None
+                problem = None if isinstance(meta, dict) else "the metadata block is not a YAML mapping"
+            except yaml.YAMLError as exc:
+                problem = f"invalid YAML: {exc}"
+            if problem:
+                return self._json(400, {"errors": [{"message": problem}]})
+        self._json(200, {"errors": [], "warnings": []})
+
+    def _lfs_batch(self, repo: str, head: bool = False) -> None:
+        """git-lfs batch API (upload): an upload and a verify action per object the store lacks, none otherwise."""
+        body = json.loads(self._body() or b"{}")
+        if not self._authorized_write() or self._repo(repo) is None:
+            return
+        if body.get("operation") != "upload" or body.get("hash_algo", "sha256") != "sha256":
+            return self._error(422, None, "only sha256 uploads are supported here")
+        objects = []
+        for obj in body["objects"]:
+            entry = {"oid": obj["oid"], "size": obj["size"], "authenticated": True}
+            stored = self.state.lfs_objects.get(obj["oid"])
+            if stored is None or len(stored) != obj["size"]:
+                port = self.server.server_address[1]
+                entry["actions"] = {
+                    "upload": {"href": self._cdn_url("lfs-upload", obj["oid"]), "expires_in": 900},
+                    "verify": {"href": f"http://{self._host()}:{port}/{repo}.git/info/lfs/objects/verify"},
+                }
+            objects.append(entry)
+        self._send(200, json.dumps({"transfer": "basic", "objects": objects}).encode(),
+                   {"Content-Type": "application/vnd.git-lfs+json"})
+
+    def _lfs_verify(self, repo: str, head: bool = False) -> None:
+        body = json.loads(self._body() or b"{}")
+        if not self._authorized_write() or self._repo(repo) is None:
+            return
+        stored = self.state.lfs_objects.get(body.get("oid", ""))
+        if stored is None or len(stored) != body.get("size"):
+            return self._error(404, None, f"LFS object {body.get('oid')} was not uploaded")
+        self._json(200, {"success": True})
+
+    def _cdn(self, method: str, path: str) -> None:
+        """The storage host: PUT /lfs-upload/{oid} (pre-signed upload), GET/HEAD /cdn-lfs/{oid}/{repo path}."""
+        head = method == "HEAD"
+        parts = path.lstrip("/").split("/", 2)
+        signature = parse_qs(urlsplit(self.path).query).get("sig", [""])[0]
+        if len(parts) < 2 or not hmac.compare_digest(signature, self.state.sign(f"{parts[0]}/{parts[1]}")):
+            self._body()
+            return self._send(403, b"<Error><Code>AccessDenied</Code></Error>", head=head)
+        kind, oid = parts[0], parts[1]
+        if kind == "lfs-upload" and method == "PUT":
+            data = self._body()
+            if sha256_hex(data) != oid:
+                return self._send(400, b"<Error><Code>BadDigest</Code></Error>")
+            self.state.lfs_objects[oid] = data
+            return self._send(200, b"", {"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
+        if kind == "cdn-lfs" and method in ("GET", "HEAD") and oid in self.state.lfs_objects:
+            repo_path = parts[2] if len(parts) == 3 else ""
+            name = repo_path.rsplit("/", 1)[-1]
+            headers = {"ETag": f'"{oid}"', "Content-Type": "application/octet-stream",
+                       "Content-Disposition": f"attachment; filename*=UTF-8''{quote(name)}; filename=\"{name}\";"}
+            if not head and repo_path in self.state.overlong:
+                return self._stream_until_hung_up(repo_path, self.state.overlong[repo_path], headers)
+            return self._send(200, self.state.lfs_objects[oid], {**headers, "Accept-Ranges": "bytes"}, head=head)
+        self._body()
+        self._send(404, b"<Error><Code>NoSuchKey</Code></Error>", head=head)
 
     def _stream_until_hung_up(self, path: str, body: bytes, headers: dict) -> None:
         """Send `body` with no Content-Length (delimited by closing the connection), counting what got out."""

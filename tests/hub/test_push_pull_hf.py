@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from .helpers import make_artifacts, run_cli
@@ -12,18 +13,54 @@ def _files(folder):
 
 
 def test_push_pull_round_trip_is_byte_identical(hf_hub, artifacts, tmp_path):
+    """The round trip through the paths the real Hub makes the client take (Xet off): the safetensors file as an LFS
+    object (batch → PUT to the pre-signed href on the storage host → verify → `lfsFile` commit line), text files as
+    regular commit lines, the root README through validate-yaml; its download a 302 from the Hub to the CDN host,
+    fetched there without the token."""
     code, out, err = run_cli("push", str(artifacts), "zoo/rotations", "--json")
     assert code == 0, err
     pushed = json.loads(out)
     assert pushed["subfolder"] == "tiny-llama"
-    repo = hf_hub.state.repos["zoo/rotations"]
+    state = hf_hub.state
+    repo = state.repos["zoo/rotations"]
     head = repo["commits"][repo["branches"]["main"]]
     assert sorted(head) == [".gitattributes", "README.md", "tiny-llama/README.md", "tiny-llama/manifest.json",
                             "tiny-llama/rotations.safetensors", "zoo.json"]
+    tensors = (artifacts / "rotations.safetensors").read_bytes()
+    oid = hashlib.sha256(tensors).hexdigest()
+    kinds = {line["value"]["path"]: line["key"] for line in state.commit_lines}
+    assert kinds == {"tiny-llama/rotations.safetensors": "lfsFile", "tiny-llama/manifest.json": "file",
+                     "tiny-llama/README.md": "file", "README.md": "file", "zoo.json": "file"}
+    lfs_line = next(line["value"] for line in state.commit_lines if line["key"] == "lfsFile")
+    assert lfs_line == {"path": "tiny-llama/rotations.safetensors", "algo": "sha256", "oid": oid, "size": len(tensors)}
+    assert state.lfs_objects == {oid: tensors}
+    assert "POST /zoo/rotations.git/info/lfs/objects/batch" in state.requests
+    assert "POST /zoo/rotations.git/info/lfs/objects/verify" in state.requests
+    assert state.cdn_requests == [("PUT", f"/lfs-upload/{oid}", False)]  # pre-signed: no token to the storage host
+    assert len(state.validated_yaml) == 1 and state.validated_yaml[0] == head["README.md"].decode()
+
+    state.cdn_requests.clear()
     code, out, err = run_cli("pull", "zoo/rotations/tiny-llama", "--dest", str(tmp_path / "pulled"), "--json")
     assert code == 0, err
     assert json.loads(out)["commit"] == pushed["commit"]
     assert _files(tmp_path / "pulled") == _files(artifacts)
+    assert state.cdn_requests == [("GET", f"/cdn-lfs/{oid}/tiny-llama/rotations.safetensors", False)]
+    resolves = [r for r in state.requests if "/resolve/" in r and r.endswith("rotations.safetensors")]
+    assert resolves and all(r.startswith("HEAD ") for r in resolves)  # the client reads the 302, not follows it
+
+
+def test_a_corrupted_lfs_object_is_caught_by_the_sha256_check(hf_hub, artifacts, tmp_path, hub_env):
+    """The Hub announces the committed sha256 and size (X-Linked-Etag/-Size) but the CDN serves other bytes of the
+    same size: huggingface_hub does not hash downloads, the pull's own sha256 check refuses them, and neither the
+    destination nor the hub cache keeps them."""
+    assert run_cli("push", str(artifacts), "zoo/rotations")[0] == 0
+    bad = bytearray((artifacts / "rotations.safetensors").read_bytes())
+    bad[-7] ^= 0x10
+    hf_hub.state.corrupt_lfs_object("zoo/rotations", "tiny-llama/rotations.safetensors", bytes(bad))
+    code, _, err = run_cli("pull", "zoo/rotations/tiny-llama", "--dest", str(tmp_path / "dest"))
+    assert code == 4 and "rotations.safetensors sha256" in err and "does not match" in err, err
+    assert not (tmp_path / "dest").exists()
+    assert [p for p in (hub_env / "hub").rglob("*") if p.is_file() and p.read_bytes() == bytes(bad)] == []
 
 
 def test_second_model_joins_the_zoo_index(hf_hub, tmp_path):
