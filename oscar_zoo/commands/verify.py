@@ -16,7 +16,8 @@ from ..console import console, err_console, progress_reporter
 from ..errors import InputError, VerificationFailed
 from ..evaluation.baselines import BASELINES, DEFAULT_BASELINES
 from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings, resolve_backend, run_verification
-from ..evaluation.report import Thresholds, VerifyReport
+from ..evaluation.needle import (DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleSettings, default_lengths, run_needle)
+from ..evaluation.report import NeedleReport, Thresholds, VerifyReport
 from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, load_model
 from .options import ArtifactsArg, Dataset, Device, Dtype, Json, Revision, Split, TextField
 
@@ -52,6 +53,18 @@ def verify_command(
     = None,
     write: Annotated[bool, typer.Option("--write", help="Store the report in the manifest's `verification`.")]
     = False,
+    needle: Annotated[bool, typer.Option("--needle", help="Also run passkey retrieval at long context through the "
+                                                          "runtime (BF16, OSCAR, naive and Hadamard INT2).")] = False,
+    needle_lengths: Annotated[str | None, typer.Option(help="Comma-separated prompt lengths in tokens (default: "
+                                                            "1024, 2048, … up to the model's limit).")] = None,
+    needle_depths: Annotated[str | None, typer.Option(help="Comma-separated needle depths in [0, 1] (default: "
+                                                           "0.1,0.3,0.5,0.7,0.9).")] = None,
+    needle_trials: Annotated[int, typer.Option(help="Prompts per (length, depth) cell.")] = 2,
+    needle_quick: Annotated[bool, typer.Option("--needle-quick", help="A small grid: two lengths (1024 and the "
+                                                                      "largest ≤ 4096), two depths, one trial.")]
+    = False,
+    min_needle_accuracy: Annotated[float, typer.Option(help="Smallest needle accuracy of the artifact relative to "
+                                                            "BF16's (exit 3 below).")] = 0.9,
     json_output: Json = False,
 ) -> None:
     """Verify ARTIFACTS: how close INT2 attention with these rotations stays to BF16 (exit 3 below thresholds)."""
@@ -64,6 +77,8 @@ def verify_command(
     if unknown:
         raise InputError(f"unknown baseline(s) {', '.join(unknown)}", f"choose from {', '.join(BASELINES)}, or none")
 
+    needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
+                                       min_needle_accuracy, seed) if needle else None
     manifest, rotations = load_artifacts(artifacts)
     say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
     name, rev = model, revision
@@ -71,6 +86,9 @@ def verify_command(
         demo = manifest.model.id == DEMO_HF_ID and manifest.model.revision == DEMO_REVISION
         name, rev = (DEMO, None) if demo else (manifest.model.id, revision or manifest.model.revision)
     loaded = load_model(name, revision=rev, device=device, dtype=dtype, progress=say)
+    if needle and needle_settings.lengths == ():
+        limit = getattr(loaded.model.config, "max_position_embeddings", 8192)
+        needle_settings.lengths = default_lengths(limit - needle_settings.new_tokens, needle_quick)
     check_model_matches(manifest, loaded.identity)
     resolved = resolve_backend(backend, next(loaded.model.parameters()).device)
     texts, source = load_texts(dataset, split=split, text_field=text_field, plays=EVALUATION_PLAYS)
@@ -83,11 +101,18 @@ def verify_command(
     with progress_reporter(enabled=not json_output) as report_progress:
         report = run_verification(loaded, manifest, rotations, seqs.input_ids, settings, artifacts=str(artifacts),
                                   dataset=source, progress=report_progress)
+        if needle:
+            found = run_needle(loaded, manifest, rotations, _filler(loaded.tokenizer, texts), needle_settings,
+                               tuple(b for b in chosen if b in NEEDLE_BASELINES), report_progress)
+            report = report.model_copy(update={"needle": found, "passed": report.passed and found.passed,
+                                               "failures": report.failures + found.failures})
     report = report.model_copy(update={"wall_seconds": round(time.perf_counter() - start, 2)})
     if plot is not None:
-        from ..evaluation.plot import write_plot
+        from ..evaluation.plot import write_needle_plot, write_plot
 
         write_plot(report, plot)
+        if report.needle is not None:
+            write_needle_plot(report.needle, report.model, _needle_plot_path(plot))
     if write:
         write_manifest(artifacts, manifest.model_copy(update={"verification": report.model_dump(mode="json")}))
     if json_output:
@@ -97,6 +122,44 @@ def verify_command(
     if not report.passed:
         raise VerificationFailed(f"{artifacts} missed the thresholds: {'; '.join(report.failures)}",
                                  "see the table; do not publish these rotations as verified")
+
+
+NEEDLE_BASELINES = ("naive", "hadamard", "clip-only")  # the baselines the runtime can store (OscarCache rotations)
+
+
+def _parse_list(option: str, value: str, kind):
+    try:
+        items = tuple(kind(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"{option} must be a comma-separated list of numbers, got {value!r}") from None
+    if not items:
+        raise InputError(f"{option} is empty")
+    return items
+
+
+def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed) -> NeedleSettings:
+    if trials <= 0:
+        raise InputError(f"--needle-trials must be positive, got {trials}")
+    if not 0 <= min_accuracy <= 1:
+        raise InputError(f"--min-needle-accuracy must be in [0, 1], got {min_accuracy}")
+    parsed_lengths = _parse_list("--needle-lengths", lengths, int) if lengths else ()
+    if any(n < 256 for n in parsed_lengths):
+        raise InputError(f"--needle-lengths must be ≥ 256 tokens, got {lengths}")
+    parsed_depths = _parse_list("--needle-depths", depths, float) if depths else (QUICK_DEPTHS if quick
+                                                                                  else DEFAULT_DEPTHS)
+    if any(not 0 <= d <= 1 for d in parsed_depths):
+        raise InputError(f"--needle-depths must lie in [0, 1], got {depths}")
+    return NeedleSettings(lengths=parsed_lengths, depths=parsed_depths, trials=1 if quick else trials, seed=seed,
+                          min_relative_accuracy=min_accuracy)
+
+
+def _filler(tokenizer, texts: list[str]) -> list[int]:
+    """The held-out documents as one token stream (the needle prompts' filler)."""
+    return tokenizer("\n\n".join(texts), add_special_tokens=False).input_ids
+
+
+def _needle_plot_path(plot: Path) -> Path:
+    return plot.with_name(f"{plot.stem}-needle{plot.suffix or '.png'}")
 
 
 SHORT = {"bf16": "BF16", "oscar": "OSCAR", "naive": "naive INT2", "clip-only": "clip-only INT2",
@@ -130,6 +193,8 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
         console.print(f"greedy: {gen.new_tokens} tokens after a {gen.prompt_tokens}-token held-out prompt through the "
                       "runtime (OscarCache + `oscar` attention: exact prefill, decode over the INT2 tiers), compared "
                       "with BF16's; KIVI has no runtime here.", highlight=False)
+    if report.needle is not None:
+        _print_needle(report.needle)
     t = report.thresholds
     verdict = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]: " + "; ".join(report.failures)
     console.print(f"thresholds (OSCAR): Δ PPL ≥{cut} ≤ {100 * t.max_ppl_increase:.0f}%, KL ≤ {t.max_kl}, top-1 ≥ "
@@ -139,6 +204,27 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
         console.print(f"[green]wrote[/] {plot}")
     if write:
         console.print(f"[green]stored[/] the report in {artifacts}/manifest.json (verification)")
+
+
+def _print_needle(needle: NeedleReport) -> None:
+    table = Table(title=f"needle retrieval through the runtime · accuracy per length (rows) × depth (columns) · "
+                        f"{needle.trials} trial(s) per cell")
+    table.add_column("method")
+    table.add_column("length", justify="right")
+    for d in needle.depths:
+        table.add_column(f"{d:g}", justify="right")
+    table.add_column("all", justify="right")
+    for m in needle.methods:
+        for i, length in enumerate(needle.lengths):
+            row_all = sum(m.accuracy[i]) / len(m.accuracy[i])
+            table.add_row(SHORT.get(m.name, m.name) if i == 0 else "", f"{length:,}",
+                          *(f"{100 * a:.0f}%" for a in m.accuracy[i]), f"{100 * row_all:.0f}%",
+                          style="bold" if m.kind == "artifact" else None, end_section=i == len(needle.lengths) - 1)
+    console.print(table)
+    bf16, art = needle.method("bf16").overall, next(m for m in needle.methods if m.kind == "artifact").overall
+    console.print(f"needle: OSCAR {100 * art:.1f}% vs BF16 {100 * bf16:.1f}% (pass: ≥ {needle.min_relative_accuracy:g}"
+                  f" × BF16) · context prefilled, question as a second chunk reading the tiers, answer decoded "
+                  f"greedily · {needle.wall_seconds:.0f} s", highlight=False)
 
 
 def _generation(m) -> str:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
-from .report import VerifyReport
+from .report import NeedleReport, VerifyReport
 
 
-def write_plot(report: VerifyReport, path: Path) -> None:
+def _pyplot(path: Path):
     try:
         import matplotlib
 
@@ -18,9 +18,36 @@ def write_plot(report: VerifyReport, path: Path) -> None:
     except ImportError:
         raise InputError("--plot needs matplotlib, which is not installed",
                          "pip install matplotlib (or install oscar-zoo with the `test` extra)") from None
-    path = Path(path)
     if path.parent and not path.parent.exists():
         raise InputError(f"cannot write the plot: folder {path.parent} does not exist")
+    return plt
+
+
+def write_needle_plot(needle: NeedleReport, model: str, path: Path) -> None:
+    """Heatmap of needle accuracy, length × depth, one panel per method."""
+    path = Path(path)
+    plt = _pyplot(path)
+    n = len(needle.methods)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 3.4), squeeze=False)
+    for ax, m in zip(axes[0], needle.methods):
+        image = ax.imshow(m.accuracy, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(needle.depths)), [f"{d:g}" for d in needle.depths])
+        ax.set_yticks(range(len(needle.lengths)), [f"{x:,}" for x in needle.lengths])
+        ax.set_xlabel("needle depth")
+        ax.set_title(f"{m.name}: {100 * m.overall:.0f}%", fontsize=10)
+        for i, row in enumerate(m.accuracy):
+            for j, a in enumerate(row):
+                ax.text(j, i, f"{100 * a:.0f}", ha="center", va="center", fontsize=8)
+    axes[0][0].set_ylabel("prompt tokens")
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle(f"{model}: passkey retrieval through the runtime ({needle.trials} trial(s) per cell)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_plot(report: VerifyReport, path: Path) -> None:
+    path = Path(path)
+    plt = _pyplot(path)
     methods = [m for m in report.methods if m.kind != "reference"]
     fig, (ax_layer, ax_pos) = plt.subplots(1, 2, figsize=(13, 4.8))
     for m in methods:

@@ -49,6 +49,36 @@ class Thresholds(_Frozen):
     min_top1: float
 
 
+class NeedleMethod(_Frozen):
+    name: str
+    label: str
+    kind: Literal["reference", "artifact", "baseline"]
+    accuracy: list[list[float]]  # [length][depth]: fraction of trials answered exactly
+    overall: float  # over every (length, depth, trial)
+    answers: list[str]  # the decoded answer of every prompt, in grid order (length, depth, trial)
+
+
+class NeedleReport(_Frozen):
+    """`verify --needle`: passkey retrieval through the runtime at several lengths and depths."""
+
+    lengths: list[int]
+    depths: list[float]
+    trials: int
+    seed: int
+    needle: str  # the fact, with {key} for the five-digit passkey
+    question: str
+    sink: int
+    recent: int
+    methods: list[NeedleMethod]
+    min_relative_accuracy: float  # pass: the artifact's overall accuracy ≥ this × BF16's
+    passed: bool
+    failures: list[str]
+    wall_seconds: float
+
+    def method(self, name: str) -> NeedleMethod:
+        return next(m for m in self.methods if m.name == name)
+
+
 class VerifyReport(_Frozen):
     report_version: Literal[1] = REPORT_VERSION
     model: str
@@ -73,6 +103,7 @@ class VerifyReport(_Frozen):
     wall_seconds: float
     versions: dict[str, str]
     created: str
+    needle: NeedleReport | None = None  # with --needle
 
     def method(self, name: str) -> MethodResult:
         return next(m for m in self.methods if m.name == name)

@@ -1,0 +1,177 @@
+"""`verify --needle`: passkey retrieval at long context through the runtime, BF16 vs the INT2 cache and baselines.
+
+A prompt is a long filler text (held-out) with a short fact placed at a depth — "The secret passkey is 48213.
+Remember it: the passkey is 48213." — followed, as a second turn, by a question ("what is the secret passkey?") whose
+answer is the five digits. The context is prefilled once in BF16 (chunked); each quantized method's `OscarCache` is
+filed from that prefill's K/V exactly as `OscarCache.update` files a prompt (rotation, clip, INT2 history, BF16
+windows). The question is then a second chunk — it reads the context through the cache's tiers, INT2 history
+included — and the answer is decoded greedily through the runtime (`oscar` attention, tiered decode). BF16 continues
+the same way on its DynamicCache. An answer is right when its first non-space characters are exactly the passkey.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from ..errors import InputError
+from ..models import LoadedModel
+from .baselines import RotatedInt2, build_methods
+from .report import NeedleMethod, NeedleReport
+
+NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
+QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"
+DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+QUICK_DEPTHS = (0.25, 0.75)
+PREFILL_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class NeedlePrompt:
+    context: list[int]  # filler with the needle inside, token ids
+    question: list[int]
+    key: str  # the passkey digits
+    needle_start: int  # token index of the needle's first token in `context`
+    needle_len: int
+
+
+def default_lengths(max_positions: int, quick: bool = False) -> tuple[int, ...]:
+    """Powers of two from 1024 up to the model's context limit (quick: the smallest and the largest ≤ 4096)."""
+    top = max(1024, int(max_positions))
+    lengths = []
+    n = 1024
+    while n <= top:
+        lengths.append(n)
+        n *= 2
+    if quick:
+        return tuple(sorted({lengths[0], max(x for x in lengths if x <= 4096)}))
+    return tuple(lengths)
+
+
+def build_prompt(tokenizer, filler: list[int], length: int, depth: float, rng: random.Random) -> NeedlePrompt:
+    """`length` tokens in all (context + question): filler tokens with the needle's tokens inserted whole at
+    round(depth · filler tokens), the question after. The passkey is five random digits from `rng`."""
+    if not 0.0 <= depth <= 1.0:
+        raise InputError(f"needle depth must be in [0, 1], got {depth}")
+    key = str(rng.randint(10000, 99999))
+    needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids
+    question = tokenizer(QUESTION, add_special_tokens=False).input_ids
+    n_filler = length - len(needle) - len(question)
+    if n_filler < 1:
+        raise InputError(f"needle length {length} is too short for the needle and the question")
+    if n_filler > len(filler):
+        raise InputError(f"the filler text has {len(filler):,} tokens, {n_filler:,} are needed for length {length}",
+                         "pass a longer --dataset or smaller --needle-lengths")
+    offset = rng.randint(0, len(filler) - n_filler)  # where in the filler this prompt's text starts
+    text = filler[offset : offset + n_filler]
+    pos = round(depth * n_filler)
+    return NeedlePrompt(text[:pos] + needle + text[pos:], question, key, pos, len(needle))
+
+
+def answer_is_right(text: str, key: str) -> bool:
+    return text.lstrip().startswith(key)
+
+
+@dataclass
+class NeedleSettings:
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...] = DEFAULT_DEPTHS
+    trials: int = 2
+    seed: int = 0
+    new_tokens: int = 7  # " 48213." and a spare: the first non-space characters decide
+    min_relative_accuracy: float = 0.9  # the artifact's overall accuracy / BF16's
+
+
+def _forward(model, ids: Tensor, cache) -> Tensor:
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
+
+
+def _answer(model, cache, question: Tensor, new_tokens: int) -> list[int]:
+    """The question as one chunk after the cached context, then greedy decode steps; the generated token ids."""
+    logits = _forward(model, question, cache)
+    out = []
+    for _ in range(new_tokens):
+        token = logits.argmax(-1, keepdim=True)  # [1, 1]
+        out.append(int(token))
+        logits = _forward(model, token, cache)
+    return out
+
+
+def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], settings: NeedleSettings,
+               baselines: tuple[str, ...], progress: Callable[..., None] | None = None) -> NeedleReport:
+    """The retrieval grid: for every (length, depth, trial) prompt, BF16 and every method the runtime can store."""
+    from ..runtime.attention import enable_oscar
+    from .harness import _cache_for
+
+    progress = progress or (lambda *a, **k: None)
+    t0 = time.perf_counter()
+    model, info, tok = loaded.model, loaded.info, loaded.tokenizer
+    device = next(model.parameters()).device
+    q = manifest.quant
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for length in settings.lengths:
+        if limit is not None and length + settings.new_tokens > limit:
+            raise InputError(f"needle length {length} + {settings.new_tokens} answer tokens exceeds the model's "
+                             f"{limit} positions", f"use --needle-lengths up to {limit - settings.new_tokens}")
+    methods = [m for m in build_methods(rotations, info.num_layers, info.head_dim, q.group_size, q.sink, q.recent,
+                                        baselines) if isinstance(m, RotatedInt2)]
+    names = ["bf16"] + [m.name for m in methods]
+    right = {n: [[0] * len(settings.depths) for _ in settings.lengths] for n in names}
+    answers: dict[str, list[str]] = {n: [] for n in names}
+    rng = random.Random(settings.seed)
+    total, done = len(settings.lengths) * len(settings.depths) * settings.trials, 0
+    progress("needle retrieval", 0, total, rate="")
+    previous = model.config._attn_implementation
+    try:
+        enable_oscar(model)  # exact attention with a DynamicCache; the runtime with an OscarCache
+        with torch.inference_mode():
+            for li, length in enumerate(settings.lengths):
+                for di, depth in enumerate(settings.depths):
+                    for _ in range(settings.trials):
+                        prompt = build_prompt(tok, filler, length, depth, rng)
+                        context = torch.tensor([prompt.context], device=device)
+                        question = torch.tensor([prompt.question], device=device)
+                        bf16 = DynamicCache()
+                        for s in range(0, context.shape[1], PREFILL_CHUNK):
+                            _forward(model, context[:, s : s + PREFILL_CHUNK], bf16)
+                        kv = [(layer.keys, layer.values) for layer in bf16.layers]
+                        for m in methods:
+                            cache = _cache_for(m, manifest, info.num_layers, info.head_dim)
+                            for idx, (k, v) in enumerate(kv):
+                                cache.update(k, v, idx)  # files the prompt as a prefill chunk would
+                            answers[m.name].append(tok.decode(_answer(model, cache, question, settings.new_tokens)))
+                        answers["bf16"].append(tok.decode(_answer(model, bf16, question, settings.new_tokens)))
+                        for n in names:
+                            right[n][li][di] += answer_is_right(answers[n][-1], prompt.key)
+                        done += 1
+                        progress("needle retrieval", done, total, rate=f"{length} tokens")
+    finally:
+        model.set_attn_implementation(previous)
+    labels = {"bf16": ("BF16 (DynamicCache)", "reference")} | {m.name: (m.label, m.kind) for m in methods}
+    results = [NeedleMethod(name=n, label=labels[n][0], kind=labels[n][1],
+                            accuracy=[[c / settings.trials for c in row] for row in right[n]],
+                            overall=sum(map(sum, right[n])) / total, answers=answers[n]) for n in names]
+    return needle_report(results, settings, q.sink, q.recent, time.perf_counter() - t0)
+
+
+def needle_report(results: list[NeedleMethod], settings: NeedleSettings, sink: int, recent: int,
+                  wall: float) -> NeedleReport:
+    """The report, with the pass rule: the artifact's overall accuracy ≥ min_relative_accuracy × BF16's."""
+    bf16 = next(r for r in results if r.kind == "reference")
+    artifact = next(r for r in results if r.kind == "artifact")
+    needed = settings.min_relative_accuracy * bf16.overall
+    failures = [] if artifact.overall >= needed else [
+        f"needle accuracy {artifact.overall:.3f} is below {settings.min_relative_accuracy:g} × BF16's "
+        f"{bf16.overall:.3f}"]
+    return NeedleReport(lengths=list(settings.lengths), depths=list(settings.depths), trials=settings.trials,
+                        seed=settings.seed, needle=NEEDLE.strip(), question=QUESTION.strip(), sink=sink, recent=recent,
+                        methods=results, min_relative_accuracy=settings.min_relative_accuracy,
+                        passed=not failures, failures=failures, wall_seconds=round(wall, 2))

@@ -1,0 +1,113 @@
+"""`verify --needle`: the prompt builder, the retrieval loop through the runtime (random model: an exact cache answers
+exactly as BF16), the real SmolLM2 (BF16 and a usable INT2 cache retrieve, a broken one does not and fails the gate),
+and the CLI plumbing (table, JSON, heatmap, exit codes)."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oscar_zoo.artifacts import Rotations
+from oscar_zoo.evaluation import harness
+from oscar_zoo.evaluation.baselines import hadamard_rotation
+from oscar_zoo.evaluation.needle import NeedleSettings, answer_is_right, build_prompt, run_needle
+from oscar_zoo.runtime.cache import OscarCache
+
+
+def _filler(tokenizer, path) -> list[int]:
+    return tokenizer(path.read_text(), add_special_tokens=False).input_ids
+
+
+def _rotations(L: int, D: int, M: torch.Tensor | None = None, clip: float = 0.96) -> Rotations:
+    M = torch.eye(D).expand(L, 1, D, D).contiguous() if M is None else M
+    return Rotations(M, M, torch.zeros(L, 1, D), torch.zeros(L, 1, D), torch.full((L, 1), clip),
+                     torch.full((L, 1), clip), torch.arange(L, dtype=torch.int32))
+
+
+def _manifest(sink: int, recent: int):
+    """What run_needle reads of a manifest: the quant settings."""
+    return SimpleNamespace(quant=SimpleNamespace(sink=sink, recent=recent, group_size=0, flush=8))
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.37, 0.5, 0.9, 1.0])
+def test_prompt_puts_the_whole_needle_at_its_depth(tokenizer, heldout_file, depth):
+    filler = _filler(tokenizer, heldout_file)
+    p = build_prompt(tokenizer, filler, 2000, depth, random.Random(3))
+    needle = tokenizer(f" The secret passkey is {p.key}. Remember it: the passkey is {p.key}. ",
+                       add_special_tokens=False).input_ids
+    assert len(p.context) + len(p.question) == 2000 and len(p.key) == 5 and p.key.isdigit()
+    assert p.context[p.needle_start : p.needle_start + p.needle_len] == needle  # whole, in order, where it says
+    n_filler = len(p.context) - p.needle_len
+    assert abs(p.needle_start / n_filler - depth) <= 0.01
+    rest = p.context[: p.needle_start] + p.context[p.needle_start + p.needle_len :]
+    start = next(i for i in range(len(filler)) if filler[i : i + 8] == rest[:8])
+    assert filler[start : start + n_filler] == rest  # the filler around it is one contiguous run of the text
+    again = build_prompt(tokenizer, filler, 2000, depth, random.Random(3))
+    assert again == p and build_prompt(tokenizer, filler, 2000, depth, random.Random(4)) != p
+
+
+def test_answer_check_is_exact():
+    assert answer_is_right(" 48213.", "48213") and answer_is_right("48213\n", "48213")
+    assert not answer_is_right(" 4821.", "48213") and not answer_is_right(" 148213", "48213")
+    assert not answer_is_right(" the passkey is 48213", "48213")
+
+
+def test_exact_cache_answers_as_bf16(loaded, tokenizer, heldout_file, monkeypatch):
+    """Identity rotations and BF16 history (no quantization error): through the runtime path (second chunk over the
+    tiers, decode steps) every answer equals BF16's, token for token, on a random-weight model."""
+    L, D = loaded.info.num_layers, loaded.info.head_dim
+    sink, recent = 16, 32
+
+    def exact_cache(method, manifest, num_layers, head_dim):
+        eye = torch.eye(head_dim).expand(num_layers, 1, head_dim, head_dim).contiguous()
+        return OscarCache(eye, eye, quantize=False, sink=sink, recent=recent, num_layers=num_layers)
+
+    monkeypatch.setattr(harness, "_cache_for", exact_cache)
+    settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5)
+    report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), _filler(tokenizer, heldout_file),
+                        settings, baselines=())
+    bf16, oscar = report.method("bf16"), report.method("oscar")
+    assert len(bf16.answers) == 8 and len(set(bf16.answers)) > 1
+    assert oscar.answers == bf16.answers and oscar.accuracy == bf16.accuracy
+
+
+def test_real_smollm2_retrieves_and_a_broken_artifact_fails(smollm2, heldout_file):
+    """SmolLM2-135M at 1,024 tokens (needle in the INT2 history at depth 0.5): BF16 and Hadamard-only INT2 answer
+    every prompt; an artifact whose clips flatten every key and value (r = 0.05) answers none and fails the gate."""
+    L, D = smollm2.info.num_layers, smollm2.info.head_dim
+    settings = NeedleSettings(lengths=(1024,), depths=(0.5,), trials=2)
+    broken = _rotations(L, D, clip=0.05)
+    report = run_needle(smollm2, _manifest(64, 256), broken, _filler(smollm2.tokenizer, heldout_file), settings,
+                        baselines=("hadamard",))
+    print({m.name: m.answers for m in report.methods})
+    assert report.method("bf16").overall == 1.0
+    assert report.method("hadamard").overall == 1.0
+    assert report.method("oscar").overall == 0.0
+    assert not report.passed and "needle accuracy" in report.failures[0]
+
+
+def test_cli_needle_table_json_heatmap_and_bad_options(run_cli, good_artifacts, model_dir, heldout_file, tmp_path,
+                                                      capsys):
+    base = ("verify", good_artifacts, "--model", model_dir, "--dataset", heldout_file, "--context", "192",
+            "--sequences", "1", "--generate", "0", "--baselines", "naive", "--max-kl", "9", "--min-top1", "0",
+            "--max-ppl-increase", "99", "--needle", "--needle-lengths", "300", "--needle-depths", "0.5",
+            "--needle-trials", "1", "--min-needle-accuracy", "0")
+    code, out, err = run_cli(*base, "--json", "--plot", tmp_path / "v.png")
+    assert code == 0, err
+    needle = json.loads(out)["needle"]
+    assert [m["name"] for m in needle["methods"]] == ["bf16", "oscar", "naive"]
+    assert needle["lengths"] == [300] and needle["depths"] == [0.5] and needle["passed"]
+    assert (tmp_path / "v-needle.png").stat().st_size > 1000 and (tmp_path / "v.png").is_file()
+    from oscar_zoo.commands.verify import _print_needle
+    from oscar_zoo.evaluation.report import NeedleReport
+
+    _print_needle(NeedleReport.model_validate(needle))
+    assert "needle: OSCAR" in capsys.readouterr().out
+    for bad in (("--needle-depths", "0.5,1.5"), ("--needle-lengths", "12"), ("--needle-trials", "0"),
+                ("--min-needle-accuracy", "2"), ("--needle-lengths", "a,b")):
+        code, out, err = run_cli(*base, *bad)
+        assert code == 2, (bad, out, err)
