@@ -1,17 +1,20 @@
 """`oscar-zoo verify` end to end on a random-weight model: identity quantization reproduces BF16, a calibrated artifact
 passes and a broken (orthogonal) one fails with exit 3, JSON / plot / --write, integrity exits, backend agreement."""
 
+import shutil
 
 import pytest
 import torch
 
 from oscar_zoo.artifacts import load_artifacts, write_artifacts
+from oscar_zoo.errors import IntegrityError
 from oscar_zoo.evaluation import baselines
 from oscar_zoo.evaluation.attention import verifying
 from oscar_zoo.evaluation.harness import Attender, VerifySettings, run_verification
 from oscar_zoo.evaluation.report import Thresholds, VerifyReport
 from oscar_zoo.runtime import reference
 
+from ..hub.helpers import rewrite_rotations
 from .conftest import CONTEXT, TEST_THRESHOLDS, outlier_model
 
 
@@ -82,7 +85,10 @@ def test_non_orthogonal_artifact_exits_4(run_cli, good_artifacts, model_dir, hel
     import dataclasses
 
     manifest, rot = load_artifacts(good_artifacts)
-    write_artifacts(tmp_path / "skewed", manifest, dataclasses.replace(rot, v_rotation=rot.v_rotation * 1.1))
+    with pytest.raises(IntegrityError, match="not orthogonal"):  # oscar-zoo never writes such a folder itself
+        write_artifacts(tmp_path / "skewed", manifest, dataclasses.replace(rot, v_rotation=rot.v_rotation * 1.1))
+    shutil.copytree(good_artifacts, tmp_path / "skewed")
+    rewrite_rotations(tmp_path / "skewed", v_rotation=rot.v_rotation * 1.1)  # re-checksummed: only validation sees it
     code, out, err = run_cli("verify", *_args(tmp_path / "skewed", model_dir, heldout_file, "--generate", 0))
     assert code == 4 and "not orthogonal" in err
 
