@@ -6,13 +6,14 @@ answer is the five digits. The context is prefilled once in BF16 (chunked); each
 filed from that prefill's K/V exactly as `OscarCache.update` files a prompt (rotation, clip, INT2 history, BF16
 windows). The question is then a second chunk — it reads the context through the cache's tiers, INT2 history
 included — and the answer is decoded greedily through the runtime (`oscar` attention, tiered decode). BF16 continues
-the same way on its DynamicCache. An answer is right when its first non-space characters are exactly the passkey.
+the same way on its DynamicCache. An answer is right when its first non-space characters are the passkey's digits and no other digit follows.
 """
 
 from __future__ import annotations
 
 import inspect
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
 QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 QUICK_DEPTHS = (0.25, 0.75)
-PREFILL_CHUNK = 2048
+PREFILL_CHUNK = 1 << 30  # one chunk: the causal SDPA path (no materialised mask; CPU flash kernel)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,9 @@ def build_prompt(tokenizer, filler: list[int], length: int, depth: float, rng: r
 
 
 def answer_is_right(text: str, key: str) -> bool:
-    return text.lstrip().startswith(key)
+    """Exact: the first characters after any spaces are the passkey's digits, and no further digit follows."""
+    found = re.match(r"\s*(\d+)", text)
+    return found is not None and found.group(1) == key
 
 
 @dataclass

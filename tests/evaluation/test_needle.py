@@ -13,7 +13,6 @@ import torch
 
 from oscar_zoo.artifacts import Rotations
 from oscar_zoo.evaluation import harness
-from oscar_zoo.evaluation.baselines import hadamard_rotation
 from oscar_zoo.evaluation.needle import NeedleSettings, answer_is_right, build_prompt, run_needle
 from oscar_zoo.runtime.cache import OscarCache
 
@@ -53,6 +52,7 @@ def test_prompt_puts_the_whole_needle_at_its_depth(tokenizer, heldout_file, dept
 def test_answer_check_is_exact():
     assert answer_is_right(" 48213.", "48213") and answer_is_right("48213\n", "48213")
     assert not answer_is_right(" 4821.", "48213") and not answer_is_right(" 148213", "48213")
+    assert not answer_is_right(" 482139", "48213") and not answer_is_right("", "48213")
     assert not answer_is_right(" the passkey is 48213", "48213")
 
 
@@ -76,16 +76,15 @@ def test_exact_cache_answers_as_bf16(loaded, tokenizer, heldout_file, monkeypatc
 
 
 def test_real_smollm2_retrieves_and_a_broken_artifact_fails(smollm2, heldout_file):
-    """SmolLM2-135M at 1,024 tokens (needle in the INT2 history at depth 0.5): BF16 and Hadamard-only INT2 answer
-    every prompt; an artifact whose clips flatten every key and value (r = 0.05) answers none and fails the gate."""
+    """SmolLM2-135M at 1,024 tokens, needle at depths 0.3 and 0.7 (inside the INT2 history): BF16 answers both; an
+    artifact whose clips flatten every key and value (r = 0.05) answers none, and fails the gate."""
     L, D = smollm2.info.num_layers, smollm2.info.head_dim
-    settings = NeedleSettings(lengths=(1024,), depths=(0.5,), trials=2)
+    settings = NeedleSettings(lengths=(1024,), depths=(0.3, 0.7), trials=1)
     broken = _rotations(L, D, clip=0.05)
     report = run_needle(smollm2, _manifest(64, 256), broken, _filler(smollm2.tokenizer, heldout_file), settings,
-                        baselines=("hadamard",))
+                        baselines=())
     print({m.name: m.answers for m in report.methods})
     assert report.method("bf16").overall == 1.0
-    assert report.method("hadamard").overall == 1.0
     assert report.method("oscar").overall == 0.0
     assert not report.passed and "needle accuracy" in report.failures[0]
 
