@@ -176,12 +176,12 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, oscar_mask)
 
 
-_CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cache argument of an attention module
+CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cache argument of an attention module
 
 
 def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook of an attention module: pass the OscarCache it is called with on to the attention function."""
-    cache = next((kwargs[name] for name in _CACHE_ARGS if kwargs.get(name) is not None), None)
+    cache = next((kwargs[name] for name in CACHE_ARGS if kwargs.get(name) is not None), None)
     if isinstance(cache, OscarCache):
         kwargs["oscar_cache"] = cache
         if module.layer_idx < len(cache.layers):  # else cache.update names the mismatch
@@ -193,7 +193,7 @@ def _attention_modules(model: torch.nn.Module):
     """Modules that own a KV-cache layer: a `layer_idx`, a cache argument, and no attention module inside them."""
     for module in model.modules():
         params = inspect.signature(module.forward).parameters if hasattr(module, "layer_idx") else {}
-        if any(name in params for name in _CACHE_ARGS) and not hasattr(module, "self_attn"):
+        if any(name in params for name in CACHE_ARGS) and not hasattr(module, "self_attn"):
             yield module
 
 

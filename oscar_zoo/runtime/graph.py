@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .attention import CACHE_ARGS
+
 _STATIC_INPUTS = ("input_ids", "position_ids", "cache_position")  # tensors copied into the graph's inputs per step
-_CACHE_ARGS = ("cache", "past_key_values")
 _EAGER_FLAGS = ("output_attentions", "output_hidden_states")  # outputs a replay does not give back
 
 
@@ -38,7 +39,7 @@ class DecodeGraphs:
         self.replays = self.captures = 0
 
     def __call__(self, *args, **kwargs):
-        cache = next((kwargs[n] for n in _CACHE_ARGS if kwargs.get(n) is not None), None)
+        cache = next((kwargs[n] for n in CACHE_ARGS if kwargs.get(n) is not None), None)
         if not hasattr(cache, "static_step_key"):
             return self.fallback(*args, **kwargs)
         key = None if args else cache.static_step_key()
@@ -78,7 +79,7 @@ class DecodeGraphs:
             return None
         others = []
         for name, value in kwargs.items():
-            if name in _STATIC_INPUTS or name in _CACHE_ARGS or value is None:
+            if name in _STATIC_INPUTS or name in CACHE_ARGS or value is None:
                 continue
             if isinstance(value, Tensor):
                 return None  # an attention mask or embeddings: not part of a captured step
@@ -124,7 +125,7 @@ class _Step:
     def keep(self, out) -> None:
         """Remember what the captured forward returned: its type, its logits buffer and the name of its cache field."""
         self.out_type, self.logits = type(out), out.logits
-        self.cache_field = next((n for n in _CACHE_ARGS if out.get(n) is not None), None)
+        self.cache_field = next((n for n in CACHE_ARGS if out.get(n) is not None), None)
 
     def output(self, cache):
         """The step's output: logits copied out of the graph's buffer (the next replay overwrites it), and the cache."""
