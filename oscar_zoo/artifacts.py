@@ -7,6 +7,8 @@ only if it is absent, empty, or recognisably an artifact folder (`check_destinat
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import math
 import os
@@ -50,19 +52,56 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# -- writing: usual modes, and disk failures a user can act on --------------------------------------------------------
+WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+                errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                errno.EPERM: "permission denied"}
+
+
+def write_failure(exc: OSError, path: Path) -> InputError | None:
+    """The InputError (exit 2) naming `path` for an OSError a user fixes on their side (full disk, read-only file
+    system, no permission), or None for any other OSError."""
+    why = WRITE_ERRNOS.get(exc.errno)
+    if why is None:
+        return None
+    return InputError(f"cannot write {exc.filename or path}: {why} ({exc.strerror or exc}); nothing was changed there",
+                      "free space, or pick a writable folder (--out / --dest, or OSCAR_ZOO_CACHE for the cache)")
+
+
+@functools.cache
+def _umask() -> int:
+    """The process umask, read once (reading it means setting it: not while writer threads run)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def usual_mode(path: Path) -> None:
+    """Give a file 0o666 and a folder 0o777, less the umask (what `open` and `mkdir` give): temp files and folders
+    from `tempfile` are 0o600 / 0o700, which would make artifacts unreadable to other users once renamed."""
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp name in the same folder, fsync, rename: readers see the old file or the new one, never half."""
+    """Write to a temp name in the same folder, fsync, rename: readers see the old file or the new one, never half.
+    The file gets the usual mode (0o666 less the umask); a full disk or a read-only folder is an InputError naming it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise (write_failure(exc, path) or exc) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        usual_mode(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and write_failure(exc, path):
+            raise write_failure(exc, path) from None
         raise
 
 
@@ -100,17 +139,22 @@ def write_artifacts(out_dir: Path, manifest: Manifest, rotations: Rotations, lab
     in."""
     out_dir = check_destination(out_dir, label)
     check_rotations(rotations, manifest)  # never write what loading would refuse
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(out_dir)
-    tmp = staging_folder(out_dir, "tmp")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(out_dir)
+        tmp = staging_folder(out_dir, "tmp")
+    except OSError as exc:
+        raise (write_failure(exc, out_dir) or exc) from None
     try:
         save_tensors(tmp / ROTATIONS_NAME, rotations.tensors())
         manifest = manifest.model_copy(update={"artifacts": [describe_file(tmp, ROTATIONS_NAME)]})
         atomic_write_text(tmp / MANIFEST_NAME, manifest.to_json())
         check_destination(out_dir, label)  # the folder may have changed while this run worked
         swap_into_place(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and write_failure(exc, out_dir):
+            raise write_failure(exc, out_dir) from None
         raise
     return manifest
 
@@ -169,8 +213,9 @@ def artifact_folder_problem(folder: Path) -> str | None:
 def check_destination(dest: Path, label: str) -> Path:
     """Resolve `dest` (`~`, `.`, `..`, symlinks) and make sure an artifact folder may be written there without losing
     anyone's files: it must be absent, an empty folder, or an artifact folder (`artifact_folder_problem`), and it must
-    not be the current folder or hold it (a swap would pull it out from under the shell). Returns the resolved path;
-    raises InputError (exit 2) otherwise, having touched nothing. `label` names the option in the message."""
+    not be the current folder or hold it (a swap would pull it out from under the shell), and the folder it is built
+    in (its parent, or the nearest existing folder above) must be writable. Returns the resolved path; raises
+    InputError (exit 2) otherwise, having touched nothing. `label` names the option in the message."""
     resolved = Path(dest).expanduser().resolve()
     if resolved.exists() and not resolved.is_dir():
         raise InputError(f"{label} {dest} exists and is not a folder; nothing was changed",
@@ -178,6 +223,7 @@ def check_destination(dest: Path, label: str) -> Path:
     above = next(p for p in resolved.parents if p.exists())
     if not resolved.exists() and not above.is_dir():
         raise InputError(f"{label} {dest} lies under {above}, which is a file; nothing was changed")
+    check_writable(above, f"{label} {dest}")
     if resolved.is_dir() and any(resolved.iterdir()):
         problem = artifact_folder_problem(resolved)
         if problem:
@@ -192,6 +238,20 @@ def check_destination(dest: Path, label: str) -> Path:
     return resolved
 
 
+def check_writable(folder: Path, what: str) -> None:
+    """InputError (exit 2) unless files can be created in the existing folder `folder` (asked of the OS: permission
+    bits, read-only file systems); `what` names what needs it."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{what}: cannot write in {folder} (read-only file system or no permission); nothing was "
+                         "changed", "pick a folder you can write in")
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing parent."""
+    path = Path(path).expanduser().resolve()
+    return path if path.exists() else next(p for p in path.parents if p.exists())
+
+
 # -- staging folders beside a destination ---------------------------------------------------------------------------
 def _owner_tag() -> str:
     """`<host hash>-<pid>`: which process on which machine made a staging folder."""
@@ -201,7 +261,9 @@ def _owner_tag() -> str:
 def staging_folder(dest: Path, kind: str) -> Path:
     """A new hidden folder beside `dest` to build its replacement in, named `.<dest>.<host>-<pid>.<random>.<kind>` so
     that a later run can recognise the leftovers of a run that was killed (`remove_stale_staging`)."""
-    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.{_owner_tag()}.", suffix=f".{kind}", dir=dest.parent))
+    folder = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{_owner_tag()}.", suffix=f".{kind}", dir=dest.parent))
+    usual_mode(folder)  # it becomes the artifact folder: 0o755 under the usual umask, not mkdtemp's 0o700
+    return folder
 
 
 def remove_stale_staging(dest: Path) -> None:

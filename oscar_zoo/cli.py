@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 from rich.markup import escape
@@ -31,9 +32,15 @@ _register()
 
 
 def main() -> None:
-    """Typer reports its own usage errors (exit 2); our typed errors become one line (+ hint) and their exit code."""
+    """Typer reports its own usage errors (exit 2); our typed errors become one line (+ hint) and their exit code; an
+    OSError of a full disk, read-only file system or missing permission is exit 2 naming the file."""
     try:
-        app()
+        try:
+            app()
+        except OSError as exc:  # a full disk or read-only folder met where no command mapped it: still exit 2
+            from .artifacts import write_failure
+
+            raise (write_failure(exc, Path(exc.filename or "a file")) or exc) from None
     except OscarZooError as exc:
         # messages quote user input (file names, manifest keys): escaped, so `[/]` in them is text, not rich markup
         err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)

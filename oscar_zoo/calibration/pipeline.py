@@ -35,6 +35,7 @@ from .rotation import fit_rotations, spectrum_ratio
 from .targets import SecondMoment, group_heads, key_weights
 
 Progress = Callable[..., None]  # progress(description, done, total, rate="")
+Info = Callable[[str], None]  # one line for the user (resumed from where, reused what)
 BPE_CONTEXTS = (2048, 32768, 131072)
 
 
@@ -124,6 +125,36 @@ class AccumulatorStore:
         save_tensors(self.folder / f"{name}.safetensors", {**tensors, **counters})
 
 
+def checkpoint_state(folder: Path) -> list[str]:
+    """What the checkpoints under `folder` hold, for a person: e.g. `pass 1/2: 4 of 8 sequences`, `held-out capture`
+    (per rank for data-parallel runs); empty when nothing was kept. Reads only the counters, not the sums."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    stores = sorted(p for p in folder.glob("rank*-of-*") if p.is_dir()) or [folder]
+    kept = []
+    for store in stores:
+        rank = f"{store.name}: " if store != folder else ""
+        for name, label in (("pass1", "pass 1/2 (key target)"), ("heldout", "held-out capture"),
+                            ("pass2", "pass 2/2 (value target)")):
+            path = store / f"{name}.safetensors"
+            if not path.is_file():
+                continue
+            try:
+                with safe_open(str(path), "pt") as f:
+                    done = int(f.get_tensor(f"state.{name}_done")) if f"state.{name}_done" in f.keys() else None
+            except Exception:  # noqa: BLE001 - a damaged checkpoint is reported as such, never raised from here
+                kept.append(f"{rank}{label}: unreadable")
+                continue
+            kept.append(f"{rank}{label}" + (f": {done} sequences done" if done is not None else ""))
+    return kept
+
+
+def default_store_dir(loaded: LoadedModel, seqs: TokenSequences) -> Path:
+    """The checkpoint folder of this (model, token ids, dtype): $OSCAR_ZOO_CACHE/calibration/<key>."""
+    return cache_root() / "calibration" / store_key(loaded, seqs)
+
+
 def store_key(loaded: LoadedModel, seqs: TokenSequences) -> str:
     ident = loaded.identity
     parts = [ident.id, str(ident.revision), ident.config_sha256, seqs.sha256, str(seqs.input_ids.shape),
@@ -147,11 +178,11 @@ def _pass(model, ids: torch.Tensor, batch_size: int, start: int, observer, desc:
 
 
 def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, store: AccumulatorStore,
-               progress: Progress, dp: DataParallel | None = None
+               progress: Progress, dp: DataParallel | None = None, note: Info = lambda msg: None
                ) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str]]:
     """The capture passes, resumable: (key target, weighted value target, softmax value target, held-out samples).
     With `dp`, this rank's share of the sequences is accumulated, the returned targets are the sums over all ranks,
-    and only rank 0 captures the held-out samples (others return {})."""
+    and only rank 0 captures the held-out samples (others return {}). `note` hears what was resumed or reused."""
     info, model = loaded.info, loaded.model
     device = accumulator_device(model, settings.accumulate_on)
     L, H_kv, D = info.num_layers, info.num_kv_heads, info.head_dim
@@ -167,6 +198,7 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         key = Moment.from_state(saved, "key", device) if saved else Moment.zeros(L, H_kv, D, device)
         soft = Moment.from_state(saved, "softmax", device) if saved else Moment.zeros(L, H_kv, D, device)
         done1 = store.progress(saved, "pass1_done")
+        _report_checkpoint(note, store, "pass 1/2", done1, N)
         if done1 < N:
             def observe1(layer, q, k, v, out, scaling):
                 key.add(layer, group_heads(q, H_kv))
@@ -180,6 +212,8 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
 
         # Held-out attention inputs for the clip search (small: a few sequences), kept so re-fits need no forward.
         heldout = store.load("heldout") if not dp or dp.is_main else {}
+        if heldout:
+            note(f"held-out capture: reused from the checkpoint in {store.folder}")
         if heldout is None:
             captured: dict[str, list[torch.Tensor]] = {}
 
@@ -197,6 +231,8 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         saved = store.load("pass2")
         value = Moment.from_state(saved, "value", device) if saved else Moment.zeros(L, H_kv, D, device)
         done2 = store.progress(saved, "pass2_done")
+        if settings.value_target == ValueTarget.WEIGHTED.value:
+            _report_checkpoint(note, store, "pass 2/2", done2, N)
         if settings.value_target == ValueTarget.WEIGHTED.value and done2 < N:
             key_target = key.mean()
             on_layer_device: dict[int, torch.Tensor] = {}  # C_Q[layer] where that layer runs (one copy per run)
@@ -216,6 +252,13 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         store.flush()  # the last checkpoints are on disk before anyone reads the store
 
 
+def _report_checkpoint(note: Info, store: AccumulatorStore, what: str, done: int, total: int) -> None:
+    if done >= total:
+        note(f"{what}: all {total} sequences reused from the checkpoint in {store.folder}")
+    elif done:
+        note(f"{what}: resuming from the checkpoint in {store.folder} after {done} of {total} sequences")
+
+
 def layer_sample(heldout: dict[str, torch.Tensor], layer: int) -> clip_search.LayerSample:
     return clip_search.LayerSample(heldout[f"{layer}.q"], heldout[f"{layer}.k"], heldout[f"{layer}.v"],
                                    float(heldout[f"{layer}.scaling"][0]))
@@ -223,20 +266,21 @@ def layer_sample(heldout: dict[str, torch.Tensor], layer: int) -> clip_search.La
 
 def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings,
               progress: Progress | None = None, store_dir: Path | None = None,
-              dp: DataParallel | None = None) -> CalibrationResult | None:
+              dp: DataParallel | None = None, note: Info | None = None) -> CalibrationResult | None:
     """Run (or resume, or reuse) calibration and return the manifest (without its file list) and the tensors.
     With `dp`, every rank accumulates its share; the eigendecomposition and clip search run once, on rank 0, and the
-    other ranks return None."""
+    other ranks return None. `note(line)` hears which checkpoints were resumed or reused (default: nobody)."""
     progress = progress or (lambda *a, **k: None)
+    note = note or (lambda msg: None)
     t0 = time.perf_counter()
     info = loaded.info
     try:
         layout.resolve_group_size(info.head_dim, settings.group_size)
     except ValueError as exc:
         raise InputError(f"--group-size: {exc}") from None
-    store_dir = Path(store_dir or cache_root() / "calibration" / store_key(loaded, seqs))
+    store_dir = Path(store_dir or default_store_dir(loaded, seqs))
     store = AccumulatorStore(store_dir / f"rank{dp.rank}-of-{dp.world}" if dp else store_dir)
-    key, value, soft, heldout, ran = accumulate(loaded, seqs, settings, store, progress, dp)
+    key, value, soft, heldout, ran = accumulate(loaded, seqs, settings, store, progress, dp, note)
     if dp and not dp.is_main:
         return None
 

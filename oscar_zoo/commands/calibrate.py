@@ -13,15 +13,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..artifacts import check_destination, write_artifacts
+from ..artifacts import check_destination, check_writable, nearest_existing, write_artifacts
 from ..calibration.clip_search import DEFAULT_GRID
 from ..calibration import distributed, memory
 from ..calibration.data import load_texts, make_sequences
-from ..calibration.pipeline import CalibrationResult, CalibrationSettings, calibrate
+from ..calibration.pipeline import (CalibrationResult, CalibrationSettings, calibrate, checkpoint_state,
+                                    default_store_dir)
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError
 from ..manifest import ClipMode, Granularity, ValueTarget
-from ..models import DEMO, arch_info, load_model, model_id_of, resolve_device, resolve_dtype
+from ..models import DEMO, arch_info, cache_root, load_model, model_id_of, resolve_device, resolve_dtype
 from ..runtime import layout
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
 
@@ -44,7 +45,7 @@ def calibrate_command(
     text_field: TextField = None,
     split: Split = "train",
     tokens: Annotated[int, typer.Option(help="Calibration tokens (rounded down to whole sequences).")] = 16384,
-    seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 512,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence (≥ 16).")] = 512,
     heldout: Annotated[int, typer.Option(help="Held-out sequences for the clip search.")] = 2,
     chat_template: Annotated[bool, typer.Option(help="Wrap text blocks in the tokenizer's chat template.")] = False,
     granularity: Annotated[Granularity, typer.Option(help="One rotation per KV head, or one shared per layer.")] =
@@ -57,8 +58,10 @@ def calibrate_command(
     v_clip: Annotated[float, typer.Option(help="Fixed value clip ratio (used by --clip fixed).")] =
     layout.DEFAULT_V_CLIP,
     group_size: Annotated[int, typer.Option(help="Quantization group along head_dim; 0 = one group per row.")] = 0,
-    sink: Annotated[int, typer.Option(help="Full-precision sink tokens.")] = layout.SINK,
-    recent: Annotated[int, typer.Option(help="Full-precision recent tokens.")] = layout.RECENT,
+    sink: Annotated[int, typer.Option(help="Full-precision sink tokens the runtime keeps (≥ 0; sink + recent < "
+                                           "32768).")] = layout.SINK,
+    recent: Annotated[int, typer.Option(help="Full-precision recent tokens the runtime keeps (≥ 0).")] =
+    layout.RECENT,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the document order.")] = 0,
     device: Device = "auto",
@@ -80,38 +83,31 @@ def calibrate_command(
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact folder."""
     start = time.perf_counter()
-    for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--batch-size", batch_size)):
-        if value <= 0:
-            raise InputError(f"{name} must be positive, got {value}")
-    for name, value in (("--k-clip", k_clip), ("--v-clip", v_clip)):
-        if not 0 < value <= 1:  # NaN fails too
-            raise InputError(f"{name} must be a clip ratio in (0, 1], got {value}")
-    if clip == ClipMode.SEARCH and heldout <= 0:
-        raise InputError("--clip search needs held-out sequences (--heldout ≥ 1)", "or use --clip fixed")
+    check_options(tokens=tokens, seq_len=seq_len, heldout=heldout, clip=clip, k_clip=k_clip, v_clip=v_clip,
+                  group_size=group_size, sink=sink, recent=recent, batch_size=batch_size, nproc=nproc)
     n_sequences = tokens // seq_len
-    if n_sequences == 0:
-        raise InputError(f"--tokens {tokens} is less than one sequence of --seq-len {seq_len}")
-    if nproc < 1:
-        raise InputError(f"--nproc must be positive, got {nproc}")
     out = out or Path("artifacts") / _slug(model_id_of(model))
     check_destination(out, "--out")  # before any model work: refuse to replace someone else's folder (exit 2)
+    check_writable(nearest_existing(cache_root()), f"the oscar-zoo cache {cache_root()} (OSCAR_ZOO_CACHE)")
     if nproc > 1 and not distributed.in_distributed_env():
         raise typer.Exit(distributed.launch(nproc, distributed.without_option(sys.argv[1:], "--nproc")))
     dp = distributed.from_env(device)
+    store_dir: Path | None = None  # the checkpoint folder, once the token ids are known
+    is_main = dp is None or dp.is_main
     try:
         if dp:
             if device_map and dp.local_world > 1:
                 raise InputError("--device-map with several processes per node would give every process all GPUs",
                                  "run one process per node (torchrun --nproc-per-node 1) with --device-map")
             device = distributed.rank_device(dp, device)
-        is_main = dp is None or dp.is_main
         say = (lambda msg: None) if json_output or not is_main else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
         if dp:
             say(f"data parallel: {dp.world} processes, sequences split between them (per-rank accumulator caches)")
         check_memory = _memory_check(say, device, dtype, batch_size, seq_len, heldout * seq_len, accumulate_on.value,
                                      device_map.value if device_map else None, memory.parse_max_memory(max_memory),
                                      offload_folder is not None,
-                                     dp.local_world if dp and resolve_device(device).type == "cpu" else 1)
+                                     dp.local_world if dp and resolve_device(device).type == "cpu" else 1,
+                                     group_size)
         loaded = load_model(model, revision=revision, device=device, dtype=dtype, progress=say,
                             placement=check_memory, offload_folder=str(offload_folder) if offload_folder else None)
         where = "a device map" if getattr(loaded.model, "hf_device_map", None) else str(loaded.model.device)
@@ -123,8 +119,13 @@ def calibrate_command(
                                        clip=clip.value, k_clip=k_clip, v_clip=v_clip, grid=DEFAULT_GRID,
                                        group_size=group_size, sink=sink, recent=recent, batch_size=batch_size,
                                        seed=seed, accumulate_on=accumulate_on.value)
+        store_dir = default_store_dir(loaded, seqs)
         with progress_reporter(enabled=not json_output and is_main) as report:
-            result = calibrate(loaded, seqs, settings, progress=report, dp=dp)
+            result = calibrate(loaded, seqs, settings, progress=report, store_dir=store_dir, dp=dp, note=say)
+    except KeyboardInterrupt:
+        if is_main:
+            err_console.print(_interrupted(store_dir), highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     finally:
         distributed.shutdown()
     if result is None:  # a rank other than 0: its share is in rank 0's sums, rank 0 writes and prints
@@ -145,12 +146,52 @@ def calibrate_command(
     console.print(f"next: [bold]oscar-zoo verify {out}[/] (quality vs BF16), [bold]oscar-zoo inspect {out}[/]")
 
 
+MIN_SEQ_LEN = 16  # shorter sequences give the held-out clip search almost no causal context
+MAX_WINDOWS = 32768  # sink + recent must stay below the 32K context of the BPE summary, so long contexts are INT2
+
+
+def check_options(*, tokens: int, seq_len: int, heldout: int, clip: ClipMode, k_clip: float, v_clip: float,
+                  group_size: int, sink: int, recent: int, batch_size: int, nproc: int) -> None:
+    """Every numeric option, before any work: InputError (exit 2) naming the option, its value and what is expected.
+
+    The sink and recent windows are not used by the calibration itself (the clip search scores every held-out
+    position); they are the cache tiers the manifest prescribes to runtimes. So they are checked for sanity, not
+    against --seq-len: each ≥ 0, and together below MAX_WINDOWS so that a long context has INT2 history at all."""
+
+    def need(ok: bool, option: str, value, expected: str, advice: str | None = None) -> None:
+        if not ok:  # NaN fails every comparison, so it lands here too
+            raise InputError(f"{option} {value}: expected {expected}", advice)
+
+    need(seq_len >= MIN_SEQ_LEN, "--seq-len", seq_len, f"at least {MIN_SEQ_LEN} tokens per sequence")
+    need(tokens >= seq_len, "--tokens", tokens, f"at least one sequence of --seq-len {seq_len} tokens")
+    need(heldout >= 0, "--heldout", heldout, "a number of held-out sequences ≥ 0")
+    need(clip != ClipMode.SEARCH or heldout >= 1, "--heldout", heldout, "≥ 1 with --clip search (the search scores "
+         "clip ratios on held-out sequences)", "or use --clip fixed")
+    for option, value in (("--k-clip", k_clip), ("--v-clip", v_clip)):
+        need(0 < value <= 1, option, value, "a clip ratio in (0, 1]")
+    need(group_size >= 0, "--group-size", group_size, "0 (one group per row) or a divisor of the model's head_dim")
+    need(sink >= 0, "--sink", sink, "a number of full-precision sink tokens ≥ 0")
+    need(recent >= 0, "--recent", recent, "a number of full-precision recent tokens ≥ 0")
+    need(sink + recent < MAX_WINDOWS, "--sink + --recent", f"{sink} + {recent}", f"less than {MAX_WINDOWS:,} tokens "
+         "(beyond that a 32K context keeps no INT2 history)")
+    need(batch_size >= 1, "--batch-size", batch_size, "at least 1 sequence per forward pass")
+    need(nproc >= 1, "--nproc", nproc, "at least 1 process")
+
+
 def _memory_check(say, device: str, dtype: str, batch_size: int, seq_len: int, heldout_tokens: int,
-                  accumulate_on: str, device_map: str | None, max_memory: dict, offload: bool, replicas: int):
-    """The hook load_model runs on the config before any weight is read: the memory plan, reported line by line,
-    then refused (InputError, exit 2) with its numbers if it cannot fit; returns the device map to load with."""
+                  accumulate_on: str, device_map: str | None, max_memory: dict, offload: bool, replicas: int,
+                  group_size: int):
+    """The hook load_model runs on the config before any weight is read: --group-size against the head dim, then the
+    memory plan, reported line by line, then refused (InputError, exit 2) with its numbers if it cannot fit; returns
+    the device map to load with."""
 
     def check(config) -> dict | None:
+        head_dim = arch_info(config).head_dim
+        try:  # the first moment the head dim is known, still before any weight is read
+            layout.resolve_group_size(head_dim, group_size)
+        except ValueError as exc:
+            raise InputError(f"--group-size {group_size}: expected 0 or a divisor of the model's head_dim {head_dim} "
+                             f"({exc})") from None
         plan = memory.plan(config, arch_info(config), dtype=resolve_dtype(dtype), device=resolve_device(device),
                            batch_size=batch_size, seq_len=seq_len, heldout_tokens=heldout_tokens,
                            accumulate_on=accumulate_on, device_map=device_map, max_memory=max_memory,
@@ -163,6 +204,16 @@ def _memory_check(say, device: str, dtype: str, batch_size: int, seq_len: int, h
         return plan.device_map
 
     return check
+
+
+def _interrupted(store_dir: Path | None) -> str:
+    """The one line after Ctrl-C: what was kept, where, and how to resume."""
+    kept = checkpoint_state(store_dir) if store_dir is not None and store_dir.is_dir() else []
+    if not kept:
+        return "interrupted: no calibration checkpoint was written yet (nothing to resume); re-run the same command " \
+               "to start again"
+    return (f"interrupted: the calibration checkpoint is kept in {store_dir} ({'; '.join(kept)}); re-run the same "
+            "command to resume from it")
 
 
 def _slug(model_id: str) -> str:
