@@ -26,7 +26,7 @@ def list_command(json_output: Json = False) -> None:
     table = Table(title="oscar-zoo catalog")
     for col, justify in (("name", "left"), ("model", "left"), ("granularity", "left"), ("bits/elem @128K", "right"),
                          ("verification", "left"), ("pull from", "left")):
-        table.add_column(col, justify=justify, no_wrap=col in ("name", "model"))
+        table.add_column(col, justify=justify, no_wrap=col in ("name", "model", "verification"))
     for e in entries:
         where = "\n".join(f"{loc.hub}:{loc.spec}" + ("" if loc.published else " [yellow](planned, not published)[/]")
                           for loc in e.locations)

@@ -23,7 +23,7 @@ from ..manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, Manife
 from .base import HUBS, HubClient, split_repo_path
 from .card import render_model_card, render_zoo_card
 from .catalog import CatalogEntry, find_entry
-from .zoo import ZOO_NAME, ZooIndex, verification_summary, zoo_entry
+from .zoo import ZOO_NAME, ZooIndex, parse_report, report_verdict, zoo_entry
 
 Progress = Callable[[str], None]
 CARD_NAME = "README.md"
@@ -85,12 +85,8 @@ def plan_push(artifacts: Path, repo_id: str, hub: str, subfolder: str | None, re
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise InputError(f"repo id {repo_id!r} must look like `owner/name`", "put a subfolder in --path-in-repo")
     manifest, _ = load_artifacts(artifacts)  # schema, every sha256, tensor shapes and orthogonality (exit 4)
-    if manifest.verification is None and not allow_unverified:
-        raise VerificationFailed(f"{artifacts} has not been verified (manifest.verification is null)",
-                                 f"run `oscar-zoo verify {artifacts} --write`, or push with --allow-unverified")
-    if (manifest.verification or {}).get("passed") is False and not allow_unverified:
-        raise VerificationFailed(f"{artifacts} failed its verification ({verification_summary(manifest.verification)})",
-                                 "re-calibrate, or push with --allow-unverified to publish it anyway")
+    if not allow_unverified:
+        check_verified(manifest, artifacts)
     sub = _check_repo_path(default_subfolder(manifest) if subfolder is None else subfolder)
     files = {_in_repo(sub, a.path): Path(artifacts) / a.path for a in manifest.artifacts}
     files[_in_repo(sub, MANIFEST_NAME)] = Path(artifacts) / MANIFEST_NAME
@@ -98,6 +94,27 @@ def plan_push(artifacts: Path, repo_id: str, hub: str, subfolder: str | None, re
     atomic_write_text(card, render_model_card(manifest, repo_id, sub, hub))
     files[_in_repo(sub, CARD_NAME)] = card
     return PushPlan(hub, repo_id, sub, revision, manifest, files, sha256_file(Path(artifacts) / MANIFEST_NAME))
+
+
+def check_verified(manifest: Manifest, artifacts: Path) -> None:
+    """The push gate: trust only a report that `oscar-zoo verify --write` stored (its schema), whose metrics meet the
+    thresholds it states and whose `passed` agrees with them; VerificationFailed (exit 3) otherwise."""
+    advice = f"run `oscar-zoo verify {artifacts} --write`, or push with --allow-unverified"
+    if manifest.verification is None:
+        raise VerificationFailed(f"{artifacts} has not been verified (manifest.verification is null)", advice)
+    report, why = parse_report(manifest.verification)
+    if report is None:
+        raise VerificationFailed(f"{artifacts}: manifest.verification is not a report written by `oscar-zoo verify` "
+                                 f"(field {why})", advice)
+    failures = report_verdict(report)
+    if report.passed != (not failures):
+        said = "passed" if report.passed else "failed"
+        raise VerificationFailed(f"{artifacts}: the verification report says it {said}, but its own metrics say "
+                                 f"otherwise ({'; '.join(failures) or 'every threshold is met'}); the report was "
+                                 "edited", advice)
+    if failures:
+        raise VerificationFailed(f"{artifacts} failed its verification: {'; '.join(failures)}",
+                                 "re-calibrate, or push with --allow-unverified to publish it anyway")
 
 
 def push(plan: PushPlan, private: bool, workdir: Path, client: HubClient | None = None,

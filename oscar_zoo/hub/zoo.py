@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import IntegrityError
-from ..manifest import Manifest, canonical_json, load_json
+from ..evaluation.report import VerifyReport, check_thresholds
+from ..manifest import Manifest, _one_line, canonical_json, load_json
 from ..runtime import layout
 
 ZOO_NAME = "zoo.json"
@@ -56,8 +57,10 @@ class ZooIndex(BaseModel):
         except IntegrityError as exc:
             raise IntegrityError(exc.message, advice) from None
         except ValidationError as exc:
-            raise IntegrityError(f"{source} is not a valid oscar-zoo index: {str(exc).splitlines()[0]}", advice) \
-                from None
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(root)"
+            raise IntegrityError(f"{source} is not a valid oscar-zoo index: field '{_one_line(where, 80)}': "
+                                 f"{_one_line(first['msg'], 200)}", advice) from None
 
 
 def bpe_128k(manifest: Manifest) -> float:
@@ -101,19 +104,52 @@ def verification_rows(report: dict[str, Any] | None) -> tuple[list[str], list[tu
     return columns, rows
 
 
-def verification_summary(report: dict[str, Any] | None, max_metrics: int = 3) -> str:
-    """One line: `passed · kl 0.0123 · top1 0.981` for the OSCAR row (or the first row); `unverified` for None."""
+def parse_report(report: dict[str, Any] | None) -> tuple[VerifyReport | None, str | None]:
+    """(the report, None) when `report` is what `oscar-zoo verify --write` stores, else (None, why not: the first
+    schema error, with its field)."""
+    if report is None:
+        return None, "there is none"
+    try:
+        return VerifyReport.model_validate(report), None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(root)"
+        return None, f"{where}: {first['msg']}"
+
+
+def report_verdict(report: VerifyReport) -> list[str]:
+    """Re-check a report from its own numbers: the thresholds it states against its artifact row's metrics, and its
+    needle grid's pass rule. Returns the failures (empty: it passes); a report without exactly one artifact row fails."""
+    artifacts = [m for m in report.methods if m.kind == "artifact"]
+    if len(artifacts) != 1:
+        return [f"the report has {len(artifacts)} artifact rows, not 1"]
+    failures = check_thresholds(artifacts[0], report.thresholds)
+    needle = report.needle
+    if needle is not None:
+        refs = [m for m in needle.methods if m.kind == "reference"]
+        arts = [m for m in needle.methods if m.kind == "artifact"]
+        if len(refs) != 1 or len(arts) != 1:
+            failures.append("the needle grid lacks its BF16 or artifact row")
+        elif not arts[0].overall >= needle.min_relative_accuracy * refs[0].overall:
+            failures.append(f"needle accuracy {arts[0].overall:.3f} is below {needle.min_relative_accuracy:g} × "
+                            f"BF16's {refs[0].overall:.3f}")
+    return failures
+
+
+def verification_summary(report: dict[str, Any] | None) -> str:
+    """What a person reads: `✓ +5.1 % PPL, KL 0.052` (passed), `✗ +12.0 % PPL, KL 0.31` (failed), `unverified`, or
+    for a record that is not a `verify` report, `not a verify report`. The mark is the report's numbers re-checked
+    against its thresholds (`report_verdict`), not its own `passed` flag."""
+    parsed, _ = parse_report(report)
     if report is None:
         return "unverified"
-    columns, rows = verification_rows(report)
-    parts = []
-    if isinstance(report.get("passed"), bool):
-        parts.append("passed" if report["passed"] else "FAILED")
-    if rows:
-        name, metrics = next(((n, m) for n, m in rows if n.lower().startswith("oscar")), rows[0])
-        keys = [k for k in columns if k in metrics][:max_metrics]
-        parts += [f"{k} {format_value(metrics[k])}" for k in keys]
-    return " · ".join(parts) or "verified"
+    if parsed is None:
+        return "not a verify report"
+    art = next((m for m in parsed.methods if m.kind == "artifact"), None)
+    if art is None:
+        return "not a verify report"
+    mark = "✓" if parsed.passed and not report_verdict(parsed) else "✗"
+    return f"{mark} {100 * art.ppl_increase:+.1f} % PPL, KL {art.kl:.2g}"
 
 
 def format_value(v: Any) -> str:

@@ -16,11 +16,31 @@ from oscar_zoo.manifest import (CalibrationRecord, ClipSpec, Manifest, ModelIden
 HF_TOKEN = "hf_TestTokenDoNotLeak0123456789abcdef"
 MS_TOKEN = "ms-TestTokenDoNotLeak-9876543210fedcba"
 
-VERIFICATION = {
-    "context": 4096, "passed": True,
-    "methods": {"oscar": {"kl": 0.0123, "top1": 0.981, "ppl_increase": 0.021},
-                "naive-int2": {"kl": 1.52, "top1": 0.41, "ppl_increase": 3.2}},
-}
+def verify_report(kl: float = 0.0123, top1: float = 0.981, ppl_increase: float = 0.021,
+                  passed: bool | None = None) -> dict:
+    """A report of the form `oscar-zoo verify --write` stores (VerifyReport), as manifest JSON; `passed` defaults to
+    what its metrics say under the default thresholds."""
+    from oscar_zoo.evaluation.report import MethodResult, Thresholds, VerifyReport, check_thresholds
+
+    def row(name, kind, kl, top1, ppl_increase):
+        return MethodResult(name=name, label=name.upper(), kind=kind, bits_per_element=2.5, bits_per_element_k=2.5,
+                            bits_per_element_v=2.5, ppl=9.0 * (1 + ppl_increase), ppl_past_windows=9.0 *
+                            (1 + ppl_increase), ppl_increase=ppl_increase, kl=kl, top1=top1, layer_error=[0.1, 0.1],
+                            kl_by_position=[kl])
+
+    methods = [row("bf16", "reference", 0.0, 1.0, 0.0), row("oscar", "artifact", kl, top1, ppl_increase),
+               row("naive-int2", "baseline", 1.52, 0.41, 3.2)]
+    thresholds = Thresholds(max_ppl_increase=0.15, max_kl=0.1, min_top1=0.8)
+    failures = check_thresholds(methods[1], thresholds)
+    report = VerifyReport(model="org/Tiny-Llama", revision="abc123", artifacts="art", dataset="test", context=4096,
+                          sequences=2, positions_from=320, tokens_scored=7552, sink=64, recent=256, group_size=16,
+                          backend="torch", device="cpu", attention="test", bin_size=64, methods=methods,
+                          thresholds=thresholds, passed=not failures if passed is None else passed, failures=failures,
+                          wall_seconds=1.0, versions={"oscar-zoo": "test"}, created="2026-01-01T00:00:00+00:00")
+    return report.model_dump(mode="json")
+
+
+VERIFICATION = verify_report()
 
 
 def make_manifest(model_id: str = "org/Tiny-Llama", granularity: str = "per-head", L: int = 2, H_kv: int = 2,

@@ -46,7 +46,7 @@ def test_pull_by_catalog_name(hf_hub, artifacts, tmp_path, monkeypatch):
     assert code == 0 and "tiny-llama" in out and "(planned," in out and "published)" in out
     listed = json.loads(run_cli("list", "--json")[1])
     assert [e["name"] for e in listed] == ["planned", "tiny-llama"]
-    assert listed[1]["verification"].startswith("passed")
+    assert listed[1]["verification"] == "✓ +2.1 % PPL, KL 0.012"
     # the catalog pins content: a manifest that changed on the hub after cataloguing is refused
     other = tmp_path / "other-catalog"
     _catalog_entry(other, artifacts, "tiny-llama", "zoo/rotations", "tiny-llama")

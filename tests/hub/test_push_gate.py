@@ -1,0 +1,51 @@
+"""Push's verification gate trusts only a report that `oscar-zoo verify --write` stored: its schema, its metrics
+re-checked against the thresholds it states, and `passed` agreeing with them (issue 16). Dry runs: no network."""
+
+import pytest
+
+from .helpers import make_artifacts, run_cli, verify_report
+
+
+def _tampered() -> dict:
+    report = verify_report()
+    report["methods"][1]["kl"] = 0.5  # above the report's max_kl 0.1, `passed` left true
+    return report
+
+
+@pytest.mark.parametrize("verification, words", [
+    ({}, "manifest.verification is not a report written by `oscar-zoo verify` (field model: Field required"),
+    ({"passed": True}, "is not a report written by `oscar-zoo verify`"),
+    ({"passed": True, "kl": 0.01, "top1": 0.99}, "is not a report written by `oscar-zoo verify`"),
+    (verify_report(kl=0.5), "failed its verification: mean KL 0.5 is not ≤ 0.1"),
+    (_tampered(), "the verification report says it passed, but its own metrics say otherwise (mean KL 0.5"),
+    (verify_report(passed=False), "says it failed, but its own metrics say otherwise (every threshold is met)"),
+    (None, "has not been verified"),
+])
+def test_push_refuses_what_verify_did_not_pass(tmp_path, monkeypatch, verification, words):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    art = tmp_path / "art"
+    make_artifacts(art, verification=verification)
+    code, _, err = run_cli("push", str(art), "zoo/rotations", "--dry-run")
+    assert code == 3, err
+    assert words in " ".join(err.split()) and "Traceback" not in err, err
+    assert "oscar-zoo verify" in err or "re-calibrate" in err
+    code, out, err = run_cli("push", str(art), "zoo/rotations", "--dry-run", "--allow-unverified")
+    assert code == 0 and "would upload" in out, err
+
+
+def test_push_accepts_a_report_verify_wrote(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    art = tmp_path / "art"
+    make_artifacts(art, verification=verify_report())
+    code, out, err = run_cli("push", str(art), "zoo/rotations", "--dry-run")
+    assert code == 0 and "would upload" in out, err
+
+
+def test_the_bundled_catalog_report_passes_the_gate():
+    from oscar_zoo.hub.catalog import load_catalog
+    from oscar_zoo.hub.zoo import parse_report, report_verdict, verification_summary
+
+    for entry in load_catalog():
+        report, why = parse_report(entry.manifest.verification)
+        assert report is not None and report.passed and report_verdict(report) == [], why
+        assert verification_summary(entry.manifest.verification) == "✓ +5.1 % PPL, KL 0.052"
