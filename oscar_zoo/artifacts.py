@@ -76,10 +76,10 @@ def _umask() -> int:
     return mask
 
 
-def usual_mode(path: Path) -> None:
-    """Give a file 0o666 and a folder 0o777, less the umask (what `open` and `mkdir` give): temp files and folders
-    from `tempfile` are 0o600 / 0o700, which would make artifacts unreadable to other users once renamed."""
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+def usual_mode(path: Path, executable: bool = False) -> None:
+    """Give a file 0o666 (0o777 if `executable`) and a folder 0o777, less the umask (what `open` and `mkdir` give):
+    temp files and folders from `tempfile` are 0o600 / 0o700, which would hide artifacts from other users."""
+    os.chmod(path, (0o777 if executable or Path(path).is_dir() else 0o666) & ~_umask())
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -4,6 +4,7 @@ for sglang the environment and server flags its runtime reads."""
 from __future__ import annotations
 
 import json
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -43,7 +44,7 @@ def export_command(
     if format == Format.SGLANG:
         model = result.manifest.model.id
         settings = sglang_settings(result.manifest, result.rotations.k_clip, result.rotations.v_clip,
-                                   result.k_path, result.v_path)
+                                   result.k_path, result.v_path, base=out)
         env_path, sh_path = write_sglang_files(out, settings, model)
         if max(settings.clip_spread) > 1e-6:
             warnings.append(f"clip ratios vary per layer/head (max deviation from the median K "
@@ -61,8 +62,8 @@ def export_command(
     console.print(f"wrote {result.v_path}")
     if format == Format.SGLANG:
         console.print(f"wrote {doc['env_file']} and {doc['launch_script']}; serve with:")
-        console.print(f"  set -a; . {doc['env_file']}; set +a; {doc['launch_command']}", highlight=False,
-                      soft_wrap=True)
+        console.print(f"  {shlex.quote(str(sh_path))}   (or, in {out}: set -a; . ./sglang.env; set +a; "
+                      f"{doc['launch_command']})", highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,19 +1,24 @@
 """Settings for the OSCAR reference runtime (the SGLang fork): the environment variables and server flags it reads
 (background doc §6.1), written next to the exported `.pt` files as a sourceable `sglang.env` and a launch script.
 
+The rotation paths in `sglang.env` are relative to the folder holding it (the export folder can be moved or copied
+to a server): the server must run with that folder as its working directory. `launch_sglang.sh` needs no such care:
+it makes them absolute from its own location.
+
 The reference runtime takes ONE clip ratio for all K (and one for all V) and stores fp32 scales; oscar-zoo's per
 (layer, head) searched clips are summarised by their median, and the caller is told when they vary.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..artifacts import atomic_write_text
+from ..artifacts import atomic_write_text, usual_mode
 from ..errors import InputError
 from ..manifest import Manifest
 
@@ -30,8 +35,12 @@ class SglangSettings:
         return " ".join(["python -m sglang.launch_server", "--model-path", shlex.quote(model), *self.flags])
 
 
+PATH_VARS = ("SGLANG_OSCAR_K_ROTATION_PATH", "SGLANG_OSCAR_V_ROTATION_PATH")
+
+
 def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tensor, k_path: Path,
-                    v_path: Path) -> SglangSettings:
+                    v_path: Path, base: Path) -> SglangSettings:
+    """The environment and flags; the rotation paths relative to `base` (the folder `sglang.env` is written to)."""
     q = manifest.quant
     for name, value in (("sink", q.sink), ("recent", q.recent)):
         if value % PAGE:
@@ -45,8 +54,8 @@ def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tens
         "SGLANG_MIXED_KV_HP_DTYPE": "bfloat16",
         "SGLANG_MIXED_KV_SCALE_DTYPE": "float32",  # what the reference's scripts run; oscar-zoo's runtime uses fp16
         "SGLANG_MIXED_KV_HP_MAX_SPLITS": "8",
-        "SGLANG_OSCAR_K_ROTATION_PATH": str(Path(k_path).resolve()),
-        "SGLANG_OSCAR_V_ROTATION_PATH": str(Path(v_path).resolve()),
+        "SGLANG_OSCAR_K_ROTATION_PATH": _relative(k_path, base),
+        "SGLANG_OSCAR_V_ROTATION_PATH": _relative(v_path, base),
         "SGLANG_OSCAR_K_CLIP_RATIO": f"{k_ratio:.4g}",
         "SGLANG_OSCAR_V_CLIP_RATIO": f"{v_ratio:.4g}",
         "SGLANG_OSCAR_ABSORB_V_ROTATION": "1",
@@ -58,17 +67,27 @@ def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tens
     return SglangSettings(env, flags, spread)
 
 
+def _relative(path: Path, base: Path) -> str:
+    return os.path.relpath(Path(path).resolve(), Path(base).resolve())
+
+
 def write_sglang_files(out: Path, settings: SglangSettings, model: str) -> tuple[Path, Path]:
-    """`sglang.env` (KEY=VALUE, `set -a; . sglang.env`) and `launch_sglang.sh` (exports + the server command)."""
+    """`sglang.env` (KEY=VALUE, `set -a; . sglang.env`; rotation paths relative to its folder) and
+    `launch_sglang.sh` (exports with those paths made absolute from the script's own folder + the server command)."""
     out = Path(out)
     header = ["# OSCAR reference runtime (SGLang fork) settings written by `oscar-zoo export --format sglang`",
               f"# model: {model}"]
-    env_lines = [*header, *(f"{k}={shlex.quote(v)}" for k, v in settings.env.items())]
+    env_note = ["# The rotation paths below are relative to the folder holding this file: start the server with",
+                "# this folder as its working directory (cd here first), or use launch_sglang.sh beside it, which",
+                "# makes them absolute wherever the folder is moved."]
+    env_lines = [*header, *env_note, *(f"{k}={shlex.quote(v)}" for k, v in settings.env.items())]
     env_path, sh_path = out / "sglang.env", out / "launch_sglang.sh"
     atomic_write_text(env_path, "\n".join(env_lines) + "\n")
+    exports = [f'export {k}="$here"/{shlex.quote(v)}' if k in PATH_VARS else f"export {k}={shlex.quote(v)}"
+               for k, v in settings.env.items()]
     script = ["#!/usr/bin/env bash", *header, "set -euo pipefail",
-              *(f"export {k}={shlex.quote(v)}" for k, v in settings.env.items()),
-              f'exec {settings.launch_command(model)} "$@"']
+              "here=\"$(cd \"$(dirname \"${BASH_SOURCE[0]}\")\" && pwd)\"  # the rotation paths are relative to it",
+              *exports, f'exec {settings.launch_command(model)} "$@"']
     atomic_write_text(sh_path, "\n".join(script) + "\n")
-    sh_path.chmod(0o755)
+    usual_mode(sh_path, executable=True)
     return env_path, sh_path

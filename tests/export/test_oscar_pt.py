@@ -141,7 +141,7 @@ def test_sglang_settings(tmp_path):
     assert env["SGLANG_ENABLE_MIXED_KV_WINDOWS"] == "1"
     assert (env["SGLANG_MIXED_KV_PREFIX_TOKENS"], env["SGLANG_MIXED_KV_RECENT_TOKENS"]) == ("64", "256")
     assert (env["SGLANG_OSCAR_K_CLIP_RATIO"], env["SGLANG_OSCAR_V_CLIP_RATIO"]) == ("0.96", "0.92")
-    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str((tmp_path / "sg" / K_FILE).resolve())
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == K_FILE  # relative to sglang.env's folder
     assert doc["flags"][:4] == ["--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", str(D)]
     text = (tmp_path / "sg" / "sglang.env").read_text()
     assert "SGLANG_OSCAR_V_ROTATION_PATH=" in text and "SGLANG_OSCAR_ABSORB_V_ROTATION=1" in text
@@ -149,6 +149,33 @@ def test_sglang_settings(tmp_path):
     assert "exec python -m sglang.launch_server --model-path org/Tiny-Llama --kv-cache-dtype int2" in script
     for name in (K_FILE, V_FILE):
         assert torch.load(tmp_path / "sg" / name, weights_only=True)["format_version"] == 1
+
+
+def test_sglang_files_survive_moving_the_export_folder(tmp_path):
+    import os
+    import shutil
+    import subprocess
+
+    make_artifacts(tmp_path / "art", granularity="per-layer", L=L, H_kv=H_KV, D=D)
+    assert run_cli("export", str(tmp_path / "art"), "--format", "sglang", "--out", str(tmp_path / "sg"))[0] == 0
+    moved = tmp_path / "elsewhere" / "served"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "sg", moved)
+    env_text = (moved / "sglang.env").read_text()
+    assert str(tmp_path / "sg") not in env_text and "relative to the folder holding this file" in env_text
+    # the env file, sourced in its folder (the documented working directory): the paths resolve to the moved files
+    shown = subprocess.run(["bash", "-c", "set -a; . ./sglang.env; set +a; "
+                            "realpath \"$SGLANG_OSCAR_K_ROTATION_PATH\" \"$SGLANG_OSCAR_V_ROTATION_PATH\""],
+                           cwd=moved, capture_output=True, text=True, check=True).stdout.split()
+    assert shown == [str((moved / K_FILE).resolve()), str((moved / V_FILE).resolve())]
+    # the launch script, run from anywhere: absolute paths into its own (moved) folder
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text('#!/bin/sh\necho "$SGLANG_OSCAR_K_ROTATION_PATH" "$SGLANG_OSCAR_V_ROTATION_PATH"\n')
+    (fake / "python").chmod(0o755)
+    ran = subprocess.run([str(moved / "launch_sglang.sh")], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"})
+    assert ran.stdout.split() == [str(moved.resolve() / K_FILE), str(moved.resolve() / V_FILE)]
 
 
 def test_write_then_read_accepts_int_and_str_keys(tmp_path):
