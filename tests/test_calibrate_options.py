@@ -131,3 +131,18 @@ def test_ctrl_c_says_what_was_kept_and_the_rerun_says_it_resumed(run_cli, tiny_m
     assert "pass 1/2: all 4 sequences reused from the checkpoint" in line, err
     assert f"pass 2/2: resuming from the checkpoint in {store} after" in line, err
     assert (out / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("content", [b"caf\xe9 au lait\n" * 10, b"\x00\x01\x02\xff\xfe binary" * 10])
+def test_a_dataset_file_that_is_not_utf8_is_named(tmp_path, content):
+    from oscar_zoo.calibration.data import load_texts
+    from oscar_zoo.errors import InputError
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "good.txt").write_text("fine text\n")
+    (folder / "latin1.txt").write_bytes(content)
+    with pytest.raises(InputError) as exc:
+        load_texts(str(folder))
+    assert f"dataset file {folder / 'latin1.txt'} is not UTF-8 text" in exc.value.message
+    assert "DatasetGenerationError" not in exc.value.message and exc.value.exit_code == 2

@@ -82,6 +82,8 @@ def load_texts(dataset: str | None = None, split: str = "train", text_field: str
         path = Path(dataset).expanduser()
         if path.exists():
             builder, files = _local_files(path)
+            if builder != "parquet":
+                _check_utf8(files)
             extra = {"sample_by": "document"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **extra)
             return _column(ds, text_field), str(path)
@@ -97,6 +99,27 @@ def load_texts(dataset: str | None = None, split: str = "train", text_field: str
             f"could not read dataset {dataset!r}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
             "pass a readable text/json/parquet file or folder, or a dataset id available offline",
         ) from None
+
+
+def _check_utf8(files: list[Path]) -> None:
+    """Text and JSON files must be UTF-8: say which file is not (datasets only says DatasetGenerationError)."""
+    import codecs
+
+    for f in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(f, "rb") as stream:
+            for chunk in iter(lambda: stream.read(1 << 20), b""):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as exc:
+                    raise InputError(f"dataset file {f} is not UTF-8 text (byte {offset + exc.start:,} is "
+                                     f"{chunk[exc.start]:#04x}): a binary file, or text in another encoding",
+                                     f"convert it, e.g. `iconv -f latin1 -t utf-8 {f}`, or pass a text file") from None
+                offset += len(chunk)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError:
+                raise InputError(f"dataset file {f} is not UTF-8 text (it ends inside a character)") from None
 
 
 def _local_files(path: Path) -> tuple[str, list[Path]]:

@@ -72,6 +72,19 @@ def first_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+SUBFOLDER = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+
+
+def check_subfolder(value: str) -> str:
+    """A folder inside a repo as written in zoo.json or a catalog entry (someone else's file): "" (the root) or
+    `name/name`, names of letters, digits, `.`, `_` and `-`, never `.` or `..`; no backslash, no leading `/`.
+    Raises ValueError (the schema's IntegrityError, exit 4) otherwise."""
+    if value and (not SUBFOLDER.match(value) or any(part in (".", "..") for part in value.split("/"))):
+        raise ValueError(f"subfolder {value!r} is not a plain folder path inside the repo (letters, digits, . _ - "
+                         "and /; no backslash, `.` or `..`)")
+    return value
+
+
 def split_repo_path(spec: str) -> tuple[str, str]:
     """`owner/name[/sub/dir]` -> (`owner/name`, `sub/dir`)."""
     parts = [p for p in spec.strip("/").split("/") if p]

@@ -6,7 +6,9 @@ with which settings, how many bits per element they buy, how well they verified,
 
 from __future__ import annotations
 
+import html
 import json
+import re
 
 from ..manifest import Manifest
 from ..runtime import layout
@@ -14,6 +16,23 @@ from .zoo import ZooIndex, format_value, verification_rows, verification_summary
 
 TAGS = ["oscar-zoo", "kv-cache", "quantization", "int2", "rotation"]
 CONTEXTS = (32768, 131072)
+
+
+_MARKDOWN = re.compile(r"([\\`*{}\[\]()#!|~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")  # `_` inside a word is text
+
+
+def md(value) -> str:
+    """Text from a manifest or zoo.json (someone else's) as plain Markdown text in a table cell: one line, HTML
+    escaped (`<`, `>`, `&`), Markdown punctuation backslash-escaped, so `|`, links, images or tags stay text."""
+    flat = " ".join(str(value).split())
+    return _MARKDOWN.sub(r"\\\1", html.escape(flat, quote=False))
+
+
+def code(value) -> str:
+    """A value as inline code in a table cell (`|` escaped, as GFM tables need even in code); one holding a backtick
+    is shown as escaped plain text instead (it would end the code span)."""
+    flat = " ".join(str(value).split())
+    return md(flat) if "`" in flat else "`" + flat.replace("|", "\\|") + "`"
 
 
 def _front_matter(base_models: list[str]) -> str:
@@ -33,23 +52,23 @@ def render_model_card(manifest: Manifest, repo_id: str, subfolder: str, hub: str
     G = layout.resolve_group_size(m.head_dim, q.group_size)
     source = f"{repo_id}/{subfolder}" if subfolder else repo_id
     hub_flag = "" if hub == "hf" else f" --hub {hub}"
-    out = [_front_matter([m.id]), f"# OSCAR 2-bit KV-cache rotations for {m.id}\n",
+    out = [_front_matter([m.id]), f"# OSCAR 2-bit KV-cache rotations for {md(m.id)}\n",
            "Offline, attention-aware rotations (OSCAR, arXiv 2605.17757) that let this model keep its KV cache in "
            "2-bit integers with little loss: keys and values are rotated by `M = U·H·P` (eigenvectors of the "
            "attention targets, a Hadamard mix, an eigenvalue-sorted bit-reversal permutation), clipped and "
            "quantized to INT2 with float16 scale/zero; the first and last tokens stay BF16.\n",
            "## Settings\n",
            "| | |", "|---|---|",
-           f"| base model | `{m.id}`{f' @ `{m.revision}`' if m.revision else ''} ({m.architecture}) |",
+           f"| base model | {code(m.id)}{f' @ {code(m.revision)}' if m.revision else ''} ({md(m.architecture)}) |",
            f"| geometry | {m.num_layers} layers, {m.num_q_heads} query / {m.num_kv_heads} KV heads, head_dim "
            f"{m.head_dim} |",
            f"| rotation | {r.composition}, {r.granularity.value}, key target {r.key_target}, value target "
-           f"{r.value_target.value}, mixing {r.hadamard} |",
+           f"{r.value_target.value}, mixing {md(r.hadamard)} |",
            f"| clipping | {c.mode.value} (K default {c.k_default}, V default {c.v_default}) |",
            f"| quantization | INT{q.bits}, group {G}, scale {q.scale_dtype}, {q.packing} packing, {q.codebook} "
            f"levels |",
            f"| cache tiers | sink {q.sink} + recent {q.recent} tokens BF16, flush every {q.flush} |",
-           f"| calibration | {cal.tokens:,} tokens of `{cal.dataset}` ({cal.sequences}×{cal.seq_len}), seed "
+           f"| calibration | {cal.tokens:,} tokens of {code(cal.dataset)} ({cal.sequences}×{cal.seq_len}), seed "
            f"{cal.seed} |",
            ""]
     out += ["## Bits per element\n", "| context | bits/element (K and V) | vs BF16 |", "|---:|---:|---:|"]
@@ -76,14 +95,14 @@ def _verification_section(manifest: Manifest) -> list[str]:
     if report is None:
         return ["Not verified: these artifacts were published with `--allow-unverified`. Run `oscar-zoo verify` "
                 "before relying on them."]
-    lines = [f"Summary: **{verification_summary(report)}**", ""]
+    lines = [f"Summary: **{md(verification_summary(report))}**", ""]
     settings = {k: v for k, v in report.items() if k not in ("methods", "passed") and not isinstance(v, (dict, list))}
     if settings and isinstance(report.get("methods"), (dict, list)):
-        lines += ["Setup: " + ", ".join(f"{k} = {format_value(v)}" for k, v in settings.items()), ""]
+        lines += ["Setup: " + ", ".join(f"{md(k)} = {md(format_value(v))}" for k, v in settings.items()), ""]
     columns, rows = verification_rows(report)
     if rows:
-        lines += ["| method | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
-        lines += [f"| {name} | " + " | ".join(format_value(metrics[c]) if c in metrics else "" for c in columns)
+        lines += ["| method | " + " | ".join(md(c) for c in columns) + " |", "|---|" + "---:|" * len(columns)]
+        lines += [f"| {md(name)} | " + " | ".join(md(format_value(metrics[c])) if c in metrics else "" for c in columns)
                   + " |" for name, metrics in rows]
     return lines
 
@@ -91,11 +110,11 @@ def _verification_section(manifest: Manifest) -> list[str]:
 def render_zoo_card(index: ZooIndex, repo_id: str, hub: str) -> str:
     """The root README of a zoo repo: one row per model subfolder, regenerated on every push."""
     hub_flag = "" if hub == "hf" else f" --hub {hub}"
-    out = [_front_matter(sorted({m.model_id for m in index.models})), f"# {repo_id}: OSCAR rotation zoo\n",
+    out = [_front_matter(sorted({m.model_id for m in index.models})), f"# {md(repo_id)}: OSCAR rotation zoo\n",
            "2-bit KV-cache rotations made and checked with oscar-zoo, one folder per model. `zoo.json` is the "
            "machine-readable index.\n",
            "| folder | model | granularity | bits/element @128K | verification |", "|---|---|---|---:|---|"]
-    out += [f"| [`{m.subfolder}`]({m.subfolder}) | `{m.model_id}` | {m.granularity} | {m.bits_per_element_128k:.2f} | "
-            f"{m.verification} |" for m in index.models]
+    out += [f"| [{code(m.subfolder)}]({m.subfolder}) | {code(m.model_id)} | {md(m.granularity)} | "
+            f"{m.bits_per_element_128k:.2f} | {md(m.verification)} |" for m in index.models]
     out += ["", "```bash", f"oscar-zoo pull {repo_id}/<folder>{hub_flag} --dest rotations/", "```", ""]
     return "\n".join(out)

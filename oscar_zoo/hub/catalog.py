@@ -13,10 +13,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import InputError, IntegrityError
 from ..manifest import Manifest, canonical_json, parse_versioned
+from .base import check_subfolder
 
 CATALOG_SCHEMA_VERSION = 1
 CATALOG_ENV = "OSCAR_ZOO_CATALOG"
@@ -30,6 +31,11 @@ class HubLocation(BaseModel):
     subfolder: str = ""
     revision: str | None = None  # a commit id pins the entry; None follows the default branch
     published: bool  # False: the planned location, not uploaded yet
+
+    @field_validator("subfolder")
+    @classmethod
+    def _plain_subfolder(cls, value: str) -> str:
+        return check_subfolder(value)
 
     @property
     def spec(self) -> str:

@@ -47,13 +47,13 @@ class HuggingFaceHub:
 
     # -- repos and commits ------------------------------------------------------------------------------------------
     def ensure_repo(self, repo_id: str, private: bool) -> None:
-        with self._errors(repo_id, call="create_repo"):
+        with self._errors(repo_id, call="create_repo", writing=True):
             self._api().create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
 
     def ensure_branch(self, repo_id: str, revision: str) -> None:
         if revision == DEFAULT_BRANCH or COMMIT_RE.match(revision):
             return
-        with self._errors(repo_id, call="create_branch"):
+        with self._errors(repo_id, call="create_branch", writing=True):
             self._api().create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
 
     def head(self, repo_id: str, revision: str | None) -> str:
@@ -135,7 +135,7 @@ class HuggingFaceHub:
         from huggingface_hub import CommitOperationAdd
 
         ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(f)) for p, f in sorted(files.items())]
-        with self._errors(repo_id, revision, committing=True, call="create_commit"):
+        with self._errors(repo_id, revision, committing=True, call="create_commit", writing=True):
             info = self._api().create_commit(repo_id, ops, commit_message=message, revision=revision,
                                              parent_commit=parent, repo_type="model")
         return info.oid
@@ -154,9 +154,11 @@ class HuggingFaceHub:
     # -- errors -----------------------------------------------------------------------------------------------------
     @contextmanager
     def _errors(self, repo_id: str, revision: str | None = None, committing: bool = False,
-                call: str = "hub request", max_bytes: int | None = None) -> Iterator[None]:
+                call: str = "hub request", max_bytes: int | None = None, writing: bool = False) -> Iterator[None]:
         """Run one hub call under the hub timeout (and a download under `max_bytes`) and map huggingface_hub's
-        exceptions to one-line HubErrors (exit 5), token redacted; `call` names the call in a timeout message."""
+        exceptions to one-line HubErrors (exit 5), token redacted; `call` names the call in a timeout message. A 403 is
+        "no write access" for a `writing` call (create repo/branch, commit), "access denied" (gated/private) for a
+        read."""
         from huggingface_hub import errors as e
 
         where = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
@@ -190,9 +192,14 @@ class HuggingFaceHub:
             if status == 401:
                 raise HubError(f"{where}: the hub rejected the token (HTTP 401)",
                                "set a valid HF_TOKEN or run `hf auth login`") from None
-            if status == 403:
+            if status == 403 and writing:
                 raise HubError(f"{where}: the token has no write access (HTTP 403)",
                                "use a token with write permission for this namespace") from None
+            if status == 403:
+                raise HubError(f"{where}: access denied (HTTP 403): the repo is gated or private and this token (or "
+                               "no token) may not read it",
+                               f"request access at {self.endpoint}/{repo_id} and log in with a token that has it "
+                               "(HF_TOKEN or `hf auth login`)") from None
             if committing and status in (409, 412):
                 raise HubError(f"{where}: the branch moved while pushing (a concurrent commit); nothing was "
                                "committed", "re-run the push: it re-reads zoo.json and merges again") from None

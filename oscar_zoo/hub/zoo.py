@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import IntegrityError
 from ..evaluation.report import VerifyReport, check_thresholds
 from ..manifest import Manifest, _one_line, canonical_json, load_json
 from ..runtime import layout
+from .base import check_subfolder
 
 ZOO_NAME = "zoo.json"
 ZOO_SCHEMA_VERSION = 1
@@ -32,6 +33,11 @@ class ZooModel(BaseModel):
     bits_per_element_128k: float
     verification: str  # one-line summary, "unverified" when the manifest has none
     updated: str  # ISO time of the push that wrote this entry
+
+    @field_validator("subfolder")
+    @classmethod
+    def _plain_subfolder(cls, value: str) -> str:
+        return check_subfolder(value)
 
 
 class ZooIndex(BaseModel):
