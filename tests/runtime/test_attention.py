@@ -92,7 +92,14 @@ def test_quantized_decode_matches_dense_reference(monkeypatch):
     q_rot = reference.rotate(q[:, :, 0:1], Mk[0].repeat_interleave(3, 0))[:, :, 0]
     o_ref, _ = reference.tiered_decode_attention_ref(q_rot, *layer.tier_args(), SCALE)
     o_ref = reference.rotate(o_ref.unsqueeze(2), Mv[0].repeat_interleave(3, 0).transpose(-1, -2)).transpose(1, 2)
-    torch.testing.assert_close(out, o_ref, rtol=1e-5, atol=1e-5)
+    # Through the kernels (TRITON_INTERPRET=1) the sums run in another order than in the fp32 reference twin, so the
+    # tolerance is STYLE's 2× rule: at most twice the error of a plain bf16 PyTorch run of the same math over the same
+    # cache tensors (q·M_K, the tiers as stored, softmax, ·v, ·M_Vᵀ, all in bf16). The reference path is exact.
+    k_all, v_all = (t.bfloat16().repeat_interleave(3, 1) for t in layer.dense_kv())  # [B, H_q, T, D]
+    p = torch.softmax(torch.einsum("bhd,bhtd->bht", q_rot.bfloat16(), k_all) * SCALE, -1)
+    o_bf16 = torch.einsum("bht,bhtd,hed->bhe", p, v_all, Mv[0].repeat_interleave(3, 0).bfloat16()).unsqueeze(1)
+    err, err_bf16 = (out - o_ref).abs().max(), (o_bf16.float() - o_ref).abs().max()
+    assert err <= 2 * err_bf16, (err, err_bf16)
 
 
 def test_second_chunk_attends_tiers_and_its_own_exact_kv():
@@ -215,7 +222,12 @@ def test_without_oscar_cache_attention_is_exact():
     assert torch.equal(_generate(model, ids, DynamicCache(), 5), expected_tokens)
 
 
-def test_equal_length_batch_matches_rows_and_padding_is_refused():
+def test_equal_length_batch_matches_rows_and_padding_is_refused(monkeypatch):
+    """Each row of an equal-length batch generates exactly what it generates alone. Exactness holds for the reference
+    ops, which this pins (no TRITON_INTERPRET): the kernels pick their split count from the batch size
+    (`ops._int2_splits`), so their fp32 sums legitimately differ between B=2 and B=1 in the last bits, enough to flip
+    a near-tie of this random bf16 model's greedy tokens. Kernels on batches are checked in test_decode_kernels."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = enable_oscar(_model("mistral", dtype=torch.bfloat16))
     ids = _prompt(B=2, T=350)
     both = _generate(model, ids, OscarCache(_rotations(2), _rotations(2, 50)), 10)
