@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARTIFACTS ?= artifacts/demo
 
-.PHONY: demo test test-slow test-gpu clean
+.PHONY: demo test test-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,9 +22,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
-
-test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
