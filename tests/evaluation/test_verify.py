@@ -1,5 +1,7 @@
-"""`oscar-zoo verify` end to end on a random-weight model: identity quantization reproduces BF16, a calibrated artifact
-passes and a broken (orthogonal) one fails with exit 3, JSON / plot / --write, integrity exits, backend agreement."""
+"""`oscar-zoo verify` end to end on a random-weight model: identity quantization reproduces BF16, verify reports what an
+independent float64 computation says (calibrated, broken and shared per-layer artifacts), the gate passes the
+calibrated artifact at thresholds derived from that computation and fails the broken one with exit 3, JSON / plot /
+--write, integrity exits, backend agreement."""
 
 import shutil
 
@@ -11,16 +13,28 @@ from oscar_zoo.errors import IntegrityError
 from oscar_zoo.evaluation import baselines
 from oscar_zoo.evaluation.attention import verifying
 from oscar_zoo.evaluation.harness import Attender, VerifySettings, run_verification
-from oscar_zoo.evaluation.report import Thresholds, VerifyReport
+from oscar_zoo.evaluation.report import Thresholds, VerifyReport, check_thresholds
 from oscar_zoo.runtime import reference
 
 from ..hub.helpers import rewrite_rotations
-from .conftest import CONTEXT, TEST_THRESHOLDS, outlier_model
+from .conftest import CONTEXT, KL_RTOL, PPL_ATOL, RECENT, SINK, TOP1_POSITIONS, outlier_model
+from .float64_reference import expected_metrics
+
+ANY = ("--max-kl", "9", "--min-top1", "0", "--max-ppl-increase", "9")  # for runs that test something else
 
 
-def _args(artifacts, model_dir, heldout_file, *extra):
+def _args(artifacts, model_dir, heldout_file, *extra, thresholds=ANY):
+    """verify in float32 (so that its numbers are the float64 expectation's up to fp32 rounding)."""
     return (artifacts, "--model", model_dir, "--dataset", heldout_file, "--context", CONTEXT, "--sequences", 2,
-            "--generate", 4, "--device", "cpu", *TEST_THRESHOLDS, *extra)
+            "--generate", 4, "--device", "cpu", "--dtype", "float32", *thresholds, *extra)
+
+
+def _assert_matches(result, expected):
+    """A verify MethodResult against the float64 Expected, within the fp32 tolerances of conftest."""
+    assert result.kl == pytest.approx(expected.kl, rel=KL_RTOL), (result.kl, expected.kl)
+    assert abs(result.top1 - expected.top1) <= TOP1_POSITIONS / expected.scored + 1e-12, (result.top1, expected.top1)
+    assert result.ppl_increase == pytest.approx(expected.ppl_increase, abs=PPL_ATOL), (result.ppl_increase,
+                                                                                        expected.ppl_increase)
 
 
 def test_identity_quantization_reproduces_bf16_logits(good_artifacts, heldout_ids, monkeypatch):
@@ -42,25 +56,53 @@ def test_identity_quantization_reproduces_bf16_logits(good_artifacts, heldout_id
         assert torch.allclose(out, logits["bf16"], atol=1e-3), name
 
 
-def test_good_artifacts_pass_and_broken_ones_fail(run_cli, good_artifacts, bad_artifacts, model_dir, heldout_file):
-    code, out, err = run_cli("verify", *_args(good_artifacts, model_dir, heldout_file, "--generate", 0, "--baselines",
-                                              "kivi"))
+def test_verify_reports_the_float64_expectation_and_gates_on_it(run_cli, good_artifacts, bad_artifacts, model_dir,
+                                                                 heldout_file, expected, thresholds):
+    """What verify reports for the calibrated and the broken artifact is the independent float64 computation's; the
+    broken one (a permutation mixes nothing, so the outlier key channels meet INT2 unrotated) is worse on all three
+    metrics by far more than the tolerances; so at thresholds just past the calibrated artifact's expectation the
+    calibrated one passes and the broken one fails (exit 3) on every metric, the perplexity gate included."""
+    good, bad = expected["good"], expected["bad"]
+    assert bad.kl > 2 * good.kl and bad.top1 < good.top1 - 10 / good.scored and bad.ppl_increase > good.ppl_increase + 0.1
+
+    code, out, err = run_cli("verify", *_args(good_artifacts, model_dir, heldout_file, "--json", "--generate", 0,
+                                              "--baselines", "kivi", thresholds=thresholds))
+    assert code == 0, err
+    report = VerifyReport.model_validate_json(out)
+    _assert_matches(report.method("oscar"), good)
+    assert report.passed and report.tokens_scored == good.scored
+    # each gate sits where the expectation says: moved just past the calibrated artifact's value, it fails
+    oscar = report.method("oscar")
+    limits = Thresholds(max_kl=good.kl * (1 + 20 * KL_RTOL), min_top1=good.top1 - 2 * TOP1_POSITIONS / good.scored,
+                        max_ppl_increase=good.ppl_increase + 5 * PPL_ATOL)
+    assert check_thresholds(oscar, limits) == []
+    for field, value, metric in (("max_kl", good.kl * (1 - 20 * KL_RTOL), "mean KL"),
+                                 ("min_top1", good.top1 + 2 * TOP1_POSITIONS / good.scored, "top-1 agreement"),
+                                 ("max_ppl_increase", good.ppl_increase - 5 * PPL_ATOL, "perplexity increase")):
+        failures = check_thresholds(oscar, limits.model_copy(update={field: value}))
+        assert len(failures) == 1 and failures[0].startswith(metric), (field, failures)
+
+    code, out, err = run_cli("verify", *_args(good_artifacts, model_dir, heldout_file, "--generate", 0,
+                                              "--baselines", "kivi", thresholds=thresholds))
     assert code == 0, err
     assert "PASS" in out and "OSCAR" in out and "KIVI" in out and "bits/elem" in out
-    code, out, err = run_cli("verify", *_args(bad_artifacts, model_dir, heldout_file, "--generate", 0, "--baselines",
-                                              "none"))
+    code, out, err = run_cli("verify", *_args(bad_artifacts, model_dir, heldout_file, "--json", "--generate", 0,
+                                              "--baselines", "none", thresholds=thresholds))
     assert code == 3, err
-    assert "FAIL" in out and "missed the thresholds" in err
+    report = VerifyReport.model_validate_json(out)
+    _assert_matches(report.method("oscar"), bad)
+    assert not report.passed and [f.split(" ")[0] for f in report.failures] == ["perplexity", "mean", "top-1"]
+    assert "missed the thresholds" in err
 
 
-def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, tmp_path):
+def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, tmp_path, thresholds):
     import shutil
 
     folder = tmp_path / "artifacts"
     shutil.copytree(good_artifacts, folder)
     png = tmp_path / "verify.png"
     code, out, err = run_cli("verify", *_args(folder, model_dir, heldout_file, "--json", "--plot", png, "--write",
-                                              "--baselines", "naive,clip-only,hadamard,kivi"))
+                                              "--baselines", "naive,clip-only,hadamard,kivi", thresholds=thresholds))
     assert code == 0, err
     report = VerifyReport.model_validate_json(out)
     assert [m.name for m in report.methods] == ["bf16", "oscar", "naive", "clip-only", "hadamard", "kivi"]
@@ -119,8 +161,9 @@ def test_backends_agree_under_the_triton_interpreter(good_artifacts, loaded, hel
         assert a.layer_error == pytest.approx(b.layer_error, rel=1e-3, abs=1e-5), a.name
 
 
-def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, loaded, heldout_ids):
-    """Shared per-layer rotations ([L, 1, D, D]) go through the teacher-forced path and the runtime cache alike."""
+def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, loaded32, model64, heldout_ids):
+    """Shared per-layer rotations ([L, 1, D, D]) go through the teacher-forced path, where verify reports the float64
+    expectation of the shared rotations (not the per-head ones'), and through the runtime cache."""
     import dataclasses
 
     from oscar_zoo.manifest import Granularity
@@ -132,9 +175,14 @@ def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, 
         update={"granularity": Granularity.PER_LAYER})})
     settings = VerifySettings(context=96, sequences=1, baselines=(), generate_tokens=3,
                               thresholds=Thresholds(max_ppl_increase=9, max_kl=9, min_top1=0))
-    report = run_verification(loaded, manifest, shared, heldout_ids[:1, :96], settings)
+    ids = heldout_ids[:1, :96]
+    report = run_verification(loaded32, manifest, shared, ids, settings)
     oscar = report.method("oscar")
-    assert oscar.generation.new_tokens == 3 and 0 < oscar.kl < 9 and "per-layer" in oscar.label
+    assert oscar.generation.new_tokens == 3 and "per-layer" in oscar.label
+    expected_shared = expected_metrics(model64, ids, shared, SINK, RECENT)
+    _assert_matches(oscar, expected_shared)
+    per_head = expected_metrics(model64, ids, rot, SINK, RECENT)
+    assert abs(per_head.kl - expected_shared.kl) > 10 * KL_RTOL * expected_shared.kl  # the check tells them apart
 
 
 def test_real_smollm2_oscar_beats_naive_int2(smollm2, tmp_path):
