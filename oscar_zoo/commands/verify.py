@@ -56,9 +56,10 @@ def verify_command(
     needle: Annotated[bool, typer.Option("--needle", help="Also run passkey retrieval at long context through the "
                                                           "runtime (BF16, OSCAR, naive and Hadamard INT2).")] = False,
     needle_lengths: Annotated[str | None, typer.Option(help="Comma-separated prompt lengths in tokens (default: "
-                                                            "1024, 2048, … up to the model's limit).")] = None,
+                                                            "1024, 2048, … and the model's limit less the answer).")]
+    = None,
     needle_depths: Annotated[str | None, typer.Option(help="Comma-separated needle depths in [0, 1] (default: "
-                                                           "0.1,0.3,0.5,0.7,0.9).")] = None,
+                                                           "0.2,0.5,0.8).")] = None,
     needle_trials: Annotated[int, typer.Option(help="Prompts per (length, depth) cell.")] = 2,
     needle_quick: Annotated[bool, typer.Option("--needle-quick", help="A small grid: two lengths (1024 and the "
                                                                       "largest ≤ 4096), two depths, one trial.")]

@@ -29,7 +29,7 @@ from .report import NeedleMethod, NeedleReport
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
 QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"
-DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_DEPTHS = (0.2, 0.5, 0.8)
 QUICK_DEPTHS = (0.25, 0.75)
 PREFILL_CHUNK = 1 << 30  # one chunk: the causal SDPA path (no materialised mask; CPU flash kernel)
 
@@ -43,14 +43,15 @@ class NeedlePrompt:
     needle_len: int
 
 
-def default_lengths(max_positions: int, quick: bool = False) -> tuple[int, ...]:
-    """Powers of two from 1024 up to the model's context limit (quick: the smallest and the largest ≤ 4096)."""
-    top = max(1024, int(max_positions))
+def default_lengths(max_tokens: int, quick: bool = False) -> tuple[int, ...]:
+    """1024, 2048, … below `max_tokens` (the longest prompt the model can answer within its positions), then
+    `max_tokens` itself; quick: 1024 and the largest of them ≤ 4096."""
     lengths = []
     n = 1024
-    while n <= top:
+    while n < max_tokens:
         lengths.append(n)
         n *= 2
+    lengths.append(max(int(max_tokens), 256))
     if quick:
         return tuple(sorted({lengths[0], max(x for x in lengths if x <= 4096)}))
     return tuple(lengths)
