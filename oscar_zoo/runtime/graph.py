@@ -90,7 +90,7 @@ class DecodeGraphs:
         step = _Step(kwargs, cache)
         lengths = cache.host_lengths()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # a pool whose graphs are all gone cannot be captured into
+        with torch.cuda.graph(graph, pool=self.pool):
             step.keep(self.model(**{**kwargs, **step.inputs}))
         cache.restore_host_lengths(lengths)  # capture ran the Python once; the device work runs at replay
         self.pool = graph.pool()
