@@ -45,7 +45,8 @@ class _Attention:
         causal = j <= i
         scale = scaling if scaling is not None else D**-0.5
         if self.rotations is None:
-            p = torch.softmax((q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale).masked_fill(~causal, -math.inf), -1)
+            logits = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
+            p = torch.softmax(logits.masked_fill(~causal, -math.inf), -1)
             out = p @ v.repeat_interleave(g, 1)
         else:
             k_rot, v_rot, k_clip, v_clip = (t[module.layer_idx] for t in self.rotations)  # [H, D, D], [H]
@@ -60,7 +61,8 @@ class _Attention:
             logits = torch.where(exact, qr @ kr.repeat_interleave(g, 1).transpose(-1, -2),
                                  qr @ k_hat.repeat_interleave(g, 1).transpose(-1, -2)) * scale
             p = torch.softmax(logits.masked_fill(~causal, -math.inf), -1)
-            o = torch.where(exact, p, 0) @ vr.repeat_interleave(g, 1) + torch.where(~exact, p, 0) @ v_hat.repeat_interleave(g, 1)
+            o = (torch.where(exact, p, 0) @ vr.repeat_interleave(g, 1)
+                 + torch.where(~exact, p, 0) @ v_hat.repeat_interleave(g, 1))
             out = torch.einsum("bhte,hde->bhtd", o, Mv.repeat_interleave(g, 0))  # o·M_Vᵀ
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
