@@ -1,4 +1,4 @@
-"""Typed errors, each carrying the exit code of DESIGN.md and the advice a user needs; `cli.main` maps them."""
+"""Typed errors, each carrying its exit code (README, "Commands") and the advice a user needs; `cli.main` maps them."""
 
 from __future__ import annotations
 

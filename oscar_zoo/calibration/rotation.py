@@ -9,7 +9,7 @@ from ..errors import OscarZooError
 from ..runtime import reference
 from .targets import per_layer
 
-ORTHOGONALITY_TOLERANCE = 1e-6  # max |MᵀM − I| in float32 (METHOD.md §3)
+ORTHOGONALITY_TOLERANCE = 1e-6  # max |MᵀM − I| in float32 (docs/format.md §3)
 
 
 def fit_rotations(target: Tensor, granularity: str) -> tuple[Tensor, Tensor]:

@@ -1,7 +1,7 @@
 """Streaming float64 accumulators of the attention-aware targets, per (layer, KV head), mergeable.
 
 A `SecondMoment` holds Σ w·x xᵀ and Σ w per (layer, KV head); `merge` adds two of them, which equals accumulating the
-concatenation (what data-parallel calibration all-reduces). The three targets of METHOD.md §2 are all of this form:
+concatenation (what data-parallel calibration all-reduces). The three targets of docs/format.md §2 are all of this form:
 - key target   C_Q[h] = mean over tokens and the g query heads of group h of q qᵀ      (x = q, w = 1)
 - value target C_S[h] = Σ_t w_t v_t v_tᵀ / Σ_t w_t,  w_t = k_tᵀ C_Q[h] k_t             (x = v, second pass)
 - softmax value target (1/N) Vᵀ SᵀS V = mean over queries of o oᵀ, o = S V the attention output per query head
@@ -26,7 +26,7 @@ def group_heads(x: Tensor, n_kv_heads: int) -> Tensor:
 def second_moment(x: Tensor, w: Tensor | None = None) -> Tensor:
     """Σ_n w_n x_n x_nᵀ per head, in float64 on x's device: x [H, N, D], w [H, N] or None → [H, D, D]. On an H200 a
     float64 product of one q batch [8, 32768, 128] takes 0.39 ms (FP64 tensor cores), no faster in fp32 or in token
-    chunks (benchmarks/RESULTS.md), so the sums stay float64 end to end as METHOD.md §1 asks."""
+    chunks (benchmarks/RESULTS.md), so the sums stay float64 end to end as docs/format.md §2 says."""
     x64 = x.to(torch.float64)
     xw = x64 if w is None else x64 * w.to(x.device, torch.float64)[..., None]
     return torch.einsum("hnd,hne->hde", xw, x64)

@@ -78,7 +78,7 @@ _ROTATIONS = {}
 
 
 def _rotated_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Rotate q, k by M_K and v by M_V per KV head, attend, un-rotate the output with M_Vᵀ (METHOD.md §4)."""
+    """Rotate q, k by M_K and v by M_V per KV head, attend, un-rotate the output with M_Vᵀ (docs/format.md §3)."""
     M_K, M_V = _ROTATIONS[module.layer_idx]
     g = query.shape[1] // key.shape[1]
     qr = R.rotate(query, M_K.repeat_interleave(g, 0))

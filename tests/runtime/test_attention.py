@@ -93,8 +93,9 @@ def test_quantized_decode_matches_dense_reference(monkeypatch):
     o_ref, _ = reference.tiered_decode_attention_ref(q_rot, *layer.tier_args(), SCALE)
     o_ref = reference.rotate(o_ref.unsqueeze(2), Mv[0].repeat_interleave(3, 0).transpose(-1, -2)).transpose(1, 2)
     # Through the kernels (TRITON_INTERPRET=1) the sums run in another order than in the fp32 reference twin, so the
-    # tolerance is STYLE's 2× rule: at most twice the error of a plain bf16 PyTorch run of the same math over the same
-    # cache tensors (q·M_K, the tiers as stored, softmax, ·v, ·M_Vᵀ, all in bf16). The reference path is exact.
+    # tolerance is the 2× rule (docs/format.md §9): at most twice the error of a plain bf16 PyTorch run of the same math
+    # over the same cache tensors (q·M_K, the tiers as stored, softmax, ·v, ·M_Vᵀ, all in bf16). The reference path is
+    # exact.
     k_all, v_all = (t.bfloat16().repeat_interleave(3, 1) for t in layer.dense_kv())  # [B, H_q, T, D]
     p = torch.softmax(torch.einsum("bhd,bhtd->bht", q_rot.bfloat16(), k_all) * SCALE, -1)
     o_bf16 = torch.einsum("bht,bhtd,hed->bhe", p, v_all, Mv[0].repeat_interleave(3, 0).bfloat16()).unsqueeze(1)
@@ -194,7 +195,7 @@ def test_identity_unquantized_generation_reproduces_dynamic_cache(arch):
 def test_rotated_unquantized_logits_equal_plain_model():
     """Random orthogonal rotations + BF16 history, fp32 model, teacher-forced: the prefill logits equal the plain
     model's to fp32 noise (the chunk attends to its exact rotated K/V); decode logits, read from BF16 tiers, stay
-    within 2× the error that identity rotations + BF16 tiers show (the bf16 storage noise; STYLE.md's 2× rule).
+    within 2× the error that identity rotations + BF16 tiers show (the bf16 storage noise; docs/format.md §9).
     Observed: prefill max |Δ| 6e-6 (max |logit| 4.2); decode: identity 0.018, rotated 0.022 (1.2×)."""
     model = _model("llama")
     ids = _prompt(T=410)
@@ -291,8 +292,9 @@ def test_folded_value_rotation_equals_unfolded():
     """fold_value_rotation puts M_V into v_proj's rows (bias included: Qwen2) and M_Vᵀ into o_proj's columns. fp32
     model, unquantized rotated cache, teacher-forced: the folded prefill logits equal the unfolded ones to fp32 noise,
     the decode logits (read from BF16 tiers, so rounded at other points) stay within 2× the unfolded error against the
-    exact DynamicCache run (STYLE's 2× rule), and without a cache the folded model is the plain one; a transposed
-    rotation or a wrong head mapping moves logits by O(1). Observed: prefill 5.4e-6; decode 0.0254 vs 0.0253."""
+    exact DynamicCache run (docs/format.md §9's 2× rule), and without a cache the folded model is the plain one; a
+    transposed rotation or a wrong head mapping moves logits by O(1). Observed: prefill 5.4e-6; decode 0.0254 vs
+    0.0253."""
     model = _model("qwen2")
     ids = _prompt(T=410)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """INT2 and BF16 split-K decode kernels (`ops.tiered_decode_attention`, `ops.decode_int2_partial`,
 `ops.decode_bf16_partial`) against `reference.tiered_decode_attention_ref` on the same dequantized cache.
 
-Tolerance rule (STYLE.md): the kernel's max error vs the fp32 reference is at most 2× that of a plain bf16 PyTorch run of
+Tolerance rule (docs/format.md §9): the kernel's max error vs the fp32 reference is at most 2× that of a plain bf16 PyTorch run of
 the same math (plus 1e-5 absolute, for cases where bf16 happens to be exact, e.g. a single token)."""
 
 import math
