@@ -29,10 +29,10 @@ def write_needle_plot(needle: NeedleReport, model: str, path: Path) -> None:
     plt = _pyplot(path)
     n = len(needle.methods)
     fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 3.4), squeeze=False)
-    for ax, m in zip(axes[0], needle.methods):
+    for i, (ax, m) in enumerate(zip(axes[0], needle.methods)):
         image = ax.imshow(m.accuracy, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(needle.depths)), [f"{d:g}" for d in needle.depths])
-        ax.set_yticks(range(len(needle.lengths)), [f"{x:,}" for x in needle.lengths])
+        ax.set_yticks(range(len(needle.lengths)), [f"{x:,}" for x in needle.lengths] if i == 0 else [])
         ax.set_xlabel("needle depth")
         ax.set_title(f"{m.name}: {100 * m.overall:.0f}%", fontsize=10)
         for i, row in enumerate(m.accuracy):
