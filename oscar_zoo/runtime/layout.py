@@ -33,10 +33,10 @@ FLUSH = 8  # tokens demoted together from the recent tier into the history
 DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92
 
-# Scale floor. METHOD.md: scale = max(max − min, 1e-8) / 3. With float16 storage that breaks on (near-)constant rows:
+# Scale floor (docs/format.md §6). The plain rule is scale = max(max − min, 1e-8) / 3. With float16 storage that breaks on (near-)constant rows:
 # a tiny scale underflows to 0 and zero = −min/scale overflows to inf. We floor the range at amax·2^-12 (so |zero| ≤
 # 3·2^12, exactly representable magnitude in float16) and at 3·2^-14 (so scale is a normal float16). Rows whose range is
-# above both floors — every row of real K/V data we have seen — quantize exactly as METHOD.md says.
+# above both floors — every row of real K/V data we have seen — quantize exactly by the plain rule.
 RANGE_REL_FLOOR = 2.0**-12
 RANGE_ABS_FLOOR = 3 * 2.0**-14
 
@@ -74,7 +74,7 @@ def packed_dim(head_dim: int) -> int:
 
 
 def bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT) -> float:
-    """Average bits per cached K/V element at `context` tokens (METHOD.md §7), float16 scale and zero per group."""
+    """Average bits per cached K/V element at `context` tokens (docs/format.md §7), float16 scale and zero per group."""
     if context <= 0:
         raise ValueError(f"context must be positive, got {context}")
     full = min(context, sink + recent)
