@@ -1,5 +1,5 @@
-"""Settings for the OSCAR reference runtime (the SGLang fork): the environment variables and server flags it reads
-(as the reference runtime documents them), written next to the exported `.pt` files as a sourceable `sglang.env` and a launch script.
+"""Settings for the OSCAR reference runtime (the SGLang fork): the environment variables and server flags it reads,
+written next to the exported `.pt` files as a sourceable `sglang.env` and a launch script.
 
 The rotation paths in `sglang.env` are relative to the folder holding it (the export folder can be moved or copied
 to a server): the server must run with that folder as its working directory. `launch_sglang.sh` needs no such care:
