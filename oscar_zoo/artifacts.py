@@ -23,7 +23,7 @@ import torch
 
 from .errors import InputError, IntegrityError
 from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
-from .runtime.validate import TENSOR_NAMES, check_rotation_tensors
+from .runtime.validate import TENSOR_NAMES, check_rotation_tensors, check_tensor_names
 
 TENSOR_DTYPES = {name: torch.int32 if name == "layer_ids" else torch.float32 for name in TENSOR_NAMES}
 
@@ -354,12 +354,10 @@ def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
     if ROTATIONS_NAME not in {a.path for a in manifest.artifacts}:
         raise IntegrityError(f"the manifest in {folder} does not list {ROTATIONS_NAME}")
     tensors = load_tensors(folder / ROTATIONS_NAME)
-    names = set(tensors)
-    if names != set(TENSOR_NAMES):
-        missing, extra = [n for n in TENSOR_NAMES if n not in names], sorted(names - set(TENSOR_NAMES))
-        raise IntegrityError(f"{ROTATIONS_NAME} " + " and ".join(
-            ([f"lacks tensors {', '.join(missing)}"] if missing else [])
-            + ([f"holds unexpected tensors {', '.join(extra)}"] if extra else [])))
+    try:
+        check_tensor_names(tensors)
+    except ValueError as exc:
+        raise IntegrityError(f"{ROTATIONS_NAME}: {exc}") from None
     rotations = Rotations(**{n: tensors[n] for n in TENSOR_NAMES})
     check_rotations(rotations, manifest)
     return manifest, rotations

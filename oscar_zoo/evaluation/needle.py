@@ -11,7 +11,6 @@ the same way on its DynamicCache. An answer is right when its first non-space ch
 
 from __future__ import annotations
 
-import inspect
 import random
 import re
 import time
@@ -25,6 +24,7 @@ from transformers import DynamicCache
 from ..errors import InputError
 from ..models import LoadedModel
 from .baselines import RotatedInt2, build_methods
+from .harness import _cache_for, _cache_kwarg
 from .report import NeedleMethod, NeedleReport
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
@@ -94,8 +94,8 @@ class NeedleSettings:
 
 
 def _forward(model, ids: Tensor, cache) -> Tensor:
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1]
+    """Last-position logits of `ids` [1, n] run after what `cache` holds."""
+    return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kwarg(): cache}).logits[:, -1]
 
 
 def _answer(model, cache, question: Tensor, new_tokens: int) -> list[int]:
@@ -113,7 +113,6 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                baselines: tuple[str, ...], progress: Callable[..., None] | None = None) -> NeedleReport:
     """The retrieval grid: for every (length, depth, trial) prompt, BF16 and every method the runtime can store."""
     from ..runtime.attention import enable_oscar
-    from .harness import _cache_for
 
     progress = progress or (lambda *a, **k: None)
     t0 = time.perf_counter()

@@ -87,7 +87,7 @@ class DecodeGraphs:
         return (tuple(ids.shape), tuple(sorted(others)))
 
     def _capture(self, cache, kwargs: dict) -> _Step:
-        step = _Step(kwargs, cache)
+        step = _Step(kwargs)  # its input values are loaded before each replay
         lengths = cache.host_lengths()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -104,11 +104,10 @@ class _Step:
     reference to the cache (a cache dropped by the user is freed; its graphs are never replayed again, because the
     storage versions of a new cache are new)."""
 
-    def __init__(self, kwargs: dict, cache):
+    def __init__(self, kwargs: dict):
         ids = kwargs["input_ids"]
         self.inputs = {n: kwargs[n].clone() for n in _STATIC_INPUTS if isinstance(kwargs.get(n), Tensor)}
         self.inputs.setdefault("position_ids", torch.zeros_like(ids))  # else the length would be baked into the graph
-        self.load(kwargs, cache)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
         self.out_type = None

@@ -33,12 +33,7 @@ def check_rotation_tensors(tensors: Mapping[str, Tensor], tol: float = ORTHOGONA
     """Raise ValueError, naming the tensor (and layer and head), unless `tensors` holds exactly the format's tensors:
     k/v_rotation float [L, H, D, D] orthogonal, k/v_eigenvalues float [L, H, D] finite, k/v_clip float [L, H] in
     (0, 1], layer_ids integer [L] distinct and ≥ 0 (L, H, D ≥ 1)."""
-    missing = [n for n in TENSOR_NAMES if n not in tensors]
-    extra = sorted(set(tensors) - set(TENSOR_NAMES))
-    if missing or extra:
-        parts = ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unexpected {', '.join(extra)}"]
-                                                                         if extra else [])
-        raise ValueError(f"the rotation tensors {' and '.join(parts)} (expected exactly {', '.join(TENSOR_NAMES)})")
+    check_tensor_names(tensors)
     for name in TENSOR_NAMES:
         if not isinstance(tensors[name], Tensor):
             raise ValueError(f"{name} is a {type(tensors[name]).__name__}, not a tensor")
@@ -59,6 +54,16 @@ def check_rotation_tensors(tensors: Mapping[str, Tensor], tol: float = ORTHOGONA
         check_orthogonal(name, tensors[name], layer_ids, tol)
     for name in CLIP_NAMES:
         check_clips(name, tensors[name], layer_ids)
+
+
+def check_tensor_names(tensors: Mapping[str, object]) -> None:
+    """Exactly the format's tensor names, no more, no fewer; ValueError naming what is missing or extra."""
+    missing = [n for n in TENSOR_NAMES if n not in tensors]
+    extra = sorted(set(tensors) - set(TENSOR_NAMES))
+    if missing or extra:
+        parts = ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unexpected {', '.join(extra)}"]
+                                                                         if extra else [])
+        raise ValueError(f"the rotation tensors {' and '.join(parts)} (expected exactly {', '.join(TENSOR_NAMES)})")
 
 
 def check_rotation(name: str, M: Tensor, layer_ids: list[int], tol: float = ORTHOGONALITY_TOL) -> None:

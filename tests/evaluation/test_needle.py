@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oscar_zoo.artifacts import Rotations
-from oscar_zoo.evaluation import harness
+from oscar_zoo.evaluation import needle
 from oscar_zoo.evaluation.needle import NeedleSettings, answer_is_right, build_prompt, run_needle
 from oscar_zoo.runtime.cache import OscarCache
 
@@ -36,10 +36,10 @@ def _manifest(sink: int, recent: int):
 def test_prompt_puts_the_whole_needle_at_its_depth(tokenizer, heldout_file, depth):
     filler = _filler(tokenizer, heldout_file)
     p = build_prompt(tokenizer, filler, 2000, depth, random.Random(3))
-    needle = tokenizer(f" The secret passkey is {p.key}. Remember it: the passkey is {p.key}. ",
-                       add_special_tokens=False).input_ids
+    needle_ids = tokenizer(f" The secret passkey is {p.key}. Remember it: the passkey is {p.key}. ",
+                           add_special_tokens=False).input_ids
     assert len(p.context) + len(p.question) == 2000 and len(p.key) == 5 and p.key.isdigit()
-    assert p.context[p.needle_start : p.needle_start + p.needle_len] == needle  # whole, in order, where it says
+    assert p.context[p.needle_start : p.needle_start + p.needle_len] == needle_ids  # whole, in order, where it says
     n_filler = len(p.context) - p.needle_len
     assert abs(p.needle_start / n_filler - depth) <= 0.01
     rest = p.context[: p.needle_start] + p.context[p.needle_start + p.needle_len :]
@@ -66,7 +66,7 @@ def test_exact_cache_answers_as_bf16(loaded, tokenizer, heldout_file, monkeypatc
         eye = torch.eye(head_dim).expand(num_layers, 1, head_dim, head_dim).contiguous()
         return OscarCache(eye, eye, quantize=False, sink=sink, recent=recent, num_layers=num_layers)
 
-    monkeypatch.setattr(harness, "_cache_for", exact_cache)
+    monkeypatch.setattr(needle, "_cache_for", exact_cache)
     settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5)
     report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), _filler(tokenizer, heldout_file),
                         settings, baselines=())
