@@ -326,10 +326,12 @@ def main(argv=None) -> None:
         return
     from oscar_zoo.calibration import distributed
 
+    report, finished = None, False
     try:
         report = run(args)
+        finished = True
     finally:
-        distributed.shutdown()
+        distributed.shutdown(finished)
     if report is not None:
         print(f"wrote {', '.join(report['files'])}")
         table(report)

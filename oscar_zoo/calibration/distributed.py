@@ -87,8 +87,13 @@ def rank_device(dp: DataParallel, device: str) -> str:
     return device
 
 
-def shutdown() -> None:
+def shutdown(finished: bool = True) -> None:
+    """Leave the process group. After a finished run every rank first waits for the others: a gloo rank that tears
+    its group down while a peer still holds the connection can abort at interpreter exit ("terminate called without
+    an active exception"). After a failure, leave at once (a barrier would wait for a rank that may never come)."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -94,6 +94,7 @@ def calibrate_command(
     dp = distributed.from_env(device)
     store_dir: Path | None = None  # the checkpoint folder, once the token ids are known
     is_main = dp is None or dp.is_main
+    finished = False
     try:
         if dp:
             if device_map and dp.local_world > 1:
@@ -122,12 +123,13 @@ def calibrate_command(
         store_dir = default_store_dir(loaded, seqs)
         with progress_reporter(enabled=not json_output and is_main) as report:
             result = calibrate(loaded, seqs, settings, progress=report, store_dir=store_dir, dp=dp, note=say)
+        finished = True
     except KeyboardInterrupt:
         if is_main:
             err_console.print(_interrupted(store_dir), highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     finally:
-        distributed.shutdown()
+        distributed.shutdown(finished)
     if result is None:  # a rank other than 0: its share is in rank 0's sums, rank 0 writes and prints
         return
     wall = time.perf_counter() - start
