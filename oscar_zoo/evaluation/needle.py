@@ -4,8 +4,9 @@ A prompt is a long filler text (held-out) with a short fact placed at a depth �
 Remember it: the passkey is 48213." — followed, as a second turn, by a question ("what is the secret passkey?") whose
 answer is the five digits. The context is prefilled once in BF16 (chunked); each quantized method's `OscarCache` is
 filed from that prefill's K/V exactly as `OscarCache.update` files a prompt (rotation, clip, INT2 history, BF16
-windows). The question is then a second chunk — it reads the context through the cache's tiers, INT2 history
-included — and the answer is decoded greedily through the runtime (`oscar` attention, tiered decode). BF16 continues
+windows); transformers' QuantizedCache peers get the same K/V as their prefill `update` (all of it quantized, the
+residual window empty). The question is then a second chunk — it reads the context through the cache's tiers, INT2
+history included — and the answer is decoded greedily through the runtime (`oscar` attention, tiered decode). BF16 continues
 the same way on its DynamicCache. An answer is right when its first non-space characters are the passkey's digits and no other digit follows.
 """
 
@@ -23,8 +24,9 @@ from transformers import DynamicCache
 
 from ..errors import InputError
 from ..models import LoadedModel
-from .baselines import RotatedInt2, build_methods
+from .baselines import BASELINES, RotatedInt2, build_methods
 from .harness import _cache_for, _cache_kwarg
+from .peers import PEERS, PeerCache, build_peers, new_cache
 from .report import NeedleMethod, NeedleReport
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
@@ -125,7 +127,8 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
             raise InputError(f"needle length {length} + {settings.new_tokens} answer tokens exceeds the model's "
                              f"{limit} positions", f"use --needle-lengths up to {limit - settings.new_tokens}")
     methods = [m for m in build_methods(rotations, info.num_layers, info.head_dim, q.group_size, q.sink, q.recent,
-                                        baselines) if isinstance(m, RotatedInt2)]
+                                        tuple(b for b in baselines if b in BASELINES)) if isinstance(m, RotatedInt2)]
+    methods += build_peers(tuple(b for b in baselines if b in PEERS), model.config, info.head_dim)
     names = ["bf16"] + [m.name for m in methods]
     right = {n: [[0] * len(settings.depths) for _ in settings.lengths] for n in names}
     answers: dict[str, list[str]] = {n: [] for n in names}
@@ -147,7 +150,8 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                             _forward(model, context[:, s : s + PREFILL_CHUNK], bf16)
                         kv = [(layer.keys, layer.values) for layer in bf16.layers]
                         for m in methods:
-                            cache = _cache_for(m, manifest, info.num_layers, info.head_dim)
+                            cache = (new_cache(m.spec, model.config) if isinstance(m, PeerCache)
+                                     else _cache_for(m, manifest, info.num_layers, info.head_dim))
                             for idx, (k, v) in enumerate(kv):
                                 cache.update(k, v, idx)  # files the prompt as a prefill chunk would
                             answers[m.name].append(tok.decode(_answer(model, cache, question, settings.new_tokens)))

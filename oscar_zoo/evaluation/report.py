@@ -18,8 +18,9 @@ class _Frozen(BaseModel):
 class Generation(_Frozen):
     """Greedy continuation of one held-out prompt compared with BF16's."""
 
-    # oscar-cache: the runtime itself (OscarCache + `oscar` attention); dynamic-cache: BF16 (the model's own attention)
-    path: Literal["oscar-cache", "dynamic-cache"]
+    # oscar-cache: the runtime itself (OscarCache + `oscar` attention); dynamic-cache: BF16 (the model's own attention);
+    # quantized-cache: transformers' QuantizedCache (a peer baseline)
+    path: Literal["oscar-cache", "dynamic-cache", "quantized-cache"]
     prompt_tokens: int
     new_tokens: int
     first_divergence: int | None  # index of the first generated token that differs from BF16's; None: all equal
