@@ -22,7 +22,7 @@ if INTERPRETER:
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         importlib.import_module("triton.language")
-        for _kernel in ("quantize_pack", "decode_int2", "decode_bf16", "merge"):
+        for _kernel in ("quantize_pack", "decode", "merge"):
             importlib.import_module(f"oscar_zoo.runtime.kernels.{_kernel}")
     finally:
         if _saved is None:

@@ -18,14 +18,14 @@ from . import layout, reference
 
 LOG2E = 1.4426950408889634
 
-# Launch settings (chosen on an H200, see benchmarks/RESULTS.md).
-INT2_BLOCK_N = 128  # tokens per tile when (batch × KV heads) fills the GPU ...
-INT2_BLOCK_N_SMALL = 64  # ... and when it does not (more, shorter splits)
-INT2_WARPS = 4
-INT2_STAGES = 3
-INT2_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, KV head, split) programs per SM
+# Launch settings of the decode kernel (chosen on an H200, see benchmarks/RESULTS.md).
+DECODE_BLOCK_N = 64  # INT2 history tokens per tile
+DECODE_BLOCK_NB = 64  # BF16 sink/recent tokens per tile
+DECODE_WARPS = 4
+DECODE_STAGES = 3
+DECODE_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, head group, split) programs per SM
+DECODE_ROWS = 16  # MMA rows per program: KV heads per program = max(1, DECODE_ROWS // GQA group)
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
-BF16_BLOCK_N = 64
 QUANT_BLOCK_T = 32
 
 
@@ -53,9 +53,9 @@ def _use_kernel(t: Tensor) -> bool:
 
 
 def _kernels():
-    from .kernels import decode_bf16, decode_int2, merge, quantize_pack
+    from .kernels import decode, merge, quantize_pack
 
-    return quantize_pack, decode_int2, decode_bf16, merge
+    return quantize_pack, decode, merge
 
 
 def _dot_dtype():
@@ -73,12 +73,17 @@ def _sm_count(device_index: int) -> int:
 def _programs_target(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # interpreter: a few splits suffice to exercise the split logic
-    return INT2_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return DECODE_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _head_block(group: int) -> int:
-    """Query heads per program, padded to a power of two (≥ 16 for tensor-core dots on the GPU)."""
-    return max(16 if not _interpret() else 1, triton_next_pow2(group))
+def _heads_per_program(H_kv: int, group: int) -> int:
+    """KV heads one decode program serves: enough GQA groups to fill the MMA rows."""
+    return max(1, min(H_kv, DECODE_ROWS // group))
+
+
+def _row_block(rows: int) -> int:
+    """Rows of the MMA tile: padded to a power of two (≥ 16 for tensor-core dots on the GPU)."""
+    return max(16 if not _interpret() else 1, triton_next_pow2(rows))
 
 
 def triton_next_pow2(n: int) -> int:
@@ -213,70 +218,79 @@ def _check_kv(name: str, t: Tensor, q: Tensor, last: tuple[int, ...], dtype: tor
     return H_kv
 
 
-def _int2_block_n(B: int, H_kv: int, device: torch.device) -> int:
+def _block_n(device: torch.device, int2: bool) -> int:
     if device.type != "cuda":
         return 16  # interpreter: small tiles, many of them
-    return INT2_BLOCK_N_SMALL if B * H_kv < _programs_target(device) // INT2_PROGRAMS_PER_SM else INT2_BLOCK_N
+    return DECODE_BLOCK_N if int2 else DECODE_BLOCK_NB
 
 
-def _int2_splits(B: int, H_kv: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
+def _int2_splits(B: int, H_kv: int, group: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
     if num_splits is not None:
         _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
-    by_programs = -(-_programs_target(device) // (B * H_kv))
-    by_tokens = -(-T_cap // (2 * _int2_block_n(B, H_kv, device)))  # at least two tiles per split
+    programs = B * -(-H_kv // _heads_per_program(H_kv, group))
+    by_programs = -(-_programs_target(device) // programs)
+    by_tokens = -(-T_cap // (2 * _block_n(device, True)))  # at least two tiles per split
     return max(1, min(by_programs, by_tokens))
+
+
+def _bf16_splits(T_cap: int, device: torch.device) -> int:
+    return max(1, -(-T_cap // _block_n(device, False)))
 
 
 def _kernel_head_dim_ok(D: int) -> bool:
     return layout.is_power_of_two(D) and D >= 64
 
 
-def _launch_int2(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, o, lse, G):
-    _, decode_int2, _, _ = _kernels()
+@functools.lru_cache(maxsize=None)
+def _dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A placeholder for a tier a launch does not read (its split count is 0)."""
+    return torch.zeros(16, dtype=dtype, device=device)
+
+
+def _strides(t: Tensor, n: int) -> tuple[int, ...]:
+    return tuple(t.stride())[:n] if t.dim() > 1 else (0,) * n
+
+
+def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0):
+    """The one decode launch: `s_sink` splits over sink = (k, v, len), `s_hist` over hist = (codes_k, sz_k, codes_v,
+    sz_v, len), `s_recent` over recent = (k, v, len), into o [B, H_q, S, D] / lse [B, H_q, S] (S = the sum).
+    An absent tier gets 0 splits and placeholders."""
+    decode = _kernels()[1]
     B, H_q, D = q.shape
-    H_kv, S = codes_k.shape[1], o.shape[2]
-    group = H_q // H_kv
+    dev = q.device
     q = _last_contiguous(q, 1)
-    decode_int2._decode_int2_kernel[(B * H_kv, S)](
-        q, codes_k, sz_k, codes_v, sz_v, hist_len, o, lse,
-        H_kv, group, S, sm_scale * LOG2E,
-        q.stride(0), q.stride(1),
-        codes_k.stride(0), codes_k.stride(1), codes_k.stride(2),
-        sz_k.stride(0), sz_k.stride(1), sz_k.stride(2),
-        codes_v.stride(0), codes_v.stride(1), codes_v.stride(2),
-        sz_v.stride(0), sz_v.stride(1), sz_v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        D=D, G=G, BLOCK_H=_head_block(group), BLOCK_N=_int2_block_n(B, H_kv, q.device), DOT_DTYPE=_dot_dtype(),
-        USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        num_warps=INT2_WARPS, num_stages=INT2_STAGES,
-    )  # fmt: skip
-
-
-def _launch_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len, sm_scale, o, lse, s_sink):
-    _, _, decode_bf16, _ = _kernels()
-    B, H_q, D = q.shape
-    H_kv, S = sink_k.shape[1], o.shape[2]
+    bf16_dummy = _dummy(dev, torch.bfloat16)
+    any_bf16 = sink or recent
+    sink = tuple(_last_contiguous(t, 1) for t in sink[:2]) + (sink[2],) if sink else None
+    recent = tuple(_last_contiguous(t, 1) for t in recent[:2]) + (recent[2],) if recent else None
+    if hist:
+        ck, szk, cv, szv, hlen = hist
+        ck, cv = _last_contiguous(ck, 1), _last_contiguous(cv, 1)
+        szk, szv = _last_contiguous(szk, 2), _last_contiguous(szv, 2)
+        H_kv, G = ck.shape[1], D // szk.shape[-2]
+    else:
+        ck = cv = _dummy(dev, layout.CODE_DTYPE)
+        szk = szv = _dummy(dev, layout.SCALE_DTYPE)
+        hlen, H_kv, G = any_bf16[2], any_bf16[0].shape[1], D
+    placeholder = (bf16_dummy, bf16_dummy, hlen)
+    sink, recent = sink or recent or placeholder, recent or sink or placeholder
     group = H_q // H_kv
-    q = _last_contiguous(q, 1)
-    decode_bf16._decode_bf16_kernel[(B * H_kv, S)](
-        q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len, o, lse,
-        H_kv, group, s_sink, S - s_sink, sm_scale * LOG2E,
+    hpp = _heads_per_program(H_kv, group)
+    grid = (B * -(-H_kv // hpp), s_sink + s_hist + s_recent)
+    decode._decode_kernel[grid](
+        q, sink[0], sink[1], sink[2], ck, szk, cv, szv, hlen, recent[0], recent[1], recent[2], o, lse,
+        H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
-        sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
-        sink_v.stride(0), sink_v.stride(1), sink_v.stride(2),
-        recent_k.stride(0), recent_k.stride(1), recent_k.stride(2),
-        recent_v.stride(0), recent_v.stride(1), recent_v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        D=D, BLOCK_H=_head_block(group), BLOCK_N=BF16_BLOCK_N if q.is_cuda else 16, DOT_DTYPE=_dot_dtype(),
-        num_warps=4, num_stages=2,
+        *_strides(sink[0], 3), *_strides(sink[1], 3),
+        *_strides(ck, 3), *_strides(szk, 3),
+        *_strides(cv, 3), *_strides(szv, 3),
+        *_strides(recent[0], 3), *_strides(recent[1], 3),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        D=D, G=G, HPP=hpp, BLOCK_H=_row_block(hpp * group), BLOCK_N=_block_n(dev, True),
+        BLOCK_NB=_block_n(dev, False), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
+        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )  # fmt: skip
-
-
-def _bf16_splits(T_cap: int, block_n: int) -> int:
-    return max(1, -(-T_cap // block_n))
 
 
 def _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len):
@@ -309,13 +323,12 @@ def decode_int2_partial(
     per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`."""
     H_kv, G, hist_len = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     B, H_q, D = q.shape
-    S = _int2_splits(B, H_kv, codes_k.shape[2], q.device, num_splits)
+    S = _int2_splits(B, H_kv, H_q // H_kv, codes_k.shape[2], q.device, num_splits)
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S)
     o = _alloc((B, H_q, S, D), torch.float32, q.device)
     lse = _alloc((B, H_q, S), torch.float32, q.device)
-    _launch_int2(q, _last_contiguous(codes_k, 1), _last_contiguous(scale_zero_k, 2), _last_contiguous(codes_v, 1),
-                 _last_contiguous(scale_zero_v, 2), hist_len, sm_scale, o, lse, G)  # fmt: skip
+    _launch_decode(q, o, lse, sm_scale, hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len), s_hist=S)
     return o, lse
 
 
@@ -368,15 +381,14 @@ def decode_bf16_partial(
             reference.attention_partial_ref(q, recent_k, recent_v, recent_len, sm_scale),
         ]
         return torch.stack([p[0] for p in parts], 2), torch.stack([p[1] for p in parts], 2)
-    bn = BF16_BLOCK_N if q.is_cuda else 16
-    s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
+    s_sink, s_recent = _bf16_splits(sink_k.shape[2], q.device), _bf16_splits(recent_k.shape[2], q.device)
     if num_splits is not None:
         _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         s_recent = int(num_splits)
     o = _alloc((B, H_q, s_sink + s_recent, D), torch.float32, q.device)
     lse = _alloc((B, H_q, s_sink + s_recent), torch.float32, q.device)
-    _launch_bf16(q, _last_contiguous(sink_k, 1), _last_contiguous(sink_v, 1), sink_len, _last_contiguous(recent_k, 1),
-                 _last_contiguous(recent_v, 1), recent_len, sm_scale, o, lse, s_sink)  # fmt: skip
+    _launch_decode(q, o, lse, sm_scale, sink=(sink_k, sink_v, sink_len), recent=(recent_k, recent_v, recent_len),
+                   s_sink=s_sink, s_recent=s_recent)  # fmt: skip
     return o, lse
 
 
@@ -403,7 +415,7 @@ def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor) -> None:
-    merge = _kernels()[3]
+    merge = _kernels()[2]
     N, S, D = o3.shape
     merge._merge_kernel[(N,)](
         o3, l2, out, out_lse,
@@ -430,7 +442,8 @@ def tiered_decode_attention(
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`), exact softmax over their
     union. q [B, H_q, D] already rotated by M_K. Returns o fp32 [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
-    Three launches: INT2 split-K, BF16 tiers, merge; lengths are read on the device (no host sync)."""
+    Two launches: the split-K decode kernel over all three tiers, then the merge; lengths are read on the device (no
+    host sync)."""
     H_kv, G, hist_len_i = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     sink_len_i, recent_len_i = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
     _check(sink_k.shape[1] == H_kv, lambda: f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
@@ -440,18 +453,14 @@ def tiered_decode_attention(
             q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
             recent_k, recent_v, recent_len, sm_scale,
         )  # fmt: skip
-    s_int2 = _int2_splits(B, H_kv, codes_k.shape[2], q.device, None)
-    bn = BF16_BLOCK_N if q.is_cuda else 16
-    s_sink, s_recent = _bf16_splits(sink_k.shape[2], bn), _bf16_splits(recent_k.shape[2], bn)
-    S = s_int2 + s_sink + s_recent
+    s_hist = _int2_splits(B, H_kv, H_q // H_kv, codes_k.shape[2], q.device, None)
+    s_sink, s_recent = _bf16_splits(sink_k.shape[2], q.device), _bf16_splits(recent_k.shape[2], q.device)
+    S = s_sink + s_hist + s_recent
     o_part = _alloc((B, H_q, S, D), torch.float32, q.device)
     lse_part = _alloc((B, H_q, S), torch.float32, q.device)
-    _launch_int2(q, _last_contiguous(codes_k, 1), _last_contiguous(scale_zero_k, 2), _last_contiguous(codes_v, 1),
-                 _last_contiguous(scale_zero_v, 2), hist_len_i, sm_scale, o_part[:, :, :s_int2],
-                 lse_part[:, :, :s_int2], G)  # fmt: skip
-    _launch_bf16(q, _last_contiguous(sink_k, 1), _last_contiguous(sink_v, 1), sink_len_i, _last_contiguous(recent_k, 1),
-                 _last_contiguous(recent_v, 1), recent_len_i, sm_scale, o_part[:, :, s_int2:], lse_part[:, :, s_int2:],
-                 s_sink)  # fmt: skip
+    _launch_decode(q, o_part, lse_part, sm_scale, sink=(sink_k, sink_v, sink_len_i),
+                   hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len_i),
+                   recent=(recent_k, recent_v, recent_len_i), s_sink=s_sink, s_hist=s_hist, s_recent=s_recent)
     out = _alloc((B * H_q, D), torch.float32, q.device)
     out_lse = _alloc((B * H_q,), torch.float32, q.device)
     _launch_merge(o_part.view(B * H_q, S, D), lse_part.view(B * H_q, S), out, out_lse)

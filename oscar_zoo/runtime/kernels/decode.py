@@ -1,0 +1,299 @@
+"""Split-K decode attention over the three cache tiers in one launch: partial (o, lse) per (batch, query head, split).
+
+Grid (batch × head groups, S_SINK + S_HIST + S_RECENT). A program serves HPP consecutive KV heads and every query head
+of their GQA groups as the rows of one MMA tile (HPP·GROUP rows padded to BLOCK_H, so the rows are mostly real); it
+streams one split of one tier: split < S_SINK reads the BF16 sink, the next S_HIST splits the INT2 history, the rest
+the BF16 recent tier. The body is one loop (`_attend`) with a compile-time tile loader (INT2 codes or BF16 rows), one
+online-softmax step and one epilogue.
+
+Scores of all HPP heads land in one [BLOCK_H, BLOCK_N] tile: head j's dot uses q with the other heads' rows zeroed,
+and the dots are chained into one accumulator. P·V uses p with the other heads' rows zeroed, chained the same way.
+
+INT2 codes become tensor-core operands without conversion instructions: a byte whose bits hold c·4^k (k < 3, the
+quarter masked in place) or c (k = 3, shifted down) under a 0x43 high byte is the bfloat16 128 + c·4^k, exact. The
+affine constants come back in fp32 (one group per row, G = D; `w_k` = 4^-k for k < 3, 1 for k = 3):
+    q·k̂ = s·(Σ_k (w_k q_k)·(128 + c_k 4^k... ) − 128 Σ_k w_k Σq_k − z Σq)
+    Σ_t p_t v̂_t[quarter k] = (Σ_t (p_t s_t)(128 + c 4^k) − 128 Σ_t p_t s_t) / 4^k_eff − Σ_t (p_t s_t) z_t
+With G < D every element is dequantized with its group's scale before the dot.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# One unpack template: keep quarter k of every byte under a 0x43 high byte (two byte permutes per four codes).
+_PRMT = "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }"
+UNPACK_ASM_0: tl.constexpr = "{ .reg .b32 t; and.b32 t, $2, 0x03030303; " + _PRMT
+UNPACK_ASM_1: tl.constexpr = "{ .reg .b32 t; and.b32 t, $2, 0x0c0c0c0c; " + _PRMT
+UNPACK_ASM_2: tl.constexpr = "{ .reg .b32 t; and.b32 t, $2, 0x30303030; " + _PRMT
+UNPACK_ASM_3: tl.constexpr = "{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; " + _PRMT
+
+
+@triton.jit
+def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint8 packed bytes → 128 + code·4^k (k < 3) or 128 + code (k = 3) of one quarter, exact in bfloat16."""
+    if USE_ASM:
+        if QUARTER == 0:
+            asm: tl.constexpr = UNPACK_ASM_0
+        elif QUARTER == 1:
+            asm: tl.constexpr = UNPACK_ASM_1
+        elif QUARTER == 2:
+            asm: tl.constexpr = UNPACK_ASM_2
+        else:
+            asm: tl.constexpr = UNPACK_ASM_3
+        out = tl.inline_asm_elementwise(asm, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        if QUARTER == 3:
+            c = (packed >> 6) & 3
+        else:
+            c = packed & (3 << (2 * QUARTER))
+        out = (c.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    return out.to(DOT_DTYPE)
+
+
+@triton.jit
+def _dequant_quarter(packed, sz_rows, stride_t, tok64, tok_ok, cols, QUARTER: tl.constexpr, D4: tl.constexpr,
+                     G: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One quarter of a packed tile dequantized with its per-group scale/zero (G < D): [BLOCK_N, D/4] in DOT_DTYPE."""
+    sz_ptrs = sz_rows + tok64[:, None] * stride_t + (((QUARTER * D4 + cols) // G) * 2)[None, :]
+    s = tl.load(sz_ptrs, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+    z = tl.load(sz_ptrs + 1, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+    c = ((packed >> (2 * QUARTER)) & 3).to(tl.float32)
+    return ((c - z) * s).to(DOT_DTYPE)
+
+
+@triton.jit
+def _row_mask(x, rowhead, J: tl.constexpr):
+    """x with every row that does not belong to KV head J (of the program) set to zero."""
+    return tl.where((rowhead == J)[:, None], x, tl.zeros_like(x))
+
+
+@triton.jit
+def _attend(
+    q_ptr, stride_qb, stride_qh,
+    k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt,
+    len_ptr, split, S,
+    o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split,
+    b, h0, H_kv, GROUP, qk_scale,
+    INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over one split of one tier for HPP KV heads starting at h0; writes (o, lse) of `out_split`."""
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    b64 = b.to(tl.int64)
+    L = tl.load(len_ptr + b)
+    per = tl.cdiv(tl.cdiv(L, S), BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(start + per, L)
+
+    rows = tl.arange(0, BLOCK_H)
+    rowhead = rows // GROUP  # KV head of each row, relative to h0
+    row_ok = (rows < HPP * GROUP) & (h0 + rowhead < H_kv)
+    qhead = h0 * GROUP + rows  # the query heads of KV heads h0.. are consecutive
+    offs_n = tl.arange(0, BLOCK_N)
+    # per-row bases of the tier (rows of one KV head share theirs); out-of-range heads are clamped, their rows masked
+    kvh = tl.minimum(h0 + rowhead, H_kv - 1).to(tl.int64)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if INT2:
+        cols = tl.arange(0, D4)
+        q_rows = q_ptr + b64 * stride_qb + qhead[:, None] * stride_qh + cols[None, :]
+        q0 = tl.load(q_rows + 0 * D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q1 = tl.load(q_rows + 1 * D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_rows + 2 * D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q3 = tl.load(q_rows + 3 * D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if NG == 1:
+            # Σq and Σ_k w_k Σq_k of the bf16 values the dots see (w_k q_k is exact: a power-of-two scaling)
+            q0 = q0.to(DOT_DTYPE).to(tl.float32)
+            q1 = q1.to(DOT_DTYPE).to(tl.float32)
+            q2 = q2.to(DOT_DTYPE).to(tl.float32)
+            q3 = q3.to(DOT_DTYPE).to(tl.float32)
+            s0, s1, s2, s3 = tl.sum(q0, axis=1), tl.sum(q1, axis=1), tl.sum(q2, axis=1), tl.sum(q3, axis=1)
+            qsum = s0 + s1 + s2 + s3
+            qw = s0 + s1 * 0.25 + s2 * 0.0625 + s3
+            q1 = q1 * 0.25
+            q2 = q2 * 0.0625
+        q0 = q0.to(DOT_DTYPE)
+        q1 = q1.to(DOT_DTYPE)
+        q2 = q2.to(DOT_DTYPE)
+        q3 = q3.to(DOT_DTYPE)
+        acc0 = tl.zeros([BLOCK_H, D4], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, D4], tl.float32)
+        acc2 = tl.zeros([BLOCK_H, D4], tl.float32)
+        acc3 = tl.zeros([BLOCK_H, D4], tl.float32)
+        psum = tl.zeros([BLOCK_H], tl.float32)  # Σ p·s of the bf16 values the P·V dots see
+        pz = tl.zeros([BLOCK_H], tl.float32)  # Σ p·s·z
+        k_head = k_ptr + b64 * stride_kb
+        v_head = v_ptr + b64 * stride_vb
+        szk_rows = szk_ptr + b64 * stride_szkb + kvh * stride_szkh  # [BLOCK_H]
+        szv_rows = szv_ptr + b64 * stride_szvb + kvh * stride_szvh
+    else:
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + b64 * stride_qb + qhead[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+        q = q.to(tl.float32).to(DOT_DTYPE)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        k_head = k_ptr + b64 * stride_kb
+        v_head = v_ptr + b64 * stride_vb
+
+    for n0 in tl.range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        tok_ok = tok < end
+        tok64 = tok.to(tl.int64)
+        tile_ok = row_ok[:, None] & tok_ok[None, :]
+        # ---- scores of all HPP heads in one [BLOCK_H, BLOCK_N] tile
+        qk = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        for j in tl.static_range(HPP):
+            hj = tl.minimum(h0 + j, H_kv - 1).to(tl.int64)
+            if INT2:
+                kb = tl.load(k_head + hj * stride_kh + tok64[:, None] * stride_kt + cols[None, :],
+                             mask=tok_ok[:, None], other=0)
+                if NG == 1:
+                    qk = tl.dot(_row_mask(q0, rowhead, j), tl.trans(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM)), qk)
+                    qk = tl.dot(_row_mask(q1, rowhead, j), tl.trans(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM)), qk)
+                    qk = tl.dot(_row_mask(q2, rowhead, j), tl.trans(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM)), qk)
+                    qk = tl.dot(_row_mask(q3, rowhead, j), tl.trans(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM)), qk)
+                else:
+                    szj = szk_ptr + b64 * stride_szkb + hj * stride_szkh
+                    qk = tl.dot(_row_mask(q0, rowhead, j), tl.trans(_dequant_quarter(kb, szj, stride_szkt, tok64, tok_ok, cols, 0, D4, G, DOT_DTYPE)), qk)
+                    qk = tl.dot(_row_mask(q1, rowhead, j), tl.trans(_dequant_quarter(kb, szj, stride_szkt, tok64, tok_ok, cols, 1, D4, G, DOT_DTYPE)), qk)
+                    qk = tl.dot(_row_mask(q2, rowhead, j), tl.trans(_dequant_quarter(kb, szj, stride_szkt, tok64, tok_ok, cols, 2, D4, G, DOT_DTYPE)), qk)
+                    qk = tl.dot(_row_mask(q3, rowhead, j), tl.trans(_dequant_quarter(kb, szj, stride_szkt, tok64, tok_ok, cols, 3, D4, G, DOT_DTYPE)), qk)
+            else:
+                kt = tl.load(k_head + hj * stride_kh + tok64[:, None] * stride_kt + dims[None, :],
+                             mask=tok_ok[:, None], other=0.0)
+                qk = tl.dot(_row_mask(q, rowhead, j), tl.trans(kt.to(tl.float32).to(DOT_DTYPE)), qk)
+        if INT2:
+            if NG == 1:
+                # per-row (its head's) scale and zero of every token
+                sz_off = tok64[None, :] * stride_szkt
+                sk = tl.load(szk_rows[:, None] + sz_off, mask=tile_ok, other=0.0).to(tl.float32)
+                zk = tl.load(szk_rows[:, None] + sz_off + 1, mask=tile_ok, other=0.0).to(tl.float32)
+                qk = (qk - 128.0 * qw[:, None] - zk * qsum[:, None]) * sk
+        qk = tl.where(tile_ok, qk * qk_scale, float("-inf"))
+
+        # ---- online softmax step
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        # ---- P·V, chained over the HPP heads
+        if INT2:
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+            if NG == 1:
+                sz_off = tok64[None, :] * stride_szvt
+                sv = tl.load(szv_rows[:, None] + sz_off, mask=tile_ok, other=0.0).to(tl.float32)
+                zv = tl.load(szv_rows[:, None] + sz_off + 1, mask=tile_ok, other=0.0).to(tl.float32)
+                ps = (p * sv).to(DOT_DTYPE)
+                psf = ps.to(tl.float32)
+                psum = psum * alpha + tl.sum(psf, axis=1)
+                pz = pz * alpha + tl.sum(psf * zv, axis=1)
+            else:
+                ps = p.to(DOT_DTYPE)
+            for j in tl.static_range(HPP):
+                hj = tl.minimum(h0 + j, H_kv - 1).to(tl.int64)
+                vb = tl.load(v_head + hj * stride_vh + tok64[:, None] * stride_vt + cols[None, :],
+                             mask=tok_ok[:, None], other=0)
+                pj = _row_mask(ps, rowhead, j)
+                if NG == 1:
+                    acc0 = tl.dot(pj, _biased_codes(vb, 0, DOT_DTYPE, USE_ASM), acc0)
+                    acc1 = tl.dot(pj, _biased_codes(vb, 1, DOT_DTYPE, USE_ASM), acc1)
+                    acc2 = tl.dot(pj, _biased_codes(vb, 2, DOT_DTYPE, USE_ASM), acc2)
+                    acc3 = tl.dot(pj, _biased_codes(vb, 3, DOT_DTYPE, USE_ASM), acc3)
+                else:
+                    szj = szv_ptr + b64 * stride_szvb + hj * stride_szvh
+                    acc0 = tl.dot(pj, _dequant_quarter(vb, szj, stride_szvt, tok64, tok_ok, cols, 0, D4, G, DOT_DTYPE), acc0)
+                    acc1 = tl.dot(pj, _dequant_quarter(vb, szj, stride_szvt, tok64, tok_ok, cols, 1, D4, G, DOT_DTYPE), acc1)
+                    acc2 = tl.dot(pj, _dequant_quarter(vb, szj, stride_szvt, tok64, tok_ok, cols, 2, D4, G, DOT_DTYPE), acc2)
+                    acc3 = tl.dot(pj, _dequant_quarter(vb, szj, stride_szvt, tok64, tok_ok, cols, 3, D4, G, DOT_DTYPE), acc3)
+        else:
+            acc = acc * alpha[:, None]
+            pb = p.to(DOT_DTYPE)
+            for j in tl.static_range(HPP):
+                hj = tl.minimum(h0 + j, H_kv - 1).to(tl.int64)
+                vt = tl.load(v_head + hj * stride_vh + tok64[:, None] * stride_vt + dims[None, :],
+                             mask=tok_ok[:, None], other=0.0)
+                acc = tl.dot(_row_mask(pb, rowhead, j), vt.to(tl.float32).to(DOT_DTYPE), acc)
+
+    # ---- epilogue: normalised partial output and its lse (empty split: o = 0, lse = −inf)
+    nonempty = l_i > 0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) / LOG2E, float("-inf"))
+    o_rows = o_ptr + b64 * stride_ob + qhead[:, None] * stride_oh + out_split * stride_os
+    if INT2:
+        if NG == 1:
+            # undo the +128 bias and the 4^k code factor per quarter, then the zero point
+            acc0 = acc0 - 128.0 * psum[:, None]
+            acc1 = (acc1 - 128.0 * psum[:, None]) * 0.25
+            acc2 = (acc2 - 128.0 * psum[:, None]) * 0.0625
+            acc3 = acc3 - 128.0 * psum[:, None]
+            acc0 = acc0 - pz[:, None]
+            acc1 = acc1 - pz[:, None]
+            acc2 = acc2 - pz[:, None]
+            acc3 = acc3 - pz[:, None]
+        tl.store(o_rows + 0 * D4 + cols[None, :], acc0 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(o_rows + 1 * D4 + cols[None, :], acc1 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(o_rows + 2 * D4 + cols[None, :], acc2 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(o_rows + 3 * D4 + cols[None, :], acc3 * inv_l[:, None], mask=row_ok[:, None])
+    else:
+        tl.store(o_rows + dims[None, :], acc * inv_l[:, None], mask=row_ok[:, None])
+    tl.store(lse_ptr + b64 * stride_lb + qhead * stride_lh + out_split, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [B, H_q, D]
+    sk_ptr, sv_ptr, slen_ptr,  # sink K/V [B, H_kv, SINK_CAP, D] bf16, lengths [B] int32
+    ck_ptr, szk_ptr, cv_ptr, szv_ptr, hlen_ptr,  # history codes [B, H_kv, T_cap, D/4] u8, scale/zero [.., D/G, 2] f16
+    rk_ptr, rv_ptr, rlen_ptr,  # recent K/V [B, H_kv, RECENT_CAP, D] bf16
+    o_ptr, lse_ptr,  # partials [B, H_q, S, D] f32, [B, H_q, S] f32
+    H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale,
+    stride_qb, stride_qh,
+    stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
+    stride_ckb, stride_ckh, stride_ckt, stride_szkb, stride_szkh, stride_szkt,
+    stride_cvb, stride_cvh, stride_cvt, stride_szvb, stride_szvh, stride_szvt,
+    stride_rkb, stride_rkh, stride_rkt, stride_rvb, stride_rvh, stride_rvt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    D: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    n_groups = tl.cdiv(H_kv, HPP)
+    pid = tl.program_id(0)
+    b = pid // n_groups
+    h0 = (pid % n_groups) * HPP
+    s = tl.program_id(1)
+    if s < S_SINK:
+        _attend(q_ptr, stride_qb, stride_qh,
+                sk_ptr, sv_ptr, stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
+                q_ptr, q_ptr, 0, 0, 0, 0, 0, 0,
+                slen_ptr, s, S_SINK,
+                o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
+                b, h0, H_kv, GROUP, qk_scale,
+                False, D, G, HPP, BLOCK_H, BLOCK_NB, DOT_DTYPE, USE_ASM)
+    elif s < S_SINK + S_HIST:
+        _attend(q_ptr, stride_qb, stride_qh,
+                ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt,
+                szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt,
+                hlen_ptr, s - S_SINK, S_HIST,
+                o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
+                b, h0, H_kv, GROUP, qk_scale,
+                True, D, G, HPP, BLOCK_H, BLOCK_N, DOT_DTYPE, USE_ASM)
+    else:
+        _attend(q_ptr, stride_qb, stride_qh,
+                rk_ptr, rv_ptr, stride_rkb, stride_rkh, stride_rkt, stride_rvb, stride_rvh, stride_rvt,
+                q_ptr, q_ptr, 0, 0, 0, 0, 0, 0,
+                rlen_ptr, s - S_SINK - S_HIST, S_RECENT,
+                o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
+                b, h0, H_kv, GROUP, qk_scale,
+                False, D, G, HPP, BLOCK_H, BLOCK_NB, DOT_DTYPE, USE_ASM)
