@@ -110,7 +110,6 @@ class Attender:
         return out  # fp32 [B, H_q, T, D]
 
 
-def _logits(model: torch.nn.Module, ids: Tensor) -> Tensor:
 def all_methods(config, rotations, num_layers: int, head_dim: int, quant, baselines: tuple[str, ...]) -> list[Method]:
     """BF16, OSCAR and the re-implemented baselines (`build_methods`), then transformers' QuantizedCache peers."""
     unknown = [b for b in baselines if b not in BASELINES and b not in PEERS]
@@ -122,6 +121,7 @@ def all_methods(config, rotations, num_layers: int, head_dim: int, quant, baseli
     return methods + peers
 
 
+def _logits(model: torch.nn.Module, ids: Tensor) -> Tensor:
     return model(input_ids=ids, use_cache=False).logits[0, :-1]  # [T-1, V]: position t predicts token t+1
 
 
