@@ -5,7 +5,9 @@ filled to a context, then runs greedy decode steps through `model.forward` (the 
 host-side bookkeeping) with each cache: OscarCache (INT2 history, random orthogonal rotations, clip 0.96/0.92),
 transformers' DynamicCache and StaticCache, "prealloc" (a BF16 cache written in place and read as an exact-length
 view), and "bf16graph" (a BF16 cache of fixed capacity with a device-side length, read at its exact length by the
-runtime's split-K BF16 kernel: the fastest BF16 decode that can be captured). With --graph (the GPU default), OSCAR
+runtime's split-K BF16 kernel: the fastest BF16 decode that can be captured), and transformers' QuantizedCache
+("hf-quanto-int2", "hf-hqq-int2", "-int4": the cache users pick today, its defaults; eager, timed over one
+128-step residual cycle; `benchmarks/peer_caches.py`). With --graph (the GPU default), OSCAR
 and bf16graph decode as CUDA-graph replays through `oscar_zoo.runtime.graph.DecodeGraphs` (the path generate() takes),
 and each row also reports the sum of its kernels' device times (torch.profiler over eager steps) beside the step. Fill modes: "model" runs a chunked prefill of random token ids; "kv"
 writes random K/V straight into each layer (OscarCache through its own filing path: rotate-free `_append`, which
@@ -31,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, QuantizedCache, Qwen3Config, StaticCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_zoo.runtime import cache as cache_mod, layout, ops, reference
@@ -39,7 +41,13 @@ from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation
 from oscar_zoo.runtime.cache import OscarCache
 from oscar_zoo.runtime.graph import install
 
-KINDS = ("oscar", "dynamic", "static", "prealloc", "bf16graph")
+if __package__:  # imported: `from benchmarks import bench_generate`
+    from . import peer_caches
+else:  # run as a script: python benchmarks/bench_generate.py (its folder is on sys.path)
+    import peer_caches
+PEER_KINDS = peer_caches.PEER_KINDS
+
+KINDS = ("oscar", "dynamic", "static", "prealloc", "bf16graph") + PEER_KINDS
 BF16_KINDS = ("dynamic", "static", "prealloc", "bf16graph")
 GRAPH_KINDS = ("oscar", "bf16graph")  # caches with a static (capturable) decode step
 GB = 1e9
@@ -241,6 +249,8 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
         return Cache(layers=[PreallocLayer(capacity) for _ in range(L)])
     if kind == "bf16graph":
         return GraphBF16Cache(capacity, L)
+    if kind in PEER_KINDS:
+        return peer_caches.make_peer_cache(kind, cfg)
     raise ValueError(f"unknown cache kind {kind!r}: use one of {KINDS}")
 
 
@@ -265,6 +275,8 @@ def kv_bytes(cache: Cache) -> int:
     included; the OSCAR rotations are fixed per model and counted apart (`rotation_bytes`)."""
     if isinstance(cache, OscarCache):
         return cache.memory_bytes()
+    if isinstance(cache, QuantizedCache):
+        return peer_caches.peer_kv_bytes(cache)
     total = 0
     for layer in cache.layers:
         if getattr(layer, "is_initialized", False):
@@ -280,7 +292,10 @@ def rotation_bytes(cache: Cache) -> int:
 
 def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capacity: int, G: int | None = None) -> int:
     """What `kv_bytes` should report for a cache of `kind` holding T tokens (OSCAR: T > sink + recent, history of
-    `capacity` rows allocated; BF16 static/prealloc: `capacity` rows; dynamic: exactly T rows)."""
+    `capacity` rows allocated; BF16 static/prealloc: `capacity` rows; dynamic: exactly T rows; QuantizedCache:
+    `capacity` is the filled length, the rest decode steps)."""
+    if kind in PEER_KINDS:
+        return peer_caches.expected_peer_kv_bytes(kind, B, T, L, H_kv, D, filled=capacity)
     if kind == "oscar":
         G = G or D
         bf16 = (layout.SINK + layout.RECENT + layout.FLUSH) * D * 2  # sink + recent tiers, one of K or V
@@ -433,7 +448,8 @@ def phase_targets(timer: PhaseTimer, kind: str):
     else:
         import transformers.cache_utils as cu
 
-        cls = {"dynamic": cu.DynamicLayer, "static": cu.StaticLayer, "prealloc": PreallocLayer}[kind]
+        cls = {"dynamic": cu.DynamicLayer, "static": cu.StaticLayer, "prealloc": PreallocLayer}.get(kind)
+        cls = cls or cu.QuantizedLayer  # a peer: its update dequantizes the history (+ the flush every 128 steps)
         attn_name, attn_fn = "sdpa", sdpa_attention.sdpa_attention_forward
     fn = timer.wrap("attention kernels", attn_fn)
     return [(cls, "update", timer.wrap("cache write", cls.update)),
@@ -452,9 +468,13 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
             graph: bool = False, fold: bool = False) -> dict:
     """Fill a fresh cache of `kind` to T tokens for batch B, decode warmup + steps, and measure. `graph` (OSCAR and
     bf16graph only): the steps are CUDA-graph replays, and the row adds the kernels' summed device time per step.
-    `fold` (OSCAR): the value rotation folded into v_proj/o_proj (once per model; later caches share the rotations)."""
+    `fold` (OSCAR): the value rotation folded into v_proj/o_proj (once per model; later caches share the rotations).
+    A QuantizedCache peer is timed over at least one residual cycle (128 steps, one of which re-quantizes the whole
+    history), so its flush is amortised as in a long generation."""
     graph = graph and kind in GRAPH_KINDS
     fold = fold and kind == "oscar"
+    if kind in PEER_KINDS:
+        steps = max(steps, peer_caches.RESIDUAL)
     if graph:  # each step kind (plain, demoting) runs once eagerly, then is captured: both before the timed steps
         warmup = max(warmup, 2 * layout.FLUSH + 2)
     dev = next(model.parameters()).device
@@ -464,6 +484,8 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     extra = warmup + steps + 6 * layout.FLUSH  # decode steps: warmup, timed, phase-timed, kernel-timed (2×)
     capacity = T + extra + 1
     row = dict(kind=kind, batch=B, context=T, steps=steps, warmup=warmup, fill=fill, layers=L, graph=graph, fold=fold)
+    if kind in PEER_KINDS:
+        row["graph_note"] = peer_caches.EAGER_NOTE
     use_attention(model, kind)
     gc.collect()
     if dev.type == "cuda":
@@ -485,6 +507,7 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     row["fill_s"] = time.perf_counter() - t0
     if dev.type == "cuda":
         row["kv_allocated_by_fill"] = torch.cuda.memory_allocated() - base
+        row["allocated_bytes_per_token_per_layer"] = row["kv_allocated_by_fill"] / (B * T * L)
     if kind == "bf16graph":
         row["max_abs_vs_sdpa"] = check_bf16graph(model, cache)
     decode(model, cache, tokens, warmup, graph)
@@ -506,7 +529,8 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     row.update(
         ms_per_step=wall_s / steps * 1e3, host_ms_per_step=cpu_s / steps * 1e3, tokens_per_s=B * steps / wall_s,
         kv_bytes=kvb, rotation_bytes=rotation_bytes(cache), bytes_per_token_per_layer=kvb / (B * tokens_now * L),
-        expected_kv_bytes=expected_kv_bytes(kind, B, tokens_now, L, H_kv, D, _capacity(cache, capacity)),
+        expected_kv_bytes=expected_kv_bytes(kind, B, tokens_now, L, H_kv, D, T if kind in PEER_KINDS
+                                            else _capacity(cache, capacity)),
         generated=out.shape[1], status="ok",
     )  # fmt: skip
     if dev.type == "cuda":
@@ -565,12 +589,22 @@ def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
     try:
         row = run_row(model, kind, B, T, args.steps, args.warmup, args.fill, args.chunk, phases, args.graph, args.fold)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        row["floor_ms"] = floor_ms(kind, B, T, cfg, weights, args.bandwidth_tbs * 1e12)
+        if kind in PEER_KINDS:  # the bytes it stores, read once: what an ideal kernel over its format would read
+            row["floor_ms"] = (weights + row["kv_bytes"]) / (args.bandwidth_tbs * 1e12) * 1e3
+        else:
+            row["floor_ms"] = floor_ms(kind, B, T, cfg, weights, args.bandwidth_tbs * 1e12)
         return row
     except torch.OutOfMemoryError as e:
         gc.collect()
         torch.cuda.empty_cache()
         return dict(kind=kind, batch=B, context=T, status="OOM", note=str(e).splitlines()[0][:160])
+    except peer_caches.PeerUnavailable as e:
+        return dict(kind=kind, batch=B, context=T, status="not installed", note=str(e))
+    except Exception as e:  # a peer backend failing on this machine (e.g. its extension does not build): say so
+        if kind not in PEER_KINDS:
+            raise
+        return dict(kind=kind, batch=B, context=T, status="failed",
+                    note=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
 
 
 # ---------------------------------------------------------------------------------------------------------- main
@@ -606,6 +640,15 @@ def print_tables(result: dict) -> None:
               f"{r['bytes_per_token_per_layer']:.0f} | {r['kv_bytes'] / GB:.2f} | {r.get('peak_bytes', 0) / GB:.1f} | "
               f"{r['ms_per_step']:.2f} | {r['host_ms_per_step']:.2f} | {kern_s} | {over} | "
               f"{r.get('floor_ms', float('nan')):.2f} | {r['tokens_per_s']:.0f} | {sp} |")  # fmt: skip
+    peer_lines = peer_comparison(rows)
+    if peer_lines:
+        print(f"\nOSCAR vs transformers' QuantizedCache 2-bit ({peer_caches.EAGER_NOTE}; timed over "
+              f"{peer_caches.RESIDUAL}+ steps)")
+        print("| context | batch | OSCAR ms/step | fastest QuantizedCache INT2 | its ms/step | OSCAR speedup | "
+              "KV bytes OSCAR / peer |")
+        print("|---|---|---|---|---|---|---|")
+        for line in peer_lines:
+            print(line)
     if result.get("budget"):
         print(f"\nFixed KV budget {result['budget_gb']:.0f} GB: largest batch that fits, measured decode throughput")
         print("| context | cache | max batch | ms/step | tok/s | throughput vs BF16 |")
@@ -624,6 +667,24 @@ def print_tables(result: dict) -> None:
                   f"{parts}")  # fmt: skip
 
 
+def peer_comparison(rows: list[dict]) -> list[str]:
+    """Per (context, batch): OSCAR's step against the fastest 2-bit QuantizedCache row that ran; not-run peers named."""
+    lines = []
+    for (T, B) in sorted({(r["context"], r["batch"]) for r in rows if r["kind"] in PEER_KINDS}):
+        here = [r for r in rows if (r["context"], r["batch"]) == (T, B)]
+        oscar = next((r for r in here if r["kind"] == "oscar" and r["status"] == "ok"), None)
+        peers = [r for r in here if r["kind"] in peer_caches.INT2_PEERS]
+        ok = [r for r in peers if r["status"] == "ok"]
+        if not ok or oscar is None:
+            why = "; ".join(f"{r['kind']}: {r['status']} {r.get('note', '')}" for r in peers if r["status"] != "ok")
+            lines.append(f"| {T} | {B} | {oscar['ms_per_step'] if oscar else float('nan'):.2f} | — | | | {why} |")
+            continue
+        best = min(ok, key=lambda r: r["ms_per_step"])
+        lines.append(f"| {T} | {B} | {oscar['ms_per_step']:.2f} | {best['kind']} | {best['ms_per_step']:.2f} | "
+                     f"{best['ms_per_step'] / oscar['ms_per_step']:.2f}x | {oscar['kv_bytes'] / best['kv_bytes']:.2f} |")
+    return lines
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="qwen3-8b (GPU default) or demo (CPU default)")
@@ -631,7 +692,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 100_000, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--kinds", nargs="+", default=None, choices=KINDS,
-                    help="default: oscar bf16graph with --graph, else oscar prealloc dynamic")
+                    help="default: oscar bf16graph with --graph, else oscar prealloc dynamic; hf-*: transformers' "
+                         "QuantizedCache (extra `peers`)")
     ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                     help="decode OSCAR and bf16graph as CUDA-graph replays (default: on a GPU)")
     ap.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,

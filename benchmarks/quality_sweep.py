@@ -50,6 +50,7 @@ from oscar_zoo.evaluation.baselines import (
     hadamard_rotation,
 )
 from oscar_zoo.evaluation.harness import Attender, _logits, quantizer
+from oscar_zoo.evaluation.peers import PEERS, PeerCache, build_peers
 from oscar_zoo.models import cache_root, load_model
 from oscar_zoo.runtime import layout
 
@@ -191,6 +192,8 @@ def history_bits(m: Method) -> float:
         return (2 + 32 / m.group + 2 + 32 / m.v_group) / 2
     if isinstance(m, Exact):
         return 16.0
+    if isinstance(m, PeerCache):
+        return m.history_bits()
     return 2 + 32 / layout.resolve_group_size(m.head_dim, m.group_size)
 
 
@@ -313,6 +316,8 @@ def main() -> None:
         methods.append(rotated(name, label, cal, kind=kind, D=D, **kw))
         log(f"method {name} ready")
     methods += [m for m in (kivi("kivi-32", 32, D), kivi("kivi-64", 64, D)) if keep is None or m.name in keep]
+    # transformers' QuantizedCache (its defaults, only nbits set): only when asked for (extra `peers`)
+    methods += build_peers(tuple(n for n in PEERS if keep is not None and n in keep), model.config, D)
     if keep is None or "kcenter" in keep:  # added after run B: the next-step probe of QUALITY.md
         k_mean = torch.stack([cal_large.heldout[f"{layer}.k"].float().mean(dim=(0, 2)) for layer in range(L)])
         methods.append(KeyCentered(methods[1], k_mean))

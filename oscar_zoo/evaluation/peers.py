@@ -163,14 +163,34 @@ class PeerCache(Method):
         return out
 
     def bits(self, context: int) -> tuple[float, float]:
-        """Bits per K and V element the cache held after `context` tokens (measured in a run; else measured now on a
-        bfloat16 layer fed zeros of the model's shapes — the bytes do not depend on the values)."""
+        """Bits per K and V element the cache held after `context` tokens: measured in a run at that context, else
+        measured now on a bfloat16 layer brought to the same state (`stored_state_bits`)."""
         if context not in self.measured:
-            cfg = self.config.get_text_config(decoder=True)
-            x = torch.zeros(1, cfg.num_key_value_heads, context, self.head_dim, dtype=torch.bfloat16)
-            q = torch.zeros(1, cfg.num_key_value_heads, context, self.head_dim, dtype=torch.bfloat16)
-            self.attend(0, q, x, x, 1.0)
+            self.measured[context] = self.stored_state_bits(context)
         return self.measured[context]
+
+    def stored_state_bits(self, context: int, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+        """Bits per K, V element of a fresh layer holding what decoding `context` tokens leaves (the tokens up to the
+        last flush quantized, the rest in the residual window), reached in two updates of zeros: the stored shapes,
+        hence the bytes, do not depend on the values or on how the quantized part was reached."""
+        cfg = self.config.get_text_config(decoder=True)
+        last = flush_chunks(context, self.settings["residual_length"])[-1]
+        quantized = last[1] if last[1] - last[0] == self.settings["residual_length"] or last[0] == 0 else last[0]
+        layer = self.new_layer()
+        x = torch.zeros(1, cfg.num_key_value_heads, context, self.head_dim, dtype=dtype)
+        layer.update(x[:, :, :quantized], x[:, :, :quantized])  # first update: all of it quantized
+        if context > quantized:
+            layer.update(x[:, :, quantized:], x[:, :, quantized:])  # fewer than residual_length: the residual window
+        k_bytes, v_bytes = layer_bytes(layer)
+        return 8 * k_bytes / x.numel(), 8 * v_bytes / x.numel()
+
+    def history_bits(self) -> float:
+        """Bits per element of the quantized states alone (codes, scales, zeros), bfloat16, K and V averaged."""
+        cfg = self.config.get_text_config(decoder=True)
+        x = torch.zeros(1, cfg.num_key_value_heads, 1024, self.head_dim, dtype=torch.bfloat16)
+        layer = self.new_layer()
+        layer.update(x, x)
+        return 8 * sum(layer_bytes(layer)) / (2 * x.numel())
 
 
 def build_peers(names: tuple[str, ...], config, head_dim: int) -> list[PeerCache]:

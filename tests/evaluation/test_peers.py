@@ -94,6 +94,8 @@ def test_bits_are_the_bytes_the_cache_holds(loaded32, name, dtype):
         method.attend(0, q, k, v, D**-0.5)
         want = _stored_bits(PEERS[name].backend, PEERS[name].nbits, T, H, D, torch.finfo(dtype).bits // 8)
         assert method.bits(T) == pytest.approx((want, want), rel=1e-12), (T, method.bits(T), want)
+        assert method.stored_state_bits(T, dtype) == method.bits(T)  # the two-update shortcut holds the same bytes
+    assert method.history_bits() == pytest.approx(PEERS[name].nbits + 2 * 16 / 64)  # + bf16 scale and zero per 64
 
 
 def test_verify_reports_what_token_by_token_decoding_gives(run_cli, good_artifacts, model_dir, heldout_file,

@@ -1,5 +1,6 @@
 """benchmarks/bench_generate.py on CPU: its prefill + decode loop is `generate` (same tokens), every cache kind runs
-through `run_row`, and its memory accounting equals the bytes the cache's tensors actually hold."""
+through `run_row`, and its memory accounting equals the bytes the cache's tensors actually hold (transformers'
+QuantizedCache rows: a count by hand from the storage format)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_prefill_and_decode_reproduce_generate(model):
     assert cache.get_seq_length() == T + 9  # crossed one demotion
 
 
-@pytest.mark.parametrize("kind", bg.KINDS)
+@pytest.mark.parametrize("kind", [k for k in bg.KINDS if k not in bg.PEER_KINDS])
 def test_run_row_and_memory_accounting(model, kind):
     """Every cache kind through run_row (chunked model prefill for OSCAR, K/V fill for the rest), decode steps across
     a demotion; kv_bytes == the bytes its tensors hold == the analytic expected_kv_bytes."""
@@ -64,6 +65,39 @@ def test_run_row_and_memory_accounting(model, kind):
     assert bg.kv_bytes(cache) == _storage_bytes(cache) == expected
     if kind == "oscar":
         assert cache.layers[0].n_hist == T + 9 - 64 - 257  # recent holds 256 + 1 after the demotion
+
+
+# Bytes a QuantizedCache layer pair (K and V) of the demo model holds after a fill of T = 344 tokens and 8 + 128
+# decode steps (B 2, H_kv 3, D 64, bf16): the fill and the 128th step quantize, so 472 tokens are quantized and 8 sit
+# in the residual window. Per K (or V): 2·3·472 = 2832 groups of 64; INT2 codes 2832·64/4 = 45,312 bytes (quanto packs
+# rows four to a byte: ⌈2832/4⌉ = 708 rows of 64 bytes, the same), INT4 90,624; scale + zero 2832·2·2 = 11,328;
+# residual 8·2·3·64·2 = 6,144. Two layers, K and V: × 4.
+PEER_BYTES = {"hf-quanto-int2": 4 * 62_784, "hf-hqq-int2": 4 * 62_784, "hf-quanto-int4": 4 * 108_096,
+              "hf-hqq-int4": 4 * 108_096}
+
+
+@pytest.mark.parametrize("kind", bg.PEER_KINDS)
+def test_peer_rows(model, kind):
+    """transformers' QuantizedCache rows: eager and said so, timed over a whole 128-step residual cycle, and their
+    KV bytes are what the storage format says (a count made by hand above)."""
+    row = bg.run_row(model, kind, B, T, steps=2, warmup=8, fill="kv", chunk=256, phases=True, graph=True)
+    assert row["status"] == "ok" and row["graph"] is False and row["graph_note"].startswith("eager")
+    assert row["steps"] == row["generated"] == 128
+    assert row["kv_bytes"] == row["expected_kv_bytes"] == PEER_BYTES[kind]
+    assert row["bytes_per_token_per_layer"] == PEER_BYTES[kind] / (B * (T + 136) * 2)
+    assert {"attention kernels", "cache write"} <= set(row["phases_ms_per_step"])
+
+
+def test_peer_rows_without_the_package_and_the_comparison_table(model, monkeypatch, capsys):
+    args = bg.argparse.Namespace(steps=2, warmup=8, fill="kv", chunk=256, graph=False, fold=False, bandwidth_tbs=4.27)
+    monkeypatch.setattr(bg.peer_caches, "missing_package", lambda backend: "hqq" if backend == "hqq" else None)
+    missing = bg.safe_row(model, "hf-hqq-int2", B, T, args)
+    assert missing["status"] == "not installed" and "hqq" in missing["note"]
+    rows = [bg.safe_row(model, k, B, T, args) for k in ("oscar", "hf-quanto-int2")] + [missing]
+    bg.print_tables(dict(model="demo", layers=2, device="cpu", steps=2, fill="kv", rows=rows))
+    out = capsys.readouterr().out
+    oscar, quanto = rows[0]["ms_per_step"], rows[1]["ms_per_step"]
+    assert f"| {T} | {B} | {oscar:.2f} | hf-quanto-int2 | {quanto:.2f} | {quanto / oscar:.2f}x |" in out
 
 
 def test_max_batch_uses_measured_bytes():
