@@ -3,11 +3,23 @@
 # Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
+# peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
+#   builds quanto's CUDA extension once (logged; quanto compiles it with nvcc on first use), then OSCAR, bf16graph and
+#   transformers' QuantizedCache INT2 rows at $CONTEXTS (default "32768 100000"), batches 1 and 8
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
 mode=${1:-quick}
+if [ "$mode" = peers ]; then
+  ls .whl/peers/*.whl >/dev/null 2>&1 && python3 -m pip install --quiet --no-deps .whl/peers/*.whl
+  ( time python3 -c "import torch, optimum.quanto.library.extensions as e; print(e.get_extension('quanto_cuda').lib)" ) \
+    > "$OUT/quanto_build.log" 2>&1; tail -4 "$OUT/quanto_build.log"
+  python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-32768 100000} --batches 1 8 \
+    --kinds oscar bf16graph hf-quanto-int2 hf-hqq-int2 --budget-contexts --phases 100000:1 \
+    2>&1 | tee "$OUT/bench_generate_peers.log" | tail -30
+  exit 0
+fi
 if [ "$mode" != bench ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime --ignore tests/runtime/test_real_model.py 2>&1 | tee "$OUT/test_gpu.log" | tail -15
 fi
