@@ -80,7 +80,7 @@ def int2_cache(B, H_kv, D, L, gen):
 def int2_bytes(B, H_q, H_kv, D, L) -> int:
     hist = L - layout.SINK - layout.RECENT
     cache = 2 * B * H_kv * (hist * layout.bytes_per_token(D, D) + (layout.SINK + layout.RECENT) * D * 2)
-    S = ops._int2_splits(B, H_kv, hist, torch.device("cuda"), None) + 1 + 5
+    S = ops._int2_splits(B, H_kv, H_q // H_kv, hist, torch.device("cuda"), None) + 1 + 5
     partials = 2 * B * H_q * S * (D + 1) * 4  # written once, read once by the merge
     return cache + partials + B * H_q * D * 2
 
@@ -124,21 +124,26 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
     )  # fmt: skip
 
 
+SWEEP = [  # (MMA rows per program → KV heads per program, INT2 tile tokens, warps, stages, programs per SM)
+    (16, 64, 4, 3, 4), (16, 128, 4, 3, 4), (16, 64, 4, 3, 2), (16, 64, 8, 3, 4), (16, 64, 4, 2, 4), (16, 128, 8, 3, 2),
+    (8, 64, 4, 3, 4), (4, 64, 4, 3, 4),
+]
+SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
+              ((9, 3, 64), 8, 32768)]  # fmt: skip
+
+
 def sweep(gen, copy_bw):
-    """Try launch settings on the headline rows (B=1 100K and B=32 32K, 32/8 heads, d=128)."""
+    """Try launch settings of the decode kernel on the headline rows."""
     out = []
-    for asm, bn, warps, stages, per_sm in [(False, 128, 4, 3, 4), (True, 128, 4, 3, 4), (True, 64, 4, 3, 4),
-                                           (True, 128, 4, 2, 2), (True, 128, 8, 3, 2), (True, 256, 8, 3, 2),
-                                           (True, 64, 2, 3, 8), (True, 128, 4, 3, 8)]:  # fmt: skip
-        ops.INT2_ASM_UNPACK = asm
-        ops.INT2_BLOCK_N = ops.INT2_BLOCK_N_SMALL = bn
-        ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM = warps, stages, per_sm
-        for B, L in [(1, 100_000), (32, 32768)]:
-            r = bench_row(32, 8, 128, B, L, gen, copy_bw)
-            r.update(asm=asm, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
+    for rows, bn, warps, stages, per_sm in SWEEP:
+        ops.DECODE_ROWS, ops.DECODE_BLOCK_N, ops.DECODE_WARPS = rows, bn, warps
+        ops.DECODE_STAGES, ops.DECODE_PROGRAMS_PER_SM = stages, per_sm
+        for (H_q, H_kv, D), B, L in SWEEP_ROWS:
+            r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
+            r.update(rows=rows, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
             out.append(r)
-            print(f"sweep asm={ops.INT2_ASM_UNPACK} bn={bn} w={warps} st={stages} per_sm={per_sm} B={B} L={L}: {r['oscar_us']:.1f} us "
-                  f"({r['oscar_bw_frac']:.0%} bw, {r['speedup']:.2f}x)", flush=True)  # fmt: skip
+            print(f"sweep rows={rows} bn={bn} w={warps} st={stages} per_sm={per_sm} {H_q}/{H_kv} d={D} B={B} L={L}: "
+                  f"{r['oscar_us']:.1f} us ({r['oscar_bw_frac']:.0%} bw, {r['speedup']:.2f}x SDPA)", flush=True)  # fmt: skip
     return out
 
 
@@ -153,10 +158,11 @@ def main():
     result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, torch=torch.__version__,
                   triton=triton.__version__, rows=[])  # fmt: skip
     if args.sweep:
-        defaults = (ops.INT2_ASM_UNPACK, ops.INT2_BLOCK_N, ops.INT2_BLOCK_N_SMALL, ops.INT2_WARPS, ops.INT2_STAGES, ops.INT2_PROGRAMS_PER_SM)
+        names = ("DECODE_ROWS", "DECODE_BLOCK_N", "DECODE_WARPS", "DECODE_STAGES", "DECODE_PROGRAMS_PER_SM")
+        defaults = {n: getattr(ops, n) for n in names}
         result["sweep"] = sweep(gen, copy_bw)
-        (ops.INT2_ASM_UNPACK, ops.INT2_BLOCK_N, ops.INT2_BLOCK_N_SMALL, ops.INT2_WARPS, ops.INT2_STAGES,
-         ops.INT2_PROGRAMS_PER_SM) = defaults
+        for n, v in defaults.items():
+            setattr(ops, n, v)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768)]

@@ -20,7 +20,7 @@ LOG2E = 1.4426950408889634
 
 # Launch settings of the decode kernel (chosen on an H200, see benchmarks/RESULTS.md).
 DECODE_BLOCK_N = 64  # INT2 history tokens per tile
-DECODE_BLOCK_NB = 64  # BF16 sink/recent tokens per tile
+DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
 DECODE_WARPS = 4
 DECODE_STAGES = 3
 DECODE_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, head group, split) programs per SM
@@ -289,7 +289,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, HPP=hpp, BLOCK_H=_row_block(hpp * group), BLOCK_N=_block_n(dev, True),
         BLOCK_NB=_block_n(dev, False), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+        STAGES=DECODE_STAGES, num_warps=DECODE_WARPS,
     )  # fmt: skip
 
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 # One unpack template: keep quarter k of every byte under a 0x43 high byte (two byte permutes per four codes).
 _PRMT = "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }"
-UNPACK_ASM_0: tl.constexpr = "{ .reg .b32 t; and.b32 t, $2, 0x03030303; " + _PRMT
-UNPACK_ASM_1: tl.constexpr = "{ .reg .b32 t; and.b32 t, $2, 0x0c0c0c0c; " + _PRMT
-UNPACK_ASM_2: tl.constexpr = "{ .reg .b32 t; and.b32 t, $2, 0x30303030; " + _PRMT
-UNPACK_ASM_3: tl.constexpr = "{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; " + _PRMT
+UNPACK_ASM_0 = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x03030303; " + _PRMT)
+UNPACK_ASM_1 = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x0c0c0c0c; " + _PRMT)
+UNPACK_ASM_2 = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x30303030; " + _PRMT)
+UNPACK_ASM_3 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; " + _PRMT)
 
 
 @triton.jit
@@ -37,14 +37,13 @@ def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_AS
     """uint8 packed bytes → 128 + code·4^k (k < 3) or 128 + code (k = 3) of one quarter, exact in bfloat16."""
     if USE_ASM:
         if QUARTER == 0:
-            asm: tl.constexpr = UNPACK_ASM_0
+            out = tl.inline_asm_elementwise(UNPACK_ASM_0, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
         elif QUARTER == 1:
-            asm: tl.constexpr = UNPACK_ASM_1
+            out = tl.inline_asm_elementwise(UNPACK_ASM_1, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
         elif QUARTER == 2:
-            asm: tl.constexpr = UNPACK_ASM_2
+            out = tl.inline_asm_elementwise(UNPACK_ASM_2, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
         else:
-            asm: tl.constexpr = UNPACK_ASM_3
-        out = tl.inline_asm_elementwise(asm, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
+            out = tl.inline_asm_elementwise(UNPACK_ASM_3, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
         if QUARTER == 3:
             c = (packed >> 6) & 3
@@ -80,7 +79,7 @@ def _attend(
     o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split,
     b, h0, H_kv, GROUP, qk_scale,
     INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of one tier for HPP KV heads starting at h0; writes (o, lse) of `out_split`."""
     D4: tl.constexpr = D // 4
@@ -99,8 +98,9 @@ def _attend(
     # per-row bases of the tier (rows of one KV head share theirs); out-of-range heads are clamped, their rows masked
     kvh = tl.minimum(h0 + rowhead, H_kv - 1).to(tl.int64)
 
+    # running sums are kept per (row, token slot) and reduced once after the loop: no cross-thread sums per tile
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
+    l_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
     if INT2:
         cols = tl.arange(0, D4)
         q_rows = q_ptr + b64 * stride_qb + qhead[:, None] * stride_qh + cols[None, :]
@@ -127,8 +127,8 @@ def _attend(
         acc1 = tl.zeros([BLOCK_H, D4], tl.float32)
         acc2 = tl.zeros([BLOCK_H, D4], tl.float32)
         acc3 = tl.zeros([BLOCK_H, D4], tl.float32)
-        psum = tl.zeros([BLOCK_H], tl.float32)  # Σ p·s of the bf16 values the P·V dots see
-        pz = tl.zeros([BLOCK_H], tl.float32)  # Σ p·s·z
+        psum_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # Σ p·s of the bf16 values the P·V dots see
+        pz_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # Σ p·s·z
         k_head = k_ptr + b64 * stride_kb
         v_head = v_ptr + b64 * stride_vb
         szk_rows = szk_ptr + b64 * stride_szkb + kvh * stride_szkh  # [BLOCK_H]
@@ -141,7 +141,7 @@ def _attend(
         k_head = k_ptr + b64 * stride_kb
         v_head = v_ptr + b64 * stride_vb
 
-    for n0 in tl.range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         tok = n0 + offs_n
         tok_ok = tok < end
         tok64 = tok.to(tl.int64)
@@ -182,7 +182,7 @@ def _attend(
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])  # [BLOCK_H, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_t = l_t * alpha[:, None] + p
         m_i = m_new
 
         # ---- P·V, chained over the HPP heads
@@ -197,8 +197,8 @@ def _attend(
                 zv = tl.load(szv_rows[:, None] + sz_off + 1, mask=tile_ok, other=0.0).to(tl.float32)
                 ps = (p * sv).to(DOT_DTYPE)
                 psf = ps.to(tl.float32)
-                psum = psum * alpha + tl.sum(psf, axis=1)
-                pz = pz * alpha + tl.sum(psf * zv, axis=1)
+                psum_t = psum_t * alpha[:, None] + psf
+                pz_t = pz_t * alpha[:, None] + psf * zv
             else:
                 ps = p.to(DOT_DTYPE)
             for j in tl.static_range(HPP):
@@ -227,12 +227,15 @@ def _attend(
                 acc = tl.dot(_row_mask(pb, rowhead, j), vt.to(tl.float32).to(DOT_DTYPE), acc)
 
     # ---- epilogue: normalised partial output and its lse (empty split: o = 0, lse = −inf)
+    l_i = tl.sum(l_t, axis=1)
     nonempty = l_i > 0
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) / LOG2E, float("-inf"))
     o_rows = o_ptr + b64 * stride_ob + qhead[:, None] * stride_oh + out_split * stride_os
     if INT2:
         if NG == 1:
+            psum = tl.sum(psum_t, axis=1)
+            pz = tl.sum(pz_t, axis=1)
             # undo the +128 bias and the 4^k code factor per quarter, then the zero point
             acc0 = acc0 - 128.0 * psum[:, None]
             acc1 = (acc1 - 128.0 * psum[:, None]) * 0.25
@@ -266,34 +269,35 @@ def _decode_kernel(
     stride_rkb, stride_rkh, stride_rkt, stride_rvb, stride_rvh, stride_rvt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, G: tl.constexpr, HPP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+    BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     n_groups = tl.cdiv(H_kv, HPP)
     pid = tl.program_id(0)
     b = pid // n_groups
     h0 = (pid % n_groups) * HPP
     s = tl.program_id(1)
-    if s < S_SINK:
+    if (s < S_SINK) | (s >= S_SINK + S_HIST):
+        # a BF16 tier: sink or recent (one instantiation of the loop; both branches give identically typed values)
+        in_sink = s < S_SINK
+        zero64 = tl.zeros([], tl.int64)
+        k_ptr = tl.where(in_sink, sk_ptr, rk_ptr)
+        v_ptr = tl.where(in_sink, sv_ptr, rv_ptr)
+        len_ptr = tl.where(in_sink, slen_ptr, rlen_ptr)
         _attend(q_ptr, stride_qb, stride_qh,
-                sk_ptr, sv_ptr, stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
+                k_ptr, v_ptr,
+                tl.where(in_sink, stride_skb + zero64, stride_rkb), tl.where(in_sink, stride_skh + zero64, stride_rkh),
+                tl.where(in_sink, stride_skt + zero64, stride_rkt), tl.where(in_sink, stride_svb + zero64, stride_rvb),
+                tl.where(in_sink, stride_svh + zero64, stride_rvh), tl.where(in_sink, stride_svt + zero64, stride_rvt),
                 q_ptr, q_ptr, 0, 0, 0, 0, 0, 0,
-                slen_ptr, s, S_SINK,
+                len_ptr, tl.where(in_sink, s, s - S_SINK - S_HIST), tl.where(in_sink, S_SINK, S_RECENT),
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h0, H_kv, GROUP, qk_scale,
-                False, D, G, HPP, BLOCK_H, BLOCK_NB, DOT_DTYPE, USE_ASM)
-    elif s < S_SINK + S_HIST:
+                False, D, G, HPP, BLOCK_H, BLOCK_NB, DOT_DTYPE, USE_ASM, 1)
+    else:
         _attend(q_ptr, stride_qb, stride_qh,
                 ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt,
                 szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt,
                 hlen_ptr, s - S_SINK, S_HIST,
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h0, H_kv, GROUP, qk_scale,
-                True, D, G, HPP, BLOCK_H, BLOCK_N, DOT_DTYPE, USE_ASM)
-    else:
-        _attend(q_ptr, stride_qb, stride_qh,
-                rk_ptr, rv_ptr, stride_rkb, stride_rkh, stride_rkt, stride_rvb, stride_rvh, stride_rvt,
-                q_ptr, q_ptr, 0, 0, 0, 0, 0, 0,
-                rlen_ptr, s - S_SINK - S_HIST, S_RECENT,
-                o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
-                b, h0, H_kv, GROUP, qk_scale,
-                False, D, G, HPP, BLOCK_H, BLOCK_NB, DOT_DTYPE, USE_ASM)
+                True, D, G, HPP, BLOCK_H, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES)
