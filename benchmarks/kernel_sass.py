@@ -1,0 +1,140 @@
+"""Static profile of the decode kernel without a GPU: compile it for sm_90 (Triton's bundled ptxas/cuobjdump), with the
+argument specialisation the JIT would apply to a real launch, and count the SASS instructions of its token loops.
+
+The number that matters is warp instructions per (token, KV head) of the INT2 loop: an H200 SM issues 4 per clock, and
+reading one token-head of a d = 128 INT2 row (K and V, 72 B) at the copy bandwidth leaves ≈ 6 issue slots per SM, so
+a loop above that cannot reach the bandwidth floor whatever its memory pipeline does. Shared memory per program is
+printed too (a kernel above 227 KiB does not launch). Usage:
+    PYTHONPATH=. python benchmarks/kernel_sass.py [--shape 32,8,128] [--rows 16] [--block-n 64] [--warps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from oscar_zoo.runtime import layout, ops
+from oscar_zoo.runtime.kernels import decode
+
+
+def _specialise(fn, values: dict, constexprs: dict):
+    """Signature and attributes as the JIT builds them: pointers 16-byte aligned, integers equal to 1 become
+    constants, integers divisible by 16 get that divisibility."""
+    sig, attrs, consts = {}, {}, dict(constexprs)
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        v = values[name]
+        if isinstance(v, torch.Tensor):
+            sig[name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                               torch.uint8: "u8", torch.int32: "i32"}[v.dtype]  # fmt: skip
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        elif v == 1:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+
+def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1):
+    """The decode kernel as `ops.tiered_decode_attention` would launch it on an H200 (132 SMs) for this shape."""
+    captured = {}
+
+    class Grab:  # stands in for the kernel: records the launch arguments instead of running
+        def __getitem__(self, grid):
+            return lambda *args, **kw: captured.update(args=args, kw=kw, grid=grid)
+
+    hist = context - layout.SINK - layout.RECENT
+    cuda = torch.device("cuda", 0)
+    q = torch.empty(batch, H_q, D, dtype=torch.bfloat16)
+    tiers = dict(
+        sink=(torch.empty(batch, H_kv, layout.SINK, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
+        hist=(torch.empty(batch, H_kv, hist, D // 4, dtype=torch.uint8), torch.empty(batch, H_kv, hist, 1, 2, dtype=torch.float16),
+              torch.empty(batch, H_kv, hist, D // 4, dtype=torch.uint8), torch.empty(batch, H_kv, hist, 1, 2, dtype=torch.float16),
+              torch.empty(batch, dtype=torch.int32)),
+        recent=(torch.empty(batch, H_kv, layout.RECENT + layout.FLUSH, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
+    )  # fmt: skip
+    orig = (ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n)
+    try:
+        ops._kernels = lambda: (None, type("M", (), {"_decode_kernel": Grab()}), None)
+        ops._programs_target = lambda device: ops.DECODE_PROGRAMS_PER_SM * 132
+        ops._dot_dtype = lambda: tl.bfloat16
+        ops._block_n = lambda device, int2: ops.DECODE_BLOCK_N if int2 else ops.DECODE_BLOCK_NB
+        s_hist = ops._int2_splits(batch, H_kv, H_q // H_kv, hist, cuda, None)
+        s_sink, s_recent = ops._bf16_splits(layout.SINK, cuda), ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda)
+        S = s_sink + s_hist + s_recent
+        o, lse = torch.empty(batch, H_q, S, D), torch.empty(batch, H_q, S)
+        ops._launch_decode(q, o, lse, D**-0.5, sink=tiers["sink"], hist=tiers["hist"], recent=tiers["recent"],
+                           s_sink=s_sink, s_hist=s_hist, s_recent=s_recent)  # fmt: skip
+    finally:
+        ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n = orig
+    kw = dict(captured["kw"])
+    kw["USE_ASM"] = ops.INT2_ASM_UNPACK
+    warps = kw.pop("num_warps")
+    fn = decode._decode_kernel
+    values = dict(zip([n for n in fn.arg_names if n not in kw], captured["args"]))
+    src = _specialise(fn, values, kw)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)), kw, warps
+
+
+def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter]]:
+    """(instruction count, opcode counts) of every backward-branch loop in the SASS."""
+    path = tmp / "decode.cubin"
+    path.write_bytes(cubin)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    found = []
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            body = [o.split(".")[0] for a, o, _ in ins if lo <= a <= addr]
+            found.append((len(body), Counter(body)))
+    return found
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="32,8,128", help="H_q,H_kv,D")
+    ap.add_argument("--context", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=ops.DECODE_ROWS)
+    ap.add_argument("--block-n", type=int, default=ops.DECODE_BLOCK_N)
+    ap.add_argument("--warps", type=int, default=ops.DECODE_WARPS)
+    args = ap.parse_args()
+    H_q, H_kv, D = (int(x) for x in args.shape.split(","))
+    ops.DECODE_ROWS, ops.DECODE_BLOCK_N, ops.DECODE_WARPS = args.rows, args.block_n, args.warps
+    import tempfile
+
+    compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        found = loops(compiled.asm["cubin"], Path(tmp))
+    int2 = max(found, key=lambda f: f[0])  # the INT2 loop is the long one
+    per = int2[0] * warps / (kw["BLOCK_N"] * kw["HPP"])
+    print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: {kw['HPP']} KV heads per program, "
+          f"BLOCK_H {kw['BLOCK_H']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B")
+    print(f"INT2 loop: {int2[0]} instructions per warp per tile → {per:.1f} warp instructions per token-head")
+    print("  " + ", ".join(f"{op} {n}" for op, n in int2[1].most_common(12)))
+
+
+if __name__ == "__main__":
+    main()
