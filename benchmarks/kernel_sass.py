@@ -11,6 +11,7 @@ printed too (a kernel above 227 KiB does not launch). Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 from collections import Counter
@@ -120,6 +121,7 @@ def main():
     ap.add_argument("--rows", type=int, default=ops.DECODE_ROWS)
     ap.add_argument("--block-n", type=int, default=ops.DECODE_BLOCK_N)
     ap.add_argument("--warps", type=int, default=ops.DECODE_WARPS)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
     ops.DECODE_ROWS, ops.DECODE_BLOCK_N, ops.DECODE_WARPS = args.rows, args.block_n, args.warps
@@ -130,6 +132,11 @@ def main():
         found = loops(compiled.asm["cubin"], Path(tmp))
     int2 = max(found, key=lambda f: f[0])  # the INT2 loop is the long one
     per = int2[0] * warps / (kw["BLOCK_N"] * kw["HPP"])
+    if args.json:
+        print(json.dumps(dict(triton=triton.__version__, shared=compiled.metadata.shared, warps=warps, HPP=kw["HPP"],
+                              BLOCK_H=kw["BLOCK_H"], BLOCK_N=kw["BLOCK_N"], loop_instructions=int2[0],
+                              per_token_head=per, ops=dict(int2[1]))))  # fmt: skip
+        return
     print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: {kw['HPP']} KV heads per program, "
           f"BLOCK_H {kw['BLOCK_H']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B")
     print(f"INT2 loop: {int2[0]} instructions per warp per tile → {per:.1f} warp instructions per token-head")
