@@ -9,11 +9,12 @@ online-softmax step and one epilogue.
 Scores of all HPP heads land in one [BLOCK_H, BLOCK_N] tile: head j's dot uses q with the other heads' rows zeroed,
 and the dots are chained into one accumulator. P·V uses p with the other heads' rows zeroed, chained the same way.
 
-INT2 codes become tensor-core operands without conversion instructions: a byte whose bits hold c·4^k (k < 3, the
-quarter masked in place) or c (k = 3, shifted down) under a 0x43 high byte is the bfloat16 128 + c·4^k, exact. The
-affine constants come back in fp32 (one group per row, G = D; `w_k` = 4^-k for k < 3, 1 for k = 3):
-    q·k̂ = s·(Σ_k (w_k q_k)·(128 + c_k 4^k... ) − 128 Σ_k w_k Σq_k − z Σq)
-    Σ_t p_t v̂_t[quarter k] = (Σ_t (p_t s_t)(128 + c 4^k) − 128 Σ_t p_t s_t) / 4^k_eff − Σ_t (p_t s_t) z_t
+INT2 codes become tensor-core operands without conversion instructions. Quarter k of a packed byte, masked in place
+(k < 3: the code times f_k = 4^k, at most 48) or shifted down (k = 3: f_3 = 1), under a 0x43 high byte is the
+bfloat16 128 + c·f_k, exact. With q_k the quarter-k part of q, the dots see (q_k / f_k) (a power-of-two scaling, exact)
+and the affine constants come back in fp32 (one group per row, G = D; s, z the row's scale and zero):
+    q·k̂ = s·(Σ_k (q_k / f_k)·(128 + c_k f_k) − 128·Σ_k Σq_k / f_k − z·Σq)
+    Σ_t p_t v̂_t[quarter k] = (Σ_t (p_t s_t)(128 + c_t f_k) − 128·Σ_t p_t s_t) / f_k − Σ_t (p_t s_t) z_t
 With G < D every element is dequantized with its group's scale before the dot.
 """
 
