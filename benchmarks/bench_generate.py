@@ -287,7 +287,8 @@ def kv_bytes(cache: Cache) -> int:
 def rotation_bytes(cache: Cache) -> int:
     if not isinstance(cache, OscarCache):
         return 0
-    return sum(sum(t.nbytes for t in vars(layer.rotation).values()) for layer in cache.layers if layer.rotation)
+    return sum(sum(t.nbytes for t in vars(layer.rotation).values() if t is not None)  # means: None when uncentred
+               for layer in cache.layers if layer.rotation)
 
 
 def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capacity: int, G: int | None = None) -> int:

@@ -23,9 +23,9 @@ import torch
 
 from .errors import InputError, IntegrityError
 from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
-from .runtime.validate import TENSOR_NAMES, check_rotation_tensors, check_tensor_names
+from .runtime.validate import MEAN_NAMES, TENSOR_NAMES, check_rotation_tensors, check_tensor_names
 
-TENSOR_DTYPES = {name: torch.int32 if name == "layer_ids" else torch.float32 for name in TENSOR_NAMES}
+TENSOR_DTYPES = {name: torch.int32 if name == "layer_ids" else torch.float32 for name in (*TENSOR_NAMES, *MEAN_NAMES)}
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,16 @@ class Rotations:
     k_clip: torch.Tensor  # float32 [L, H]
     v_clip: torch.Tensor  # float32 [L, H]
     layer_ids: torch.Tensor  # int32 [L]
+    k_mean: torch.Tensor | None = None  # float32 [L, H, D]: the centred codec's key mean (schema 2, centring "mean")
+    v_mean: torch.Tensor | None = None  # float32 [L, H, D]: its value mean; both None for an uncentred artifact
+
+    @property
+    def centred(self) -> bool:
+        return self.k_mean is not None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name).contiguous() for name in TENSOR_NAMES}
+        names = (*TENSOR_NAMES, *(n for n in MEAN_NAMES if getattr(self, n) is not None))
+        return {name: getattr(self, name).contiguous() for name in names}
 
 
 def sha256_file(path: Path) -> str:
@@ -355,10 +362,10 @@ def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
         raise IntegrityError(f"the manifest in {folder} does not list {ROTATIONS_NAME}")
     tensors = load_tensors(folder / ROTATIONS_NAME)
     try:
-        check_tensor_names(tensors)
+        names = check_tensor_names(tensors)
     except ValueError as exc:
         raise IntegrityError(f"{ROTATIONS_NAME}: {exc}") from None
-    rotations = Rotations(**{n: tensors[n] for n in TENSOR_NAMES})
+    rotations = Rotations(**{n: tensors[n] for n in names})
     check_rotations(rotations, manifest)
     return manifest, rotations
 
@@ -366,8 +373,16 @@ def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
 def check_rotations(r: Rotations, manifest: Manifest) -> None:
     """The tensors are what the format and the manifest say (float32 / int32, shapes from the manifest's geometry,
     the manifest's layer ids) and values a runtime may use (`runtime.validate`: finite, orthogonal rotations, clips in
-    (0, 1]); IntegrityError (exit 4) naming the tensor, layer and head otherwise."""
+    (0, 1], finite means); IntegrityError (exit 4) naming the tensor, layer and head otherwise. The means are there
+    exactly when the manifest says the codec is centred (`quant.centring` "mean", schema 2)."""
+    if r.centred != manifest.centred or (r.k_mean is None) != (r.v_mean is None):
+        has = "carries" if r.k_mean is not None or r.v_mean is not None else "lacks"
+        raise IntegrityError(f"{ROTATIONS_NAME} {has} k_mean/v_mean but the manifest (schema_version "
+                             f"{manifest.schema_version}) says quant.centring {manifest.quant.centring!r}: the two "
+                             "files do not belong together", "re-calibrate or re-download")
     for name, dtype in TENSOR_DTYPES.items():
+        if getattr(r, name) is None:
+            continue
         got = getattr(r, name).dtype
         if got != dtype:
             raise IntegrityError(f"{ROTATIONS_NAME}: {name} has dtype {str(got).removeprefix('torch.')}, the format "
@@ -399,6 +414,7 @@ def expected_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
         "k_clip": (L, H),
         "v_clip": (L, H),
         "layer_ids": (L,),
+        **({name: (L, H, D) for name in MEAN_NAMES} if manifest.centred else {}),
     }
 
 

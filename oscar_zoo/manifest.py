@@ -10,11 +10,13 @@ import json
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
+                      model_validator)
 
 from .errors import IntegrityError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean
+READ_VERSIONS = (1, 2)  # what it reads: a version-1 manifest is an uncentred artifact, loaded exactly as before
 MANIFEST_NAME = "manifest.json"
 ROTATIONS_NAME = "rotations.safetensors"
 ARTIFACT_FILES = (ROTATIONS_NAME,)  # the files a manifest may list: the format has no others (the model card that push
@@ -62,6 +64,10 @@ class QuantSpec(_Frozen):
     scale_dtype: Literal["float16"] = "float16"
     packing: Literal["quartered"] = "quartered"
     codebook: Literal["uniform", "lloyd-max"] = "uniform"
+    # "mean": rows are stored as x·M − μ·M with the calibrated means k_mean, v_mean of rotations.safetensors
+    # (docs/format.md §6a); "none": no centring, no mean tensors. Schema 2 only (a version-1 manifest has no such field
+    # and means "none").
+    centring: Literal["none", "mean"] = "none"
     sink: int = Field(ge=0)
     recent: int = Field(ge=0)
     flush: int = Field(ge=1)
@@ -123,7 +129,7 @@ class ArtifactFile(_Frozen):
 
 
 class Manifest(_Frozen):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     tool: Literal["oscar-zoo"] = "oscar-zoo"
     model: ModelIdentity
     quant: QuantSpec
@@ -142,6 +148,15 @@ class Manifest(_Frozen):
             raise ValueError("a file is listed twice")
         return artifacts
 
+    @model_validator(mode="before")
+    @classmethod
+    def _version_fields(cls, data: Any) -> Any:
+        quant = data.get("quant") if isinstance(data, dict) else None
+        if isinstance(data, dict) and data.get("schema_version") == 1 and isinstance(quant, dict) \
+                and "centring" in quant:
+            raise ValueError("quant.centring is a schema-version-2 field; a version-1 manifest has none")
+        return data
+
     @model_validator(mode="after")
     def _consistent_geometry(self) -> Manifest:
         m, q = self.model, self.quant
@@ -153,26 +168,45 @@ class Manifest(_Frozen):
         outside = [i for i in self.rotation.layer_ids if i >= m.num_layers]
         if outside:
             raise ValueError(f"rotation.layer_ids {outside[:4]} reach past model.num_layers {m.num_layers}")
+        if self.schema_version == 1 and q.centring != "none":
+            raise ValueError("quant.centring needs schema_version 2 (a version-1 artifact is uncentred)")
         return self
+
+    @property
+    def centred(self) -> bool:
+        """True when rotations.safetensors carries k_mean and v_mean and the cache stores centred rows."""
+        return self.quant.centring == "mean"
+
+    @model_serializer(mode="wrap")
+    def _version_1_form(self, handler):
+        """A version-1 manifest is written as version 1 wrote it (no quant.centring), wherever it is dumped: its own
+        file, or a catalog entry that embeds it, so both stay byte-identical."""
+        data = handler(self)
+        if self.schema_version == 1 and isinstance(data.get("quant"), dict):
+            data["quant"].pop("centring", None)
+        return data
 
     def to_json(self) -> str:
         return canonical_json(self.model_dump(mode="json"))
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest.json") -> Manifest:
-        return parse_versioned(cls, text, source, "schema_version", SCHEMA_VERSION)
+        return parse_versioned(cls, text, source, "schema_version", READ_VERSIONS)
 
 
-def parse_versioned(model: type[BaseModel], text: str | bytes, source: str, version_field: str, version: int):
-    """Parse a versioned JSON document (text, or bytes that must be UTF-8) into `model`; every failure is an
-    IntegrityError naming the file and place."""
+def parse_versioned(model: type[BaseModel], text: str | bytes, source: str, version_field: str,
+                    version: int | tuple[int, ...]):
+    """Parse a versioned JSON document (text, or bytes that must be UTF-8) into `model`; `version` is the version (or
+    the versions) this oscar-zoo reads. Every failure is an IntegrityError naming the file and place."""
+    versions = version if isinstance(version, tuple) else (version,)
     data = load_json(text, source)
     if not isinstance(data, dict):
         raise IntegrityError(f"{source} must hold a JSON object, found {type(data).__name__}")
-    if data.get(version_field) != version:
+    found = data.get(version_field)
+    if isinstance(found, bool) or found not in versions:
         raise IntegrityError(
             f"{source} has {version_field} {_one_line(repr(data.get(version_field)), 40)}; this oscar-zoo reads "
-            f"version {version}",
+            f"version {' and '.join(str(v) for v in versions)}",
             "upgrade oscar-zoo, or re-create the file with this version",
         )
     try:

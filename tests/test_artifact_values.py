@@ -1,4 +1,5 @@
-"""Values no runtime may use (NaN/Inf, clips outside (0, 1], non-orthogonal rotations), re-checksummed so that only
+"""Values no runtime may use (NaN/Inf, clips outside (0, 1], non-orthogonal rotations, non-finite or unmatched means of
+the centred codec), re-checksummed so that only
 validation can catch them: refused with exit 4 by every command that reads an artifact folder, and with ValueError by
 `OscarCache.from_folder`; nothing is exported."""
 
@@ -24,7 +25,29 @@ def _poisoned(name: str, index: tuple, value: float):
     return change
 
 
+def _centred(*, k_mean=True, v_mean=True, manifest=True, poison: tuple | None = None):
+    """Make the folder a centred (schema-2) one: means added to the tensors and/or quant.centring "mean" in the
+    manifest; `poison` = (name, index, value) written into one mean."""
+    def change(folder):
+        import json
+
+        means = {"k_mean": torch.randn(L, 1, D), "v_mean": torch.randn(L, 1, D)}
+        if poison:
+            means[poison[0]][poison[1]] = poison[2]
+        rewrite_rotations(folder, **{n: t for n, t, keep in zip(means, means.values(), (k_mean, v_mean)) if keep})
+        if manifest:
+            doc = json.loads((folder / "manifest.json").read_text())
+            doc["quant"]["centring"] = "mean"
+            (folder / "manifest.json").write_text(json.dumps(doc))
+    return change
+
+
 POISONS = {
+    "mean NaN": (_centred(poison=("k_mean", (1, 0, 3), float("nan"))), "k_mean at layer 1 head 0"),
+    "mean Inf": (_centred(poison=("v_mean", (2, 0, 0), float("-inf"))), "v_mean at layer 2 head 0"),
+    "means, manifest uncentred": (_centred(manifest=False), "carries k_mean/v_mean but the manifest"),
+    "manifest centred, no means": (_centred(k_mean=False, v_mean=False), "lacks k_mean/v_mean but the manifest"),
+    "one mean only": (_centred(v_mean=False), "lacks v_mean"),
     "rotation NaN": (_poisoned("k_rotation", (1, 0, 2, 3), float("nan")), "k_rotation at layer 1 head 0"),
     "rotation Inf": (_poisoned("v_rotation", (2, 0, 0, 0), float("inf")), "v_rotation at layer 2 head 0"),
     "eigenvalue NaN": (_poisoned("v_eigenvalues", (0, 0, 1), float("nan")), "v_eigenvalues at layer 0"),
@@ -70,8 +93,8 @@ def test_every_reader_refuses_with_exit_4(poisoned, tmp_path):
 
 def test_from_folder_raises_value_error(poisoned):
     folder, words = poisoned
-    if "layer_ids differ" in words or "dtype" in words:  # the runtime has no manifest check and takes any float
-        words = "twice" if "layer_ids" in words else None
+    if "layer_ids differ" in words or "dtype" in words or "the manifest" in words:  # the runtime has no manifest
+        words = "twice" if "layer_ids" in words else None  # check, and takes any float dtype
     if words is None:
         OscarCache.from_folder(folder)
         return

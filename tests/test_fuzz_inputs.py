@@ -136,7 +136,12 @@ def _manifest_cases(good: str, rng: random.Random) -> list[tuple[str, bytes]]:
     cases.append(("file listed twice", dump(_set(doc, ("artifacts",), doc["artifacts"] * 2))))
     cases.append(("sha256 of another file", dump(_set(doc, ("artifacts", 0, "sha256"), "0" * 64))))
     cases.append(("bytes off by one", dump(_set(doc, ("artifacts", 0, "bytes"), doc["artifacts"][0]["bytes"] + 1))))
-    cases.append(("schema_version 2", dump(_set(doc, ("schema_version",), 2))))
+    cases.append(("schema_version 3", dump(_set(doc, ("schema_version",), 3))))
+    cases.append(("schema_version true", dump(_set(doc, ("schema_version",), True))))
+    cases.append(("centring in a version-1 manifest", dump(_set(_set(doc, ("schema_version",), 1),
+                                                                ("quant", "centring"), "none"))))
+    cases.append(("centred manifest, tensors without means", dump(_set(doc, ("quant", "centring"), "mean"))))
+    cases.append(("unknown centring", dump(_set(doc, ("quant", "centring"), "median"))))
     cases.append(("unknown key", dump(_set(doc, ("model", "surprise"), 1))))
     cases.append(("markup key", dump(_set(doc, ("[/]",), 1))))
     cases.append(("duplicate layer ids", dump(_set(doc, ("rotation", "layer_ids"), [0, 0]))))

@@ -6,7 +6,9 @@ The objective is the attention error the choice causes (docs/format.md §5), mea
 - values: mean squared error of the attention output Σ_t p_t δv_t, with the held-out sequences' own causal softmax
           probabilities p (the output error of every query, including the sink/recent positions that stay exact
           in the cache, so it ranks ratios rather than predicting the cache's error).
-The grid always contains the fixed defaults, so the searched ratio is never worse on this objective than them.
+With the centred codec (docs/format.md §6a) both run on the centred rows x·M − μ·M the cache quantizes (`k_mean`,
+`v_mean`: μ·M per head); the errors δ are the same in either frame, so only the rows change. The grid always contains
+the fixed defaults, so the searched ratio is never worse on this objective than them.
 `objective="reconstruction"` ranks ratios by the plain mean squared error of the rotated rows instead (K and V alike),
 the attention-blind criterion the quality sweep (benchmarks/QUALITY.md) compares against.
 """
@@ -38,9 +40,10 @@ class LayerSample:
     scaling: float
 
 
-def _rows(x: Tensor, rotation: Tensor) -> Tensor:
-    """[S, H_kv, T, D] rotated by M [H, D, D] (H = H_kv or 1) → [H_kv, S·T, D] fp32 rows."""
-    xr = reference.rotate(x.float(), rotation)
+def _rows(x: Tensor, rotation: Tensor, mean_rot: Tensor | None = None) -> Tensor:
+    """[S, H_kv, T, D] rotated by M [H, D, D] (H = H_kv or 1), centred by mean_rot [H, D] when given → [H_kv, S·T, D]
+    fp32 rows."""
+    xr = reference.rotate_centred(x.float(), rotation, mean_rot)
     return xr.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])
 
 
@@ -50,9 +53,11 @@ def key_objective(k_rows: Tensor, metric: Tensor, ratio: float, group_size: int)
     return torch.einsum("hnd,hde,hne->h", delta, metric.double(), delta) / k_rows.shape[1]
 
 
-def value_objective(probs: Tensor, v: Tensor, rotation: Tensor, ratio: float, group_size: int) -> Tensor:
-    """Mean squared attention-output error per KV head: probs [S, H_q, T, T] causal softmax, v [S, H_kv, T, D]."""
-    vr = reference.rotate(v.float(), rotation)
+def value_objective(probs: Tensor, v: Tensor, rotation: Tensor, ratio: float, group_size: int,
+                    mean_rot: Tensor | None = None) -> Tensor:
+    """Mean squared attention-output error per KV head: probs [S, H_q, T, T] causal softmax, v [S, H_kv, T, D];
+    mean_rot [H, D]: the rows are centred first (the centred codec)."""
+    vr = reference.rotate_centred(v.float(), rotation, mean_rot)
     delta = reference.fake_quant(vr, ratio, group_size) - vr  # [S, H_kv, T, D]
     H_kv, g = v.shape[1], probs.shape[1] // v.shape[1]
     err = probs @ delta.repeat_interleave(g, dim=1)  # [S, H_q, T, D]
@@ -76,15 +81,17 @@ def causal_probs(sample: LayerSample) -> Tensor:
 
 
 def objectives(sample: LayerSample, k_rotation: Tensor, v_rotation: Tensor, key_target: Tensor,
-               grid: list[float], group_size: int, objective: str = "attention") -> tuple[Tensor, Tensor]:
+               grid: list[float], group_size: int, objective: str = "attention", k_mean: Tensor | None = None,
+               v_mean: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Objective tables for one layer: (key [R, H], value [R, H]) for the R grid ratios and H rotation heads
     (H = H_kv per-head; per-layer rotations sum the KV heads into one column). `objective`: "attention" (logit error
-    under C_Q for K, attention-output error for V) or "reconstruction" (MSE of the rotated rows, K and V)."""
+    under C_Q for K, attention-output error for V) or "reconstruction" (MSE of the rotated rows, K and V).
+    k_mean, v_mean [H, D]: μ·M of the centred codec (`reference.rotate_mean`); None: uncentred rows."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown clip objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
     H_rot = k_rotation.shape[0]
     if objective == "reconstruction":
-        k_rows, v_rows = _rows(sample.k, k_rotation), _rows(sample.v, v_rotation)  # [H_kv, S·T, D]
+        k_rows, v_rows = _rows(sample.k, k_rotation, k_mean), _rows(sample.v, v_rotation, v_mean)  # [H_kv, S·T, D]
         key = torch.stack([reconstruction_objective(k_rows, r, group_size) for r in grid])
         value = torch.stack([reconstruction_objective(v_rows, r, group_size) for r in grid])
         if H_rot == 1:
@@ -92,10 +99,10 @@ def objectives(sample: LayerSample, k_rotation: Tensor, v_rotation: Tensor, key_
         return key, value
     # Mᵀ C_Q[h] M per KV head (a shared rotation [1, D, D] broadcasts over the per-head targets [H_kv, D, D])
     metric = k_rotation.double().transpose(-1, -2) @ key_target.double() @ k_rotation.double()
-    k_rows = _rows(sample.k, k_rotation)
+    k_rows = _rows(sample.k, k_rotation, k_mean)
     probs = causal_probs(sample)
     key = torch.stack([key_objective(k_rows, metric, r, group_size) for r in grid])
-    value = torch.stack([value_objective(probs, sample.v, v_rotation, r, group_size) for r in grid])
+    value = torch.stack([value_objective(probs, sample.v, v_rotation, r, group_size, v_mean) for r in grid])
     if H_rot == 1:
         key, value = key.sum(-1, keepdim=True), value.sum(-1, keepdim=True)
     return key, value

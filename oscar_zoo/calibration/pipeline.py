@@ -32,11 +32,12 @@ from .data import TokenSequences
 from .distributed import DataParallel
 from .placement import accumulator_device, model_device, sample_on
 from .rotation import fit_rotations, spectrum_ratio
-from .targets import SecondMoment, group_heads, key_weights
+from .targets import FirstMoment, SecondMoment, group_heads, key_weights
 
 Progress = Callable[..., None]  # progress(description, done, total, rate="")
 Info = Callable[[str], None]  # one line for the user (resumed from where, reused what)
 BPE_CONTEXTS = (2048, 32768, 131072)
+CENTRINGS = ("mean", "none")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class CalibrationSettings:
     sink: int = layout.SINK
     recent: int = layout.RECENT
     flush: int = layout.FLUSH
+    centring: str = "mean"  # "mean": the centred codec (docs/format.md §6a); "none": rows stored as x·M (schema 1's)
     batch_size: int = 4
     seed: int = 0
     accumulate_on: str = "model"  # where the float64 sums live: the model's first device, or "cpu"
@@ -179,10 +181,11 @@ def _pass(model, ids: torch.Tensor, batch_size: int, start: int, observer, desc:
 
 def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, store: AccumulatorStore,
                progress: Progress, dp: DataParallel | None = None, note: Info = lambda msg: None
-               ) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str]]:
-    """The capture passes, resumable: (key target, weighted value target, softmax value target, held-out samples).
-    With `dp`, this rank's share of the sequences is accumulated, the returned targets are the sums over all ranks,
-    and only rank 0 captures the held-out samples (others return {}). `note` hears what was resumed or reused."""
+               ) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str], tuple[FirstMoment, FirstMoment]]:
+    """The capture passes, resumable: (key target, weighted value target, softmax value target, held-out samples,
+    passes run, (key mean, value mean)). With `dp`, this rank's share of the sequences is accumulated, the returned
+    sums are over all ranks, and only rank 0 captures the held-out samples (others return {}). `note` hears what was
+    resumed or reused."""
     info, model = loaded.info, loaded.model
     device = accumulator_device(model, settings.accumulate_on)
     L, H_kv, D = info.num_layers, info.num_kv_heads, info.head_dim
@@ -193,22 +196,33 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         reduce = dp.reduce if dp else (lambda moment: moment)
         Moment = SecondMoment  # products form on each layer's device, sums live on `device`
 
-        # Pass 1: key target and softmax value target (one forward over the calibration sequences).
+        # Pass 1: key target, softmax value target and the key and value means (one forward over the sequences).
         saved = store.load("pass1")
+        if saved and "k_mean.sums" not in saved:  # a checkpoint of an oscar-zoo without the means: start pass 1 again
+            note(f"pass 1/2: the checkpoint in {store.folder} predates the key/value means; running pass 1 again")
+            saved = None
         key = Moment.from_state(saved, "key", device) if saved else Moment.zeros(L, H_kv, D, device)
         soft = Moment.from_state(saved, "softmax", device) if saved else Moment.zeros(L, H_kv, D, device)
+        k_mean = FirstMoment.from_state(saved, "k_mean", device) if saved else FirstMoment.zeros(L, H_kv, D, device)
+        v_mean = FirstMoment.from_state(saved, "v_mean", device) if saved else FirstMoment.zeros(L, H_kv, D, device)
         done1 = store.progress(saved, "pass1_done")
         _report_checkpoint(note, store, "pass 1/2", done1, N)
         if done1 < N:
             def observe1(layer, q, k, v, out, scaling):
                 key.add(layer, group_heads(q, H_kv))
                 soft.add(layer, group_heads(out, H_kv))
+                k_mean.add(layer, group_heads(k, H_kv))
+                v_mean.add(layer, group_heads(v, H_kv))
+
+            def state1() -> dict[str, torch.Tensor]:
+                return {**key.state("key"), **soft.state("softmax"), **k_mean.state("k_mean"),
+                        **v_mean.state("v_mean")}
 
             _pass(model, ids, bs, done1, observe1, "pass 1/2: key target", progress,
-                  lambda done, final: store.save_async("pass1", lambda: {**key.state("key"), **soft.state("softmax")},
-                                                       wait=final, pass1_done=done))
+                  lambda done, final: store.save_async("pass1", state1, wait=final, pass1_done=done))
             ran.append("pass1")
-        key, soft = reduce(key), reduce(soft)  # the checkpoint keeps this rank's sums; the reduced ones are new objects
+        # the checkpoint keeps this rank's sums; the reduced ones are new objects
+        key, soft, k_mean, v_mean = reduce(key), reduce(soft), reduce(k_mean), reduce(v_mean)
 
         # Held-out attention inputs for the clip search (small: a few sequences), kept so re-fits need no forward.
         heldout = store.load("heldout") if not dp or dp.is_main else {}
@@ -247,7 +261,7 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
                   lambda done, final: store.save_async("pass2", lambda: value.state("value"), wait=final,
                                                        pass2_done=done))
             ran.append("pass2")
-        return key, reduce(value), soft, heldout, ran
+        return key, reduce(value), soft, heldout, ran, (k_mean, v_mean)
     finally:
         store.flush()  # the last checkpoints are on disk before anyone reads the store
 
@@ -280,7 +294,9 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         raise InputError(f"--group-size: {exc}") from None
     store_dir = Path(store_dir or default_store_dir(loaded, seqs))
     store = AccumulatorStore(store_dir / f"rank{dp.rank}-of-{dp.world}" if dp else store_dir)
-    key, value, soft, heldout, ran = accumulate(loaded, seqs, settings, store, progress, dp, note)
+    if settings.centring not in CENTRINGS:
+        raise InputError(f"--centring {settings.centring!r} is not one of {', '.join(CENTRINGS)}")
+    key, value, soft, heldout, ran, (k_sum, v_sum) = accumulate(loaded, seqs, settings, store, progress, dp, note)
     if dp and not dp.is_main:
         return None
 
@@ -288,6 +304,11 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     value_target = (value if settings.value_target == ValueTarget.WEIGHTED.value else soft).mean().cpu()
     k_rot, k_ev = fit_rotations(key_target, settings.granularity)
     v_rot, v_ev = fit_rotations(value_target, settings.granularity)
+    k_mean = v_mean = None
+    if settings.centring == "mean":  # per KV head, or (per-layer rotations) the mean over the layer's heads
+        k_mean, v_mean = (m.mean().float().cpu() for m in (k_sum, v_sum))
+        if settings.granularity == Granularity.PER_LAYER.value:
+            k_mean, v_mean = k_mean.mean(1, keepdim=True), v_mean.mean(1, keepdim=True)
 
     L, H = k_rot.shape[:2]
     grid = clip_search.search_grid(settings.grid)
@@ -297,8 +318,12 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         on = model_device(loaded.model)  # on a GPU run the search's [S, H_q, T, T] softmax products run there
         for layer in range(L):
             progress("clip search", layer, L)
+            means = {} if k_mean is None else {
+                "k_mean": reference.rotate_mean(k_mean[layer], k_rot[layer]).to(on),
+                "v_mean": reference.rotate_mean(v_mean[layer], v_rot[layer]).to(on)}
             kt, vt = clip_search.objectives(sample_on(layer_sample(heldout, layer), on), k_rot[layer].to(on),
-                                            v_rot[layer].to(on), key_target[layer].to(on), grid, settings.group_size)
+                                            v_rot[layer].to(on), key_target[layer].to(on), grid, settings.group_size,
+                                            **means)
             key_tables.append(kt.cpu())
             value_tables.append(vt.cpu())
         progress("clip search", L, L)
@@ -310,7 +335,8 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         v_clip = torch.full((L, H), settings.v_clip, dtype=torch.float32)
 
     rotations = Rotations(k_rotation=k_rot, v_rotation=v_rot, k_eigenvalues=k_ev, v_eigenvalues=v_ev,
-                          k_clip=k_clip, v_clip=v_clip, layer_ids=torch.arange(L, dtype=torch.int32))
+                          k_clip=k_clip, v_clip=v_clip, layer_ids=torch.arange(L, dtype=torch.int32),
+                          k_mean=k_mean, v_mean=v_mean)
     manifest = build_manifest(loaded, seqs, settings, grid, mixing=reference.mixing_matrix(info.head_dim)[1],
                               wall_seconds=time.perf_counter() - t0)
     return CalibrationResult(manifest, rotations, spectrum_ratio(k_ev).mean(-1), spectrum_ratio(v_ev).mean(-1),
@@ -326,7 +352,8 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
     G = layout.resolve_group_size(info.head_dim, settings.group_size)
     return Manifest(
         model=loaded.identity,
-        quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=settings.flush),
+        quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=settings.flush,
+                        centring=settings.centring),
         rotation=RotationSpec(granularity=Granularity(settings.granularity),
                               value_target=ValueTarget(settings.value_target), hadamard=mixing,
                               layer_ids=list(range(info.num_layers))),

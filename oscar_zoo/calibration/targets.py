@@ -6,6 +6,8 @@ concatenation (what data-parallel calibration all-reduces). The three targets of
 - value target C_S[h] = Σ_t w_t v_t v_tᵀ / Σ_t w_t,  w_t = k_tᵀ C_Q[h] k_t             (x = v, second pass)
 - softmax value target (1/N) Vᵀ SᵀS V = mean over queries of o oᵀ, o = S V the attention output per query head
   (x = o, w = 1) — so the paper's softmax form needs no extra pass.
+A `FirstMoment` holds Σ x and the count per (layer, KV head), mergeable the same way: the means μ_K, μ_V the centred
+codec subtracts (docs/format.md §6a), streamed in the first pass.
 """
 
 from __future__ import annotations
@@ -77,3 +79,36 @@ def key_weights(k: Tensor, key_target: Tensor) -> Tensor:
 def per_layer(target: Tensor) -> Tensor:
     """Per-head targets [L, H, D, D] → the reference code's shared per-layer form [L, 1, D, D] (mean over heads)."""
     return target.mean(dim=1, keepdim=True)
+
+
+@dataclass
+class FirstMoment:
+    """Σ x [L, H, D] and the sample count [L, H], float64: the per-(layer, KV head) mean, mergeable by addition."""
+
+    sums: Tensor
+    weights: Tensor
+
+    @classmethod
+    def zeros(cls, n_layers: int, n_heads: int, dim: int, device: torch.device | str = "cpu") -> FirstMoment:
+        return cls(torch.zeros(n_layers, n_heads, dim, dtype=torch.float64, device=device),
+                   torch.zeros(n_layers, n_heads, dtype=torch.float64, device=device))
+
+    def add(self, layer: int, x: Tensor) -> None:
+        """x [H, N, D] samples per head, summed in float64 where they are; only the [H, D] sum moves."""
+        self.sums[layer] += x.to(torch.float64).sum(1).to(self.sums.device)
+        self.weights[layer] += x.shape[1]
+
+    def merge(self, other: FirstMoment) -> FirstMoment:
+        return FirstMoment(self.sums + other.sums.to(self.sums.device),
+                           self.weights + other.weights.to(self.sums.device))
+
+    def mean(self) -> Tensor:
+        """The mean [L, H, D] (zero where nothing was accumulated)."""
+        return self.sums / self.weights.clamp(min=1e-300)[..., None]
+
+    def state(self, prefix: str) -> dict[str, Tensor]:
+        return {f"{prefix}.sums": self.sums.cpu(), f"{prefix}.weights": self.weights.cpu()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Tensor], prefix: str, device: torch.device | str = "cpu") -> FirstMoment:
+        return cls(state[f"{prefix}.sums"].to(device), state[f"{prefix}.weights"].to(device))

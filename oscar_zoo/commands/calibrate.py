@@ -32,6 +32,11 @@ class AccumulateOn(str, Enum):
     CPU = "cpu"
 
 
+class Centring(str, Enum):
+    MEAN = "mean"
+    NONE = "none"
+
+
 class DeviceMap(str, Enum):
     AUTO = "auto"
     BALANCED = "balanced"
@@ -58,6 +63,8 @@ def calibrate_command(
     v_clip: Annotated[float, typer.Option(help="Fixed value clip ratio (used by --clip fixed).")] =
     layout.DEFAULT_V_CLIP,
     group_size: Annotated[int, typer.Option(help="Quantization group along head_dim; 0 = one group per row.")] = 0,
+    centring: Annotated[Centring, typer.Option(help="mean: store K/V rows minus their calibrated per-(layer, KV head) "
+                        "mean (the codec of schema 2, docs/format.md §6a); none: uncentred rows.")] = Centring.MEAN,
     sink: Annotated[int, typer.Option(help="Full-precision sink tokens the runtime keeps (≥ 0; sink + recent < "
                                            "32768).")] = layout.SINK,
     recent: Annotated[int, typer.Option(help="Full-precision recent tokens the runtime keeps (≥ 0).")] =
@@ -119,7 +126,7 @@ def calibrate_command(
         settings = CalibrationSettings(granularity=granularity.value, value_target=value_target.value,
                                        clip=clip.value, k_clip=k_clip, v_clip=v_clip, grid=DEFAULT_GRID,
                                        group_size=group_size, sink=sink, recent=recent, batch_size=batch_size,
-                                       seed=seed, accumulate_on=accumulate_on.value)
+                                       seed=seed, accumulate_on=accumulate_on.value, centring=centring.value)
         store_dir = default_store_dir(loaded, seqs)
         with progress_reporter(enabled=not json_output and is_main) as report:
             result = calibrate(loaded, seqs, settings, progress=report, store_dir=store_dir, dp=dp, note=say)
@@ -230,6 +237,7 @@ def _summary(result: CalibrationResult, out: Path, wall: float) -> dict:
         "granularity": m.rotation.granularity.value,
         "value_target": m.rotation.value_target.value,
         "clip": m.clip.mode.value,
+        "centring": m.quant.centring,
         "tokens": m.calibration.tokens,
         "bits_per_element": m.bits_per_element,
         "forward_passes": result.forward_passes,

@@ -31,7 +31,9 @@ def fake_quant_with(quantize_pack: QuantizePack, x: Tensor, clip: float | Tensor
 @dataclass
 class LayerKV:
     """One layer's attention inputs as a method presents them. q [B, H_q, T, D]; k, v [B, H_kv, T, D] (rotated when
-    the method rotates); k_hat, v_hat fp32 (None: exact method); out_rotation [H_q or 1, D, D] un-rotates the output."""
+    the method rotates, and centred when it centres); k_hat, v_hat fp32 (None: exact method); out_mean [H_q or 1, D]
+    is added to the output first (μ_V·M_V of centred values, `reference.add_value_mean`), then out_rotation
+    [H_q or 1, D, D] un-rotates it."""
 
     q: Tensor
     k: Tensor
@@ -39,6 +41,7 @@ class LayerKV:
     k_hat: Tensor | None = None
     v_hat: Tensor | None = None
     out_rotation: Tensor | None = None
+    out_mean: Tensor | None = None
 
 
 class Method:
@@ -67,14 +70,18 @@ class Exact(Method):
 
 
 class RotatedInt2(Method):
-    """Rotate (per layer, per KV head) → clip → INT2 per row groups → attention → un-rotate: OSCAR and its ablations.
+    """Rotate (per layer, per KV head) → centre → clip → INT2 per row groups → attention → add the value mean back →
+    un-rotate: OSCAR and its ablations, exactly as the runtime's tiers store and read them (docs/format.md §6a).
 
-    k_rotation/v_rotation float32 [L, H, D, D] (H = H_kv or 1) indexed by model layer; clips float32 [L, H] (0 = none)."""
+    k_rotation/v_rotation float32 [L, H, D, D] (H = H_kv or 1) indexed by model layer; clips float32 [L, H] (0 = none);
+    k_mean/v_mean float32 [L, H, D] in the model's basis (None: uncentred; needs rotations)."""
 
     def __init__(self, name: str, label: str, kind: str, k_rotation: Tensor | None, v_rotation: Tensor | None,
-                 k_clip: Tensor, v_clip: Tensor, group_size: int, sink: int, recent: int):
+                 k_clip: Tensor, v_clip: Tensor, group_size: int, sink: int, recent: int,
+                 k_mean: Tensor | None = None, v_mean: Tensor | None = None):
         self.name, self.label, self.kind = name, label, kind
         self.k_rotation, self.v_rotation = k_rotation, v_rotation
+        self.k_mean, self.v_mean = k_mean, v_mean
         self.k_clip, self.v_clip = k_clip.float(), v_clip.float()
         self.group_size, self.sink, self.recent = group_size, sink, recent
         self._device_cache: dict = {}
@@ -84,24 +91,30 @@ class RotatedInt2(Method):
         if key not in self._device_cache:
             rot = None if self.k_rotation is None else (self.k_rotation[layer].to(device),
                                                        self.v_rotation[layer].to(device))
+            means = (None, None)
+            if self.k_mean is not None:  # μ·M per head [H, D], as OscarCache makes them
+                means = (reference.rotate_mean(self.k_mean[layer], self.k_rotation[layer]).to(device),
+                         reference.rotate_mean(self.v_mean[layer], self.v_rotation[layer]).to(device))
             clips = (self.k_clip[layer].reshape(-1, 1).to(device), self.v_clip[layer].reshape(-1, 1).to(device))
-            self._device_cache[key] = (rot, clips)
+            self._device_cache[key] = (rot, means, clips)
         return self._device_cache[key]
 
     def prepare(self, layer, q, k, v, quantize_pack):
-        rot, (k_clip, v_clip) = self._layer_tensors(layer, q.device)
-        out_rotation = None
+        rot, (mu_k, mu_v), (k_clip, v_clip) = self._layer_tensors(layer, q.device)
+        out_rotation = out_mean = None
         if rot is not None:
             M_k, M_v = rot  # [H, D, D]
             g = q.shape[1] // M_k.shape[0] if M_k.shape[0] > 1 else 1
-            # As the runtime's decode path: q·M_K kept fp32; k·M_K, v·M_V rounded to the model dtype (the BF16 tiers,
-            # and what the INT2 history is quantized from).
+            # As the runtime's decode path: q·M_K kept fp32; k·M_K − μ_K·M_K, v·M_V − μ_V·M_V rounded once to the model
+            # dtype (the BF16 tiers, and what the INT2 history is quantized from).
             q = reference.rotate(q.float(), M_k.repeat_interleave(g, dim=0))  # [B, H_q, T, D]
-            k, v = reference.rotate(k, M_k), reference.rotate(v, M_v)  # [B, H_kv, T, D]
+            k, v = reference.rotate_centred(k, M_k, mu_k), reference.rotate_centred(v, M_v, mu_v)  # [B, H_kv, T, D]
             out_rotation = M_v.transpose(-1, -2).repeat_interleave(g, dim=0)  # [H_q, D, D] M_Vᵀ
+            if mu_v is not None:
+                out_mean = mu_v if mu_v.shape[0] == 1 else mu_v.repeat_interleave(g, dim=0)  # [H_q, D]
         k_hat = self._history(quantize_pack, k, k_clip)
         v_hat = self._history(quantize_pack, v, v_clip)
-        return LayerKV(q, k, v, k_hat, v_hat, out_rotation)
+        return LayerKV(q, k, v, k_hat, v_hat, out_rotation, out_mean)
 
     def _history(self, quantize_pack: QuantizePack, x: Tensor, clip: Tensor) -> Tensor:
         """x [B, H, T, D] with rows sink ≤ j < T − recent fake-quantized (the only rows any query reads as INT2)."""
@@ -170,9 +183,11 @@ def build_methods(rotations, num_layers: int, head_dim: int, group_size: int, si
     no_clip = torch.zeros(L, 1)
     H = rotations.k_rotation.shape[1]
     oscar = RotatedInt2(
-        "oscar", f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, calibrated clips)", "artifact",
+        "oscar", f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, calibrated clips"
+        f"{', centred' if rotations.k_mean is not None else ''})", "artifact",
         rotations.k_rotation[order], rotations.v_rotation[order], rotations.k_clip[order], rotations.v_clip[order],
-        group_size, sink, recent)
+        group_size, sink, recent, *((None, None) if rotations.k_mean is None else
+                                    (rotations.k_mean[order], rotations.v_mean[order])))
     methods: list[Method] = [Exact(), oscar]
     for b in BASELINES:
         if b not in baselines:

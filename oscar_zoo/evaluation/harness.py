@@ -105,6 +105,7 @@ class Attender:
             out = causal_attention(kv.q, kv.k, kv.v, scale)
         else:
             out = windowed_attention(kv.q, kv.k, kv.v, kv.k_hat, kv.v_hat, scale, self.sink, self.recent)
+        out = reference.add_value_mean(out, kv.out_mean)  # centred values: + μ_V·M_V (M_V space)
         if kv.out_rotation is not None:
             out = reference.rotate(out, kv.out_rotation)  # fp32 o·M_Vᵀ per query head
         return out  # fp32 [B, H_q, T, D]
@@ -241,7 +242,8 @@ def _cache_for(method: RotatedInt2, manifest, num_layers: int, head_dim: int):
         rot_k = rot_v = torch.eye(head_dim).expand(num_layers, 1, head_dim, head_dim).contiguous()
     q = manifest.quant
     return OscarCache(rot_k, rot_v, method.k_clip, method.v_clip, torch.arange(num_layers),
-                      group_size=q.group_size, sink=q.sink, recent=q.recent, flush=q.flush, num_layers=num_layers)
+                      group_size=q.group_size, sink=q.sink, recent=q.recent, flush=q.flush, num_layers=num_layers,
+                      k_mean=method.k_mean, v_mean=method.v_mean)
 
 
 def _cache_kwarg() -> str:

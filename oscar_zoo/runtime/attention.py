@@ -92,28 +92,41 @@ def oscar_attention(
         return out.transpose(1, 2).contiguous(), None
 
     n, H_q = query.shape[2], query.shape[1]
-    Mk_q, Mvt_q = layer.per_query_head(H_q)  # [H_q, D, D] (or shared [1, D, D]): M_K and M_Vᵀ
+    Mk_q, Mvt_q, mu_v = layer.per_query_head(H_q)  # [H_q, D, D] (or shared [1, D, D]): M_K, M_Vᵀ; μ_V·M_V [H_q, D]
     if layer.v_folded:  # o_proj un-rotates
         Mvt_q = None
+    # Centred tiers (docs/format.md §6a): every key of the cache and of the chunk is k·M_K − μ_K·M_K, which shifts all
+    # logits of a query by the same q·μ_K·M_K (softmax ignores it), and the output of centred values lacks exactly
+    # μ_V·M_V (the weights sum to 1): `_unrotate` adds it back, in M_V space, before M_Vᵀ or o_proj.
     if n == 1 and layer.quantize and softcap is None:
         q_rot = reference.rotate(query.float(), Mk_q)[:, :, 0]  # [B, H_q, D] q·M_K, kept fp32 for the kernel
         o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale)  # [B, H_q, D] fp32, M_V space
-        return _unrotate(o.unsqueeze(2), Mvt_q, query.dtype), None
+        return _unrotate(o.unsqueeze(2), Mvt_q, query.dtype, mu_v), None
     q_rot = reference.rotate(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
     if n == 1:  # BF16 history (test switch) or softcap: the tiers densely, the new token included
         k, v = layer.dense_kv(query.dtype)
-        o = dense_attention(q_rot, k, v, scale, softcap)
+        o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap)
     else:  # a chunk: earlier tokens through their tiers (if any), then its own exact K/V
         k, v = key, value
         if pending.past is not None:
             past_k, past_v = pending.past  # fp32, dequantized history included
             k, v = torch.cat([past_k, key.to(past_k.dtype)], dim=2), torch.cat([past_v, value.to(past_v.dtype)], dim=2)
-        o = dense_attention(q_rot, k, v, scale, softcap, q_offset=pending.past_len)
-    return _unrotate(o, Mvt_q, query.dtype), None
+        o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap, q_offset=pending.past_len)
+    return _unrotate(o, Mvt_q, query.dtype, mu_v), None
 
 
-def _unrotate(o: Tensor, Mvt_q: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """o [B, H_q, n, D] in M_V space → o·M_Vᵀ per query head (None: o_proj does it), as [B, n, H_q, D] in `dtype`."""
+def _uncentred_keys(k: Tensor, layer, softcap: float | None) -> Tensor:
+    """A logit softcap (tanh) is not shift-invariant: with one, centred keys get μ_K·M_K back (fp32) before the logits;
+    without one (every other case) the keys are used as the tiers hold them."""
+    if softcap is None or layer.rotation.k_mean is None:
+        return k
+    return k.float() + layer.rotation.k_mean.float().unsqueeze(-2)
+
+
+def _unrotate(o: Tensor, Mvt_q: Tensor | None, dtype: torch.dtype, v_mean_q: Tensor | None = None) -> Tensor:
+    """o [B, H_q, n, D] in M_V space (of centred values when `v_mean_q`, μ_V·M_V per query head [H_q, D], is given:
+    it is added back first) → o·M_Vᵀ per query head (None: o_proj does it), as [B, n, H_q, D] in `dtype`."""
+    o = reference.add_value_mean(o, v_mean_q)
     if Mvt_q is not None:
         o = reference.rotate(o.float(), Mvt_q)
     return o.to(dtype).transpose(1, 2).contiguous()

@@ -1,6 +1,7 @@
 """OscarCache: the OSCAR three-tier KV cache (BF16 sink, INT2 history, BF16 recent) as a transformers `Cache`.
 
-Storage follows `layout.py`; all tiers hold rotated keys/values (k·M_K, v·M_V). `update` rotates and files the new
+Storage follows `layout.py`; all tiers hold rotated keys/values (k·M_K, v·M_V), centred when the artifacts carry
+means (k·M_K − μ_K·M_K, v·M_V − μ_V·M_V: docs/format.md §6a). `update` rotates (and centres) and files the new
 tokens, demoting the oldest recent tokens into the INT2 history with `ops.quantize_pack`; the attention function in
 `attention.py` reads the tiers back (decode through `ops.tiered_decode_attention`). Use with
 `model.generate(..., cache=OscarCache.from_folder(path))` on a model switched to attn_implementation="oscar".
@@ -30,15 +31,19 @@ _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repea
 
 @dataclass
 class Rotation:
-    """One layer's fixed OSCAR tensors: rotations float32 [H, D, D] (H = H_kv, or 1 shared), clip ratios [H, 1]."""
+    """One layer's fixed OSCAR tensors: rotations float32 [H, D, D] (H = H_kv, or 1 shared), clip ratios [H, 1], and
+    the centred codec's offsets μ·M float32 [H, D] in the rotated basis (`reference.rotate_mean`; None: uncentred)."""
 
     k: Tensor
     v: Tensor
     k_clip: Tensor
     v_clip: Tensor
+    k_mean: Tensor | None = None
+    v_mean: Tensor | None = None
 
     def to(self, device: torch.device) -> Rotation:
-        return Rotation(*(t.to(device) for t in (self.k, self.v, self.k_clip, self.v_clip)))
+        return Rotation(*(None if t is None else t.to(device)
+                          for t in (self.k, self.v, self.k_clip, self.v_clip, self.k_mean, self.v_mean)))
 
     def per_query_head(self, M: Tensor, n_q_heads: int) -> Tensor:
         """M [H, D, D] → [H_q, D, D], GQA convention (query head j uses KV head j // g); shared stays [1, D, D]."""
@@ -88,7 +93,7 @@ class OscarLayer(CacheLayerMixin):
         self.pending: Pending | None = None
         self.v_folded = False  # the model's v_proj/o_proj carry M_V (attention.fold_value_rotation): values arrive
         # rotated and outputs leave un-rotated, so neither is done here
-        self._per_query_head: dict[int, tuple[Tensor, Tensor]] = {}
+        self._per_query_head: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}
 
     # ------------------------------------------------------------------------------------------------ allocation
 
@@ -158,26 +163,34 @@ class OscarLayer(CacheLayerMixin):
         if self.is_initialized:
             self._ensure_history(max(0, tokens - self.sink - self.recent))
 
-    def per_query_head(self, n_q_heads: int) -> tuple[Tensor, Tensor]:
-        """(M_K, M_Vᵀ) per query head [H_q, D, D] (shared: [1, D, D]), made once per layer and head count."""
+    def per_query_head(self, n_q_heads: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(M_K, M_Vᵀ) per query head [H_q, D, D] (shared: [1, D, D]) and μ_V·M_V per query head [H_q, D] (shared:
+        [1, D]; None when uncentred), made once per layer and head count."""
         if n_q_heads not in self._per_query_head:
             rot = self.rotation
             mk = rot.per_query_head(rot.k, n_q_heads).contiguous()
             mvt = rot.per_query_head(rot.v, n_q_heads).transpose(-1, -2).contiguous()
-            self._per_query_head[n_q_heads] = (mk, mvt)
+            mu_v = None
+            if rot.v_mean is not None:
+                mu_v = rot.v_mean if rot.v_mean.shape[0] == 1 else rot.v_mean.repeat_interleave(
+                    n_q_heads // rot.v_mean.shape[0], dim=0)
+                mu_v = mu_v.contiguous()
+            self._per_query_head[n_q_heads] = (mk, mvt, mu_v)
         return self._per_query_head[n_q_heads]
 
     # ------------------------------------------------------------------------------------------------- writing
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Rotate the new K/V [B, H_kv, n, D], file them into the tiers, and return the rotated chunk (in the input
-        dtype, unquantized: a chunk attends to its own exact K/V). Leaves a `Pending` for this layer's attention."""
+        """Rotate (and centre, `reference.rotate_centred`) the new K/V [B, H_kv, n, D], file them into the tiers, and
+        return the rotated chunk as the tiers hold it (in the input dtype, unquantized: a chunk attends to its own exact
+        K/V). Leaves a `Pending` for this layer's attention."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
-        k_rot = reference.rotate(key_states, self.rotation.k)  # [B, H_kv, n, D] k·M_K
-        v_rot = value_states if self.v_folded else reference.rotate(value_states, self.rotation.v)  # v·M_V
+        rot = self.rotation
+        k_rot = reference.rotate_centred(key_states, rot.k, rot.k_mean)  # [B, H_kv, n, D] k·M_K − μ_K·M_K
+        v_rot = reference.rotate_centred(value_states, None if self.v_folded else rot.v, rot.v_mean)  # v·M_V − μ_V·M_V
         n, past_len = k_rot.shape[2], self.get_seq_length()
         past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
         k_tier, v_tier = k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE)
@@ -304,7 +317,8 @@ class OscarLayer(CacheLayerMixin):
         return k, v
 
     def dense_kv(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        """All cached tokens in position order as the tiers present them (rotated), K, V [B, H, T, D] in `dtype`."""
+        """All cached tokens in position order as the tiers present them (rotated, and centred when the cache has
+        means), K, V [B, H, T, D] in `dtype`."""
         hist_k, hist_v = self.history()
         k = [self.sink_k[:, :, : self.n_sink], hist_k, self.recent_k[:, :, : self.n_recent]]
         v = [self.sink_v[:, :, : self.n_sink], hist_v, self.recent_v[:, :, : self.n_recent]]
@@ -371,8 +385,10 @@ class OscarCache(Cache):
     """The OSCAR INT2 KV cache for `model.generate(..., past_key_values=cache)` (attn_implementation="oscar").
 
     k_rotation, v_rotation float32 [L, H, D, D] (H = H_kv per head, or 1 shared per layer); k_clip, v_clip float32
-    [L, H]; layer_ids int32 [L]: the model layer each entry belongs to (default 0..L-1). `quantize=False` keeps the
-    history in BF16 (a test switch: with identity rotations generation then reproduces DynamicCache)."""
+    [L, H]; layer_ids int32 [L]: the model layer each entry belongs to (default 0..L-1); k_mean, v_mean float32
+    [L, H, D] (None: uncentred, as version-1 artifacts): the centred codec's calibrated means in the model's basis
+    (docs/format.md §6a). `quantize=False` keeps the history in BF16 (a test switch: with identity rotations
+    generation then reproduces DynamicCache)."""
 
     def __init__(
         self,
@@ -388,6 +404,8 @@ class OscarCache(Cache):
         flush: int = layout.FLUSH,
         quantize: bool = True,
         num_layers: int | None = None,
+        k_mean: Tensor | None = None,
+        v_mean: Tensor | None = None,
     ):
         k_rotation, v_rotation = k_rotation.float(), v_rotation.float()
         square = k_rotation.dim() == 4 and k_rotation.shape[-1] == k_rotation.shape[-2]
@@ -407,6 +425,15 @@ class OscarCache(Cache):
             if clip.shape != (L, H):
                 raise ValueError(f"{name} must be a float or [L, H] = [{L}, {H}], got {tuple(clip.shape)}")
             clips.append(clip)
+        means = []
+        for name, mean in (("k_mean", k_mean), ("v_mean", v_mean)):
+            if mean is not None:
+                mean = torch.as_tensor(mean).float()
+                if mean.shape != (L, H, D):
+                    raise ValueError(f"{name} must be [L, H, D] = [{L}, {H}, {D}], got {tuple(mean.shape)}")
+                if not torch.isfinite(mean).all():
+                    raise ValueError(f"{name} holds a non-finite value (every mean must be finite)")
+            means.append(mean)
         ids = [int(i) for i in (range(L) if layer_ids is None else torch.as_tensor(layer_ids).flatten().tolist())]
         if len(ids) != L or len(set(ids)) != L or min(ids) < 0:
             raise ValueError(f"layer_ids must be {L} distinct non-negative model layer indices, got {ids}")
@@ -419,16 +446,20 @@ class OscarCache(Cache):
             i = by_layer.get(idx)
             rot = None
             if i is not None:
-                rot = Rotation(k_rotation[i], v_rotation[i], clips[0][i].reshape(H, 1), clips[1][i].reshape(H, 1))
+                mu_k, mu_v = (None if m is None else reference.rotate_mean(m[i], r[i])
+                              for m, r in zip(means, (k_rotation, v_rotation)))
+                rot = Rotation(k_rotation[i], v_rotation[i], clips[0][i].reshape(H, 1), clips[1][i].reshape(H, 1),
+                               mu_k, mu_v)
             layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize))
         super().__init__(layers=layers)
         self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush)
         self.quantize = quantize
+        self.centred = k_mean is not None or v_mean is not None
 
     @classmethod
     def from_folder(cls, path: str | Path, *, quantize: bool = True, **overrides) -> OscarCache:
-        """Build from an artifact folder: `rotations.safetensors` (k/v_rotation, k/v_eigenvalues, k/v_clip, layer_ids)
-        and, when present, `manifest.json`'s quant.{group_size, sink, recent, flush}; keyword overrides win.
+        """Build from an artifact folder: `rotations.safetensors` (k/v_rotation, k/v_eigenvalues, k/v_clip, layer_ids;
+        k/v_mean in schema-2 folders, absent in version-1 ones) and, when present, `manifest.json`'s quant.{group_size, sink, recent, flush}; keyword overrides win.
         Every tensor is checked first (`validate.check_rotation_tensors`: finite, orthogonal, clips in (0, 1], shapes,
         layer ids); anything malformed raises ValueError. Checksums and the model match are `oscar_zoo.artifacts`'s."""
         from safetensors import SafetensorError
@@ -450,7 +481,7 @@ class OscarCache(Cache):
         settings = read_quant_settings(manifest) if manifest.is_file() else {}
         settings.update(overrides)
         return cls(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"], quantize=quantize,
-                   **settings)  # fmt: skip
+                   k_mean=t.get("k_mean"), v_mean=t.get("v_mean"), **settings)  # fmt: skip
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers):

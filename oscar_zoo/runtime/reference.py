@@ -82,6 +82,38 @@ def rotate(x: Tensor, M: Tensor) -> Tensor:
     return (x.float() @ M.float().reshape(M.shape[-2:])).to(x.dtype)
 
 
+# ------------------------------------------------------------------------------------------------------ centring
+
+
+def rotate_mean(mean: Tensor | None, M: Tensor) -> Tensor | None:
+    """μ·M per head (docs/format.md §6a): mean [H, D] in the model's (unrotated) basis, M [H, D, D] or [1, D, D] →
+    fp32 [H, D], the offset the centred codec removes from rotated rows (float64 product). None stays None."""
+    if mean is None:
+        return None
+    return torch.einsum("hd,hde->he", mean.double(), M.double().expand(mean.shape[0], -1, -1)).float()
+
+
+def rotate_centred(x: Tensor, M: Tensor | None, mean_rot: Tensor | None) -> Tensor:
+    """The centred codec's input rows, x·M − μ·M per KV head, rounded once to x's dtype: x [..., H, T, D], M [H, D, D]
+    or [1, D, D] (None: x is rotated already), mean_rot [H, D] from `rotate_mean` (None: no centring, i.e. `rotate`).
+    Every tier of a centred cache holds these rows; softmax is shift-invariant per query, so logits need no
+    correction, and the attention output gets `mean_rot` of the values back (`add_value_mean`)."""
+    if mean_rot is None:
+        return x if M is None else rotate(x, M)
+    xr = x.float() if M is None else rotate(x.float(), M)
+    return (xr - mean_rot.float().unsqueeze(-2)).to(x.dtype)
+
+
+def add_value_mean(o: Tensor, v_mean_rot_q: Tensor | None) -> Tensor:
+    """Attention output of centred values back to the uncentred one, in M_V space: o [B, H_q, n, D] + μ_V·M_V of each
+    query head's KV head (`v_mean_rot_q` [H_q, D] or [1, D]; None: o as is). Exact because the attention weights of a
+    query sum to 1. fp32; adds in place when o is fp32 already."""
+    if v_mean_rot_q is None:
+        return o
+    o = o.float()
+    return o.add_(v_mean_rot_q.float().unsqueeze(-2))
+
+
 # ------------------------------------------------------------------------------------------------------ clipping
 
 

@@ -1,5 +1,6 @@
 """The one check of OSCAR rotation tensors before any runtime uses them: names, dtypes and shapes consistent, layer ids
-distinct and non-negative, every value finite, rotations orthogonal, clip ratios in (0, 1].
+distinct and non-negative, every value finite (the centred codec's means included), rotations orthogonal, clip ratios
+in (0, 1].
 
 Every load path calls `check_rotation_tensors` (`oscar_zoo.artifacts` maps its ValueError to exit 4, `OscarCache.
 from_folder` raises it as is); the reference `.pt` reader uses `check_rotation` on its per-layer matrices. Comparisons
@@ -19,7 +20,8 @@ from torch import Tensor
 ROTATION_NAMES = ("k_rotation", "v_rotation")
 EIGENVALUE_NAMES = ("k_eigenvalues", "v_eigenvalues")
 CLIP_NAMES = ("k_clip", "v_clip")
-TENSOR_NAMES = (*ROTATION_NAMES, *EIGENVALUE_NAMES, *CLIP_NAMES, "layer_ids")  # the tensors of rotations.safetensors
+TENSOR_NAMES = (*ROTATION_NAMES, *EIGENVALUE_NAMES, *CLIP_NAMES, "layer_ids")  # rotations.safetensors, schema 1
+MEAN_NAMES = ("k_mean", "v_mean")  # schema 2 adds these (the centred codec, docs/format.md §6a); both or neither
 
 # max |MᵀM − I| (float64 product of the stored float32 matrices). A float32 rotation of any head_dim in use (≤ 512) is
 # orthogonal to 1e-6 or better; a rotation scaled by 1.0001 is already off by 2e-4, a random matrix by far more.
@@ -32,9 +34,10 @@ MANIFEST_MAX_BYTES = 1 << 20
 def check_rotation_tensors(tensors: Mapping[str, Tensor], tol: float = ORTHOGONALITY_TOL) -> None:
     """Raise ValueError, naming the tensor (and layer and head), unless `tensors` holds exactly the format's tensors:
     k/v_rotation float [L, H, D, D] orthogonal, k/v_eigenvalues float [L, H, D] finite, k/v_clip float [L, H] in
-    (0, 1], layer_ids integer [L] distinct and ≥ 0 (L, H, D ≥ 1)."""
-    check_tensor_names(tensors)
-    for name in TENSOR_NAMES:
+    (0, 1], layer_ids integer [L] distinct and ≥ 0 (L, H, D ≥ 1), and, in schema-2 files, k/v_mean float [L, H, D]
+    finite."""
+    names = check_tensor_names(tensors)
+    for name in names:
         if not isinstance(tensors[name], Tensor):
             raise ValueError(f"{name} is a {type(tensors[name]).__name__}, not a tensor")
     k = tensors["k_rotation"]
@@ -42,13 +45,14 @@ def check_rotation_tensors(tensors: Mapping[str, Tensor], tol: float = ORTHOGONA
         raise ValueError(f"k_rotation has shape {list(k.shape)}, expected [L, H, D, D] with L, H, D ≥ 1")
     L, H, D, _ = k.shape
     shapes = {"k_rotation": (L, H, D, D), "v_rotation": (L, H, D, D), "k_eigenvalues": (L, H, D),
-              "v_eigenvalues": (L, H, D), "k_clip": (L, H), "v_clip": (L, H), "layer_ids": (L,)}
+              "v_eigenvalues": (L, H, D), "k_clip": (L, H), "v_clip": (L, H), "layer_ids": (L,),
+              **{name: (L, H, D) for name in MEAN_NAMES if name in names}}
     for name, shape in shapes.items():
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{name} has shape {list(tensors[name].shape)}, expected {list(shape)} (k_rotation is "
                              f"{list(k.shape)} = [L, H, D, D])")
     layer_ids = check_layer_ids(tensors["layer_ids"])
-    for name in (*ROTATION_NAMES, *EIGENVALUE_NAMES, *CLIP_NAMES):
+    for name in (*ROTATION_NAMES, *EIGENVALUE_NAMES, *CLIP_NAMES, *(n for n in MEAN_NAMES if n in names)):
         check_finite(name, tensors[name], layer_ids)
     for name in ROTATION_NAMES:
         check_orthogonal(name, tensors[name], layer_ids, tol)
@@ -56,14 +60,18 @@ def check_rotation_tensors(tensors: Mapping[str, Tensor], tol: float = ORTHOGONA
         check_clips(name, tensors[name], layer_ids)
 
 
-def check_tensor_names(tensors: Mapping[str, object]) -> None:
-    """Exactly the format's tensor names, no more, no fewer; ValueError naming what is missing or extra."""
-    missing = [n for n in TENSOR_NAMES if n not in tensors]
-    extra = sorted(set(tensors) - set(TENSOR_NAMES))
+def check_tensor_names(tensors: Mapping[str, object]) -> tuple[str, ...]:
+    """Exactly the format's tensor names, no more, no fewer: schema 1's, or schema 1's and both means (schema 2).
+    Returns the names present; ValueError naming what is missing or extra."""
+    expected = (*TENSOR_NAMES, *MEAN_NAMES) if any(n in tensors for n in MEAN_NAMES) else TENSOR_NAMES
+    missing = [n for n in expected if n not in tensors]
+    extra = sorted(set(tensors) - set(expected))
     if missing or extra:
         parts = ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unexpected {', '.join(extra)}"]
                                                                          if extra else [])
-        raise ValueError(f"the rotation tensors {' and '.join(parts)} (expected exactly {', '.join(TENSOR_NAMES)})")
+        raise ValueError(f"the rotation tensors {' and '.join(parts)} (expected exactly {', '.join(TENSOR_NAMES)}, "
+                         f"and {' and '.join(MEAN_NAMES)} in a centred, schema-2 file)")
+    return expected
 
 
 def check_rotation(name: str, M: Tensor, layer_ids: list[int], tol: float = ORTHOGONALITY_TOL) -> None:

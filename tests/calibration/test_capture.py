@@ -55,8 +55,8 @@ def test_calibrated_key_and_value_targets_equal_independent_products(model_type,
     info = arch_info(model.config)
     loaded = LoadedModel(model, None, info, model_identity("tiny", None, model.config), "memory")
     seqs = TokenSequences(ids[:2], ids[2:], "random", False)
-    key, value, soft, heldout, ran = accumulate(loaded, seqs, CalibrationSettings(batch_size=1),
-                                                AccumulatorStore(tmp_path), lambda *a, **k: None)
+    key, value, soft, heldout, ran, (k_mean, v_mean) = accumulate(loaded, seqs, CalibrationSettings(batch_size=1),
+                                                                  AccumulatorStore(tmp_path), lambda *a, **k: None)
     assert ran == ["pass1", "heldout", "pass2"]
     qkv = _independent_qkv(model, ids[:2])
     g = info.group
@@ -70,6 +70,10 @@ def test_calibrated_key_and_value_targets_equal_independent_products(model_type,
             w = w / w.mean()
             C_S = (vs * w[:, None]).T @ vs / vs.shape[0]
             assert torch.allclose(value.mean()[layer, h], C_S, rtol=1e-4, atol=1e-7)
+            # the centred codec's means: plain float64 means of the captured (post-RoPE) keys and the values
+            assert torch.allclose(k_mean.mean()[layer, h], ks.mean(0), rtol=1e-5, atol=1e-7)
+            assert torch.allclose(v_mean.mean()[layer, h], vs.mean(0), rtol=1e-5, atol=1e-7)
+            assert k_mean.weights[layer, h] == ks.shape[0] == v_mean.weights[layer, h]
     held_q, held_k, _ = _independent_qkv(model, ids[2:])[1]
     assert torch.allclose(heldout["1.q"], held_q, atol=1e-5) and torch.allclose(heldout["1.k"], held_k, atol=1e-5)
 

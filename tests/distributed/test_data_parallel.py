@@ -39,14 +39,15 @@ def _rank(rank: int, port: int, folder: str) -> None:
     loaded, seqs = _problem()
     noop = lambda *a, **k: None  # noqa: E731
     store = AccumulatorStore(os.path.join(folder, "store", f"rank{rank}-of-{WORLD}"))
-    key, value, soft, heldout, ran = accumulate(loaded, seqs, SETTINGS, store, noop, dp)
+    key, value, soft, heldout, ran, (k_mean, v_mean) = accumulate(loaded, seqs, SETTINGS, store, noop, dp)
     assert (heldout != {}) == (rank == 0)
     # the same store again through calibrate(): every accumulator is reused, the reduce is redone
     result = calibrate(loaded, seqs, SETTINGS, store_dir=os.path.join(folder, "store"), dp=dp)
     if rank == 0:
         assert result.forward_passes == []
         torch.save({"key": key.sums, "key_w": key.weights, "value": value.sums, "value_w": value.weights,
-                    "soft": soft.sums, "rotations": result.rotations.__dict__, "ran": ran},
+                    "soft": soft.sums, "k_mean": k_mean.sums, "v_mean": v_mean.sums, "mean_w": k_mean.weights,
+                    "rotations": result.rotations.__dict__, "ran": ran},
                    os.path.join(folder, "rank0.pt"))
     else:
         assert result is None
@@ -61,13 +62,16 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     assert got["ran"] == ["pass1", "heldout", "pass2"]
 
     loaded, seqs = _problem()
-    key, value, soft, heldout, _ = accumulate(loaded, seqs, SETTINGS, AccumulatorStore(tmp_path / "single"),
-                                              lambda *a, **k: None)
+    key, value, soft, heldout, _, (k_mean, v_mean) = accumulate(loaded, seqs, SETTINGS,
+                                                                AccumulatorStore(tmp_path / "single"),
+                                                                lambda *a, **k: None)
     for name, ref in (("key", key.sums), ("value", value.sums), ("soft", soft.sums), ("key_w", key.weights),
-                      ("value_w", value.weights)):
+                      ("value_w", value.weights), ("k_mean", k_mean.sums), ("v_mean", v_mean.sums),
+                      ("mean_w", k_mean.weights)):
         assert torch.allclose(got[name], ref, rtol=1e-12, atol=1e-14 * ref.abs().max()), name  # float64 round-off
     single = calibrate(loaded, seqs, SETTINGS, store_dir=tmp_path / "single").rotations
-    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip"):
+    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip", "k_mean",
+                 "v_mean"):
         a, b = got["rotations"][name], getattr(single, name)
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), (name, (a - b).abs().max())
 

@@ -4,6 +4,7 @@ calibrated artifact at thresholds derived from that computation and fails the br
 --write, integrity exits, backend agreement."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,7 +172,8 @@ def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, 
 
     manifest, rot = load_artifacts(good_artifacts)
     shared = dataclasses.replace(rot, **{n: getattr(rot, n)[:, :1].contiguous() for n in (
-        "k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")})
+        "k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")},
+        k_mean=rot.k_mean.mean(1, keepdim=True), v_mean=rot.v_mean.mean(1, keepdim=True))  # per layer, as calibrate
     manifest = manifest.model_copy(update={"rotation": manifest.rotation.model_copy(
         update={"granularity": Granularity.PER_LAYER})})
     settings = VerifySettings(context=96, sequences=1, baselines=(), generate_tokens=3,
@@ -203,3 +205,55 @@ def test_real_smollm2_oscar_beats_naive_int2(smollm2, tmp_path):
     print(f"OSCAR KL {oscar.kl:.4f} top-1 {oscar.top1:.3f}; naive KL {naive.kl:.4f} top-1 {naive.top1:.3f}")
     assert oscar.kl < naive.kl / 3 and oscar.top1 > naive.top1
     assert report.passed, report.failures
+
+
+V1_FIXTURE = Path(__file__).parent.parent / "fixtures" / "artifact-v1"  # written by the schema-1 oscar-zoo (uncentred)
+
+
+def test_version1_artifacts_load_inspect_verify_and_serve_as_before(run_cli, model_dir, heldout_file, model64,
+                                                                      heldout_ids, tmp_path):
+    """The committed version-1 folder (calibrated for this test model by the oscar-zoo before schema 2) reads as an
+    uncentred artifact: its manifest round-trips byte for byte, inspect shows it, verify reports the float64
+    expectation of the uncentred codec, serves it through OscarCache (greedy generation) and `--write` keeps it a
+    version-1 manifest; OscarCache.from_folder builds a cache without means."""
+    from oscar_zoo.manifest import Manifest
+    from oscar_zoo.runtime.cache import OscarCache
+
+    text = (V1_FIXTURE / "manifest.json").read_text()
+    manifest = Manifest.from_json(text)
+    assert manifest.schema_version == 1 and not manifest.centred and manifest.to_json() == text
+    manifest, rot = load_artifacts(V1_FIXTURE)
+    assert rot.k_mean is None and rot.v_mean is None
+    code, out, err = run_cli("inspect", V1_FIXTURE)
+    assert code == 0 and "outlier-llama" in out, err
+
+    folder = tmp_path / "v1"
+    shutil.copytree(V1_FIXTURE, folder)
+    code, out, err = run_cli("verify", *_args(folder, model_dir, heldout_file, "--json", "--write", "--baselines",
+                                              "none"))
+    assert code == 0, err
+    report = VerifyReport.model_validate_json(out)
+    oscar = report.method("oscar")
+    _assert_matches(oscar, expected_metrics(model64, heldout_ids, rot, SINK, RECENT))
+    assert "centred" not in oscar.label and oscar.generation.path == "oscar-cache" and oscar.generation.new_tokens == 4
+    written = (folder / "manifest.json").read_text()
+    assert '"schema_version": 1' in written and "centring" not in written
+    assert load_artifacts(folder)[0].verification is not None
+    cache = OscarCache.from_folder(V1_FIXTURE)
+    assert all(layer.rotation.k_mean is None and layer.rotation.v_mean is None for layer in cache.layers)
+    assert not cache.centred
+
+
+def test_the_float64_expectation_tells_centred_from_uncentred(good_artifacts, model64, heldout_ids):
+    """What makes the match tests above sensitive to the codec: the calibrated (centred) artifact and the same
+    rotations and clips without its means differ in the float64 perplexity increase and top-1 agreement by far more
+    than the match tolerances (observed on this sequence: +0.0 % vs −18.8 %, 44.8 % vs 38.5 %; KL only by 1 %)."""
+    import dataclasses
+
+    manifest, rot = load_artifacts(good_artifacts)
+    assert manifest.schema_version == 2 and manifest.centred and rot.k_mean is not None
+    ids = heldout_ids[:1]
+    centred = expected_metrics(model64, ids, rot, SINK, RECENT)
+    plain = expected_metrics(model64, ids, dataclasses.replace(rot, k_mean=None, v_mean=None), SINK, RECENT)
+    assert abs(centred.ppl_increase - plain.ppl_increase) > 10 * PPL_ATOL, (centred, plain)
+    assert abs(centred.top1 - plain.top1) > 5 * TOP1_POSITIONS / centred.scored, (centred, plain)
