@@ -29,11 +29,17 @@ def export_command(
     out: Annotated[Path, typer.Option(help="Output folder.")],
     average_heads: Annotated[bool, typer.Option(help="Allow per-head artifacts: average each layer's heads and "
                                                      "re-orthogonalise (polar factor). Quality may drop.")] = False,
+    accept_degraded: Annotated[bool, typer.Option(help="Allow centred artifacts (schema 2, quant.centring mean): the "
+                                                       "exported form has no means. Quality drops.")] = False,
     json_output: Json = False,
 ) -> None:
     """Write `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""
-    result = export_oscar_pt(artifacts, out, average_heads)
+    result = export_oscar_pt(artifacts, out, average_heads, accept_degraded)
     warnings = []
+    if result.manifest.centred:
+        warnings.append("the artifacts are centred (k_mean/v_mean); the exported .pt files carry no means, so the "
+                        "reference runtime stores uncentred rows with clips searched for centred ones: verify an "
+                        "uncentred calibration (--centring none) before serving this export")
     if result.averaged:
         warnings.append(f"per-head rotations were averaged per layer and re-orthogonalised (polar decomposition); "
                         f"inter-head agreement mean |diag(R_0ᵀ R_h)|: K {result.k_agreement:.3f}, V "

@@ -185,8 +185,14 @@ class ExportResult:
     rotations: Rotations
 
 
-def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool) -> ExportResult:
+def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncentred: bool = False) -> ExportResult:
     manifest, r = load_artifacts(artifacts)
+    if manifest.centred and not allow_uncentred:
+        raise InputError(f"{artifacts} uses the centred codec (k_mean/v_mean, docs/format.md §6a); the OSCAR .pt "
+                         "format and the reference runtime have no means, so the exported rotations would be served "
+                         "uncentred, with clips searched for centred rows",
+                         "pass --accept-degraded to export them anyway (the means are dropped), or calibrate with "
+                         "--centring none for a faithful export")
     layer_ids = [int(x) for x in r.layer_ids.tolist()]
     per_head = manifest.rotation.granularity == Granularity.PER_HEAD and r.k_rotation.shape[1] > 1
     if per_head and not allow_average:

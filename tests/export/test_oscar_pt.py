@@ -122,6 +122,32 @@ def test_per_head_export_needs_average_heads_and_warns(tmp_path):
     assert (rot.T @ rot - torch.eye(D, dtype=torch.float64)).abs().max() < 1e-5  # averaged, yet a rotation
 
 
+def test_centred_export_needs_accept_degraded_and_warns(tmp_path):
+    """A centred artifact (schema 2, k_mean/v_mean) has no faithful .pt form: export refuses it (exit 2, one line, no
+    files) unless --accept-degraded, then writes the rotations unchanged (the means dropped) and says so."""
+    import dataclasses
+
+    from oscar_zoo.artifacts import write_artifacts
+
+    from ..hub.helpers import make_manifest, make_rotations
+
+    manifest = make_manifest(granularity="per-layer", L=L, H_kv=H_KV, D=D)
+    manifest = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={"centring": "mean"})})
+    rot = make_rotations(manifest)
+    rot = dataclasses.replace(rot, k_mean=torch.randn(L, 1, D), v_mean=torch.randn(L, 1, D))
+    write_artifacts(tmp_path / "art", manifest, rot)
+    for fmt in ("oscar-pt", "sglang"):
+        code, _, err = run_cli("export", str(tmp_path / "art"), "--format", fmt, "--out", str(tmp_path / fmt))
+        assert code == 2 and "centred codec" in err and "--accept-degraded" in err and "Traceback" not in err, err
+        assert not (tmp_path / fmt).exists()
+    code, out, err = run_cli("export", str(tmp_path / "art"), "--format", "oscar-pt", "--out", str(tmp_path / "pt"),
+                             "--accept-degraded", "--json")
+    assert code == 0, err
+    assert any("carry no means" in w for w in json.loads(out)["warnings"])
+    raw = torch.load(tmp_path / "pt" / K_FILE, weights_only=True)
+    assert torch.equal(raw["layers"][1]["rotation"], rot.k_rotation[1, 0])
+
+
 def test_average_heads_properties():
     R = random_rotations(2, 3, 8, seed=5)
     same = R[:, :1].expand(2, 3, 8, 8)
