@@ -37,8 +37,12 @@ def _llama(layers: int = 2, dtype=torch.bfloat16, device="cpu"):
     return model
 
 
-def _cache(L: int, H: int = 3, D: int = D, **kw) -> OscarCache:
+def _cache(L: int, H: int = 3, D: int = D, centred: bool = False, **kw) -> OscarCache:
+    """Random rotations and clips; `centred`: with random per-(layer, head) means (the codec of docs/format.md §6a)."""
     clips = torch.linspace(0.9, 0.97, L * H).reshape(L, H)
+    if centred:
+        g = torch.Generator().manual_seed(3)
+        kw = {**kw, "k_mean": torch.randn(L, H, D, generator=g), "v_mean": torch.randn(L, H, D, generator=g)}
     return OscarCache(_rotations(L, H, D), _rotations(L, H, D, seed=50), clips, 0.92, **kw)
 
 
@@ -55,10 +59,12 @@ def _general_path_only(monkeypatch):
     monkeypatch.setattr(OscarLayer, "is_static_step", lambda self, n: False)
 
 
-@pytest.mark.parametrize(("backend", "B", "steps", "tiers"), [("reference", 1, 45, (64, 256)),
-                                                              ("reference", 3, 45, (64, 256)),
-                                                              ("interpreter", 2, 17, (16, 32))])
-def test_static_step_equals_general_path(backend, B, steps, tiers, monkeypatch):
+@pytest.mark.parametrize(("backend", "B", "steps", "tiers", "centred"), [("reference", 1, 45, (64, 256), False),
+                                                                         ("reference", 3, 45, (64, 256), False),
+                                                                         ("reference", 2, 45, (64, 256), True),
+                                                                         ("interpreter", 2, 17, (16, 32), False),
+                                                                         ("interpreter", 1, 17, (16, 32), True)])
+def test_static_step_equals_general_path(backend, B, steps, tiers, centred, monkeypatch):
     """A prefill 10 tokens past sink + recent, then teacher-forced decode steps (45: 5 demotions; 17 under the
     interpreter, with small tiers to keep it quick: 2): the static step (device-indexed writes, in-place demotion)
     gives bit-identical logits and tiers to the general filing path, through the reference ops or the Triton kernels
@@ -78,13 +84,13 @@ def test_static_step_equals_general_path(backend, B, steps, tiers, monkeypatch):
     monkeypatch.setattr(OscarLayer, "write_token", lambda self, *a: static_writes.append(1) or real_write(self, *a))
     model = enable_oscar(_llama(layers=1))
     ids = torch.randint(0, 512, (B, prompt + steps), generator=torch.Generator().manual_seed(B))
-    static_cache = _cache(1, sink=sink, recent=recent)
+    static_cache = _cache(1, sink=sink, recent=recent, centred=centred)
     static = _decode_logits(model, static_cache, ids, prompt)
     assert len(static_writes) == steps and (len(kernel_calls) == steps) == (backend == "interpreter")
 
     with monkeypatch.context() as m:
         _general_path_only(m)
-        general_cache = _cache(1, sink=sink, recent=recent)
+        general_cache = _cache(1, sink=sink, recent=recent, centred=centred)
         general = _decode_logits(model, general_cache, ids, prompt)
     assert len(static_writes) == steps  # the general path never went through write_token
     assert torch.equal(static, general)
@@ -185,22 +191,23 @@ def _qwen3(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("arch", "B", "fold"), [("qwen3", 1, False), ("qwen3", 4, True), ("llama", 1, False),
-                                                 ("llama", 3, True)])
-def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold):
+@pytest.mark.parametrize(("arch", "B", "fold", "centred"), [("qwen3", 1, False, False), ("qwen3", 4, True, True),
+                                                            ("llama", 1, False, True), ("llama", 3, True, False)])
+def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred):
     """generate() on a GPU with OscarCache replays a captured decode step (no user code): 220 greedy tokens from a
     400-token prompt (27 demotions, one history reallocation) equal the eager path's (compile disabled), logits
-    included, and all but the first few steps were replays; with the value rotation folded into the weights too."""
+    included, and all but the first few steps were replays; with the value rotation folded into the weights too, and
+    with centred tiers (means: the in-step subtraction and add-back are captured like the rest)."""
     model = enable_oscar(_qwen3("cuda") if arch == "qwen3" else _llama(device="cuda"))
     cfg = model.config
     L, H, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     if fold:
-        fold_value_rotation(model, _cache(L, H, Dh))
+        fold_value_rotation(model, _cache(L, H, Dh, centred=centred))
     ids = torch.randint(0, cfg.vocab_size, (B, 400), generator=torch.Generator().manual_seed(0)).cuda()
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     runs = {}
     for mode in ("eager", "graph"):
-        cache = _cache(L, H, Dh)
+        cache = _cache(L, H, Dh, centred=centred)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=220, do_sample=False,
                              disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True,
                              **{cache_kw: cache})  # fmt: skip
