@@ -32,7 +32,7 @@ from .data import TokenSequences
 from .distributed import DataParallel
 from .placement import accumulator_device, model_device, sample_on
 from .rotation import fit_rotations, spectrum_ratio
-from .targets import FirstMoment, SecondMoment, group_heads, key_weights
+from .targets import FirstMoment, SecondMoment, centred_target, group_heads, key_weights
 
 Progress = Callable[..., None]  # progress(description, done, total, rate="")
 Info = Callable[[str], None]  # one line for the user (resumed from where, reused what)
@@ -53,6 +53,8 @@ class CalibrationSettings:
     recent: int = layout.RECENT
     flush: int = layout.FLUSH
     centring: str = "mean"  # "mean": the centred codec (docs/format.md §6a); "none": rows stored as x·M (schema 1's)
+    centred_value_target: bool = False  # weighted value target about μ_V (a covariance) instead of about 0; measured
+    # in benchmarks/QUALITY.md, not a default (library only)
     batch_size: int = 4
     seed: int = 0
     accumulate_on: str = "model"  # where the float64 sums live: the model's first device, or "cpu"
@@ -181,9 +183,9 @@ def _pass(model, ids: torch.Tensor, batch_size: int, start: int, observer, desc:
 
 def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, store: AccumulatorStore,
                progress: Progress, dp: DataParallel | None = None, note: Info = lambda msg: None
-               ) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str], tuple[FirstMoment, FirstMoment]]:
+               ) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str], tuple[FirstMoment, ...]]:
     """The capture passes, resumable: (key target, weighted value target, softmax value target, held-out samples,
-    passes run, (key mean, value mean)). With `dp`, this rank's share of the sequences is accumulated, the returned
+    passes run, (key mean, value mean, key-weighted value mean Σ w v / Σ w)). With `dp`, this rank's share of the sequences is accumulated, the returned
     sums are over all ranks, and only rank 0 captures the held-out samples (others return {}). `note` hears what was
     resumed or reused."""
     info, model = loaded.info, loaded.model
@@ -243,7 +245,11 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
 
         # Pass 2: the weighted value target needs the finished key target (w_t = k_tᵀ C_Q k_t).
         saved = store.load("pass2")
+        if saved and "v_wmean.sums" not in saved:  # a checkpoint without the weighted value mean: pass 2 again
+            note(f"pass 2/2: the checkpoint in {store.folder} predates the weighted value mean; running pass 2 again")
+            saved = None
         value = Moment.from_state(saved, "value", device) if saved else Moment.zeros(L, H_kv, D, device)
+        v_wmean = FirstMoment.from_state(saved, "v_wmean", device) if saved else FirstMoment.zeros(L, H_kv, D, device)
         done2 = store.progress(saved, "pass2_done")
         if settings.value_target == ValueTarget.WEIGHTED.value:
             _report_checkpoint(note, store, "pass 2/2", done2, N)
@@ -255,13 +261,16 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
                 kg, vg = group_heads(k, H_kv), group_heads(v, H_kv)
                 if layer not in on_layer_device:
                     on_layer_device[layer] = key_target[layer].to(k.device)
-                value.add(layer, vg, key_weights(kg, on_layer_device[layer]))
+                w = key_weights(kg, on_layer_device[layer])
+                value.add(layer, vg, w)
+                v_wmean.add(layer, vg, w)
 
             _pass(model, ids, bs, done2, observe2, "pass 2/2: value target", progress,
-                  lambda done, final: store.save_async("pass2", lambda: value.state("value"), wait=final,
-                                                       pass2_done=done))
+                  lambda done, final: store.save_async("pass2", lambda: {**value.state("value"),
+                                                                         **v_wmean.state("v_wmean")},
+                                                       wait=final, pass2_done=done))
             ran.append("pass2")
-        return key, reduce(value), soft, heldout, ran, (k_mean, v_mean)
+        return key, reduce(value), soft, heldout, ran, (k_mean, v_mean, reduce(v_wmean))
     finally:
         store.flush()  # the last checkpoints are on disk before anyone reads the store
 
@@ -296,12 +305,17 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     store = AccumulatorStore(store_dir / f"rank{dp.rank}-of-{dp.world}" if dp else store_dir)
     if settings.centring not in CENTRINGS:
         raise InputError(f"--centring {settings.centring!r} is not one of {', '.join(CENTRINGS)}")
-    key, value, soft, heldout, ran, (k_sum, v_sum) = accumulate(loaded, seqs, settings, store, progress, dp, note)
+    if settings.centred_value_target and settings.value_target != ValueTarget.WEIGHTED.value:
+        raise InputError("a centred value target is defined for the weighted value target only")
+    key, value, soft, heldout, ran, (k_sum, v_sum, v_wsum) = accumulate(loaded, seqs, settings, store, progress, dp,
+                                                                        note)
     if dp and not dp.is_main:
         return None
 
     key_target = key.mean().cpu()
     value_target = (value if settings.value_target == ValueTarget.WEIGHTED.value else soft).mean().cpu()
+    if settings.centred_value_target:
+        value_target = centred_target(value_target, v_wsum.mean().cpu(), v_sum.mean().cpu())
     k_rot, k_ev = fit_rotations(key_target, settings.granularity)
     v_rot, v_ev = fit_rotations(value_target, settings.granularity)
     k_mean = v_mean = None

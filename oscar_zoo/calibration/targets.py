@@ -6,8 +6,9 @@ concatenation (what data-parallel calibration all-reduces). The three targets of
 - value target C_S[h] = Σ_t w_t v_t v_tᵀ / Σ_t w_t,  w_t = k_tᵀ C_Q[h] k_t             (x = v, second pass)
 - softmax value target (1/N) Vᵀ SᵀS V = mean over queries of o oᵀ, o = S V the attention output per query head
   (x = o, w = 1) — so the paper's softmax form needs no extra pass.
-A `FirstMoment` holds Σ x and the count per (layer, KV head), mergeable the same way: the means μ_K, μ_V the centred
-codec subtracts (docs/format.md §6a), streamed in the first pass.
+A `FirstMoment` holds Σ w·x and Σ w per (layer, KV head), mergeable the same way: the means μ_K, μ_V the centred
+codec subtracts (docs/format.md §6a), streamed in the first pass, and the key-weighted value mean Σ w_t v_t / Σ w_t of
+the second, which turns the weighted value target into a covariance about μ_V (`centred_target`).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def per_layer(target: Tensor) -> Tensor:
 
 @dataclass
 class FirstMoment:
-    """Σ x [L, H, D] and the sample count [L, H], float64: the per-(layer, KV head) mean, mergeable by addition."""
+    """Σ w·x [L, H, D] and Σ w [L, H] (the sample count when unweighted), float64: the per-(layer, KV head) mean,
+    mergeable by addition."""
 
     sums: Tensor
     weights: Tensor
@@ -93,10 +95,17 @@ class FirstMoment:
         return cls(torch.zeros(n_layers, n_heads, dim, dtype=torch.float64, device=device),
                    torch.zeros(n_layers, n_heads, dtype=torch.float64, device=device))
 
-    def add(self, layer: int, x: Tensor) -> None:
-        """x [H, N, D] samples per head, summed in float64 where they are; only the [H, D] sum moves."""
-        self.sums[layer] += x.to(torch.float64).sum(1).to(self.sums.device)
-        self.weights[layer] += x.shape[1]
+    def add(self, layer: int, x: Tensor, w: Tensor | None = None) -> None:
+        """x [H, N, D] samples per head, w [H, N] optional weights, summed in float64 where they are; only the [H, D]
+        sum moves."""
+        x64 = x.to(torch.float64)
+        if w is None:
+            self.sums[layer] += x64.sum(1).to(self.sums.device)
+            self.weights[layer] += x.shape[1]
+        else:
+            w64 = w.to(x.device, torch.float64)
+            self.sums[layer] += torch.einsum("hn,hnd->hd", w64, x64).to(self.sums.device)
+            self.weights[layer] += w64.sum(-1).to(self.weights.device)
 
     def merge(self, other: FirstMoment) -> FirstMoment:
         return FirstMoment(self.sums + other.sums.to(self.sums.device),
@@ -112,3 +121,12 @@ class FirstMoment:
     @classmethod
     def from_state(cls, state: dict[str, Tensor], prefix: str, device: torch.device | str = "cpu") -> FirstMoment:
         return cls(state[f"{prefix}.sums"].to(device), state[f"{prefix}.weights"].to(device))
+
+
+def centred_target(second: Tensor, weighted_mean: Tensor, mean: Tensor) -> Tensor:
+    """Σ w (x − μ)(x − μ)ᵀ / Σ w from the weighted second moment S = Σ w x xᵀ / Σ w [..., D, D], the weighted mean
+    m = Σ w x / Σ w [..., D] and the centre μ [..., D]: S − m μᵀ − μ mᵀ + μ μᵀ (float64). With μ = m it is the
+    weighted covariance."""
+    S, m, mu = second.double(), weighted_mean.double(), mean.double()
+    outer = lambda a, b: a[..., :, None] * b[..., None, :]  # noqa: E731
+    return S - outer(m, mu) - outer(mu, m) + outer(mu, mu)

@@ -8,6 +8,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from oscar_zoo.calibration.data import TokenSequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate
+from oscar_zoo.calibration.targets import centred_target
 from oscar_zoo.models import LoadedModel, arch_info, model_identity
 from oscar_zoo.runtime import reference as R
 
@@ -55,7 +56,7 @@ def test_calibrated_key_and_value_targets_equal_independent_products(model_type,
     info = arch_info(model.config)
     loaded = LoadedModel(model, None, info, model_identity("tiny", None, model.config), "memory")
     seqs = TokenSequences(ids[:2], ids[2:], "random", False)
-    key, value, soft, heldout, ran, (k_mean, v_mean) = accumulate(loaded, seqs, CalibrationSettings(batch_size=1),
+    key, value, soft, heldout, ran, (k_mean, v_mean, v_wmean) = accumulate(loaded, seqs, CalibrationSettings(batch_size=1),
                                                                   AccumulatorStore(tmp_path), lambda *a, **k: None)
     assert ran == ["pass1", "heldout", "pass2"]
     qkv = _independent_qkv(model, ids[:2])
@@ -74,6 +75,11 @@ def test_calibrated_key_and_value_targets_equal_independent_products(model_type,
             assert torch.allclose(k_mean.mean()[layer, h], ks.mean(0), rtol=1e-5, atol=1e-7)
             assert torch.allclose(v_mean.mean()[layer, h], vs.mean(0), rtol=1e-5, atol=1e-7)
             assert k_mean.weights[layer, h] == ks.shape[0] == v_mean.weights[layer, h]
+            torch.testing.assert_close(v_wmean.mean()[layer, h], (vs * w[:, None]).sum(0) / w.sum(), rtol=1e-4,
+                                       atol=1e-7)
+            cov = ((vs - vs.mean(0)) * w[:, None]).T @ (vs - vs.mean(0)) / w.sum()  # about the plain mean
+            torch.testing.assert_close(centred_target(value.mean()[layer, h], v_wmean.mean()[layer, h],
+                                                      v_mean.mean()[layer, h]), cov, rtol=1e-4, atol=1e-7)
     held_q, held_k, _ = _independent_qkv(model, ids[2:])[1]
     assert torch.allclose(heldout["1.q"], held_q, atol=1e-5) and torch.allclose(heldout["1.k"], held_k, atol=1e-5)
 

@@ -39,7 +39,7 @@ def _rank(rank: int, port: int, folder: str) -> None:
     loaded, seqs = _problem()
     noop = lambda *a, **k: None  # noqa: E731
     store = AccumulatorStore(os.path.join(folder, "store", f"rank{rank}-of-{WORLD}"))
-    key, value, soft, heldout, ran, (k_mean, v_mean) = accumulate(loaded, seqs, SETTINGS, store, noop, dp)
+    key, value, soft, heldout, ran, (k_mean, v_mean, v_wmean) = accumulate(loaded, seqs, SETTINGS, store, noop, dp)
     assert (heldout != {}) == (rank == 0)
     # the same store again through calibrate(): every accumulator is reused, the reduce is redone
     result = calibrate(loaded, seqs, SETTINGS, store_dir=os.path.join(folder, "store"), dp=dp)
@@ -47,6 +47,7 @@ def _rank(rank: int, port: int, folder: str) -> None:
         assert result.forward_passes == []
         torch.save({"key": key.sums, "key_w": key.weights, "value": value.sums, "value_w": value.weights,
                     "soft": soft.sums, "k_mean": k_mean.sums, "v_mean": v_mean.sums, "mean_w": k_mean.weights,
+                    "v_wmean": v_wmean.sums,
                     "rotations": result.rotations.__dict__, "ran": ran},
                    os.path.join(folder, "rank0.pt"))
     else:
@@ -62,12 +63,12 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     assert got["ran"] == ["pass1", "heldout", "pass2"]
 
     loaded, seqs = _problem()
-    key, value, soft, heldout, _, (k_mean, v_mean) = accumulate(loaded, seqs, SETTINGS,
+    key, value, soft, heldout, _, (k_mean, v_mean, v_wmean) = accumulate(loaded, seqs, SETTINGS,
                                                                 AccumulatorStore(tmp_path / "single"),
                                                                 lambda *a, **k: None)
     for name, ref in (("key", key.sums), ("value", value.sums), ("soft", soft.sums), ("key_w", key.weights),
                       ("value_w", value.weights), ("k_mean", k_mean.sums), ("v_mean", v_mean.sums),
-                      ("mean_w", k_mean.weights)):
+                      ("mean_w", k_mean.weights), ("v_wmean", v_wmean.sums)):
         assert torch.allclose(got[name], ref, rtol=1e-12, atol=1e-14 * ref.abs().max()), name  # float64 round-off
     single = calibrate(loaded, seqs, SETTINGS, store_dir=tmp_path / "single").rotations
     for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip", "k_mean",
