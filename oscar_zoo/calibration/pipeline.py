@@ -374,6 +374,7 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
         clip=ClipSpec(mode=ClipMode(settings.clip), grid=grid if settings.clip == "search" else [],
                       k_default=settings.k_clip, v_default=settings.v_clip,
                       objective="key: E[(q·δk)²] under C_Q; value: attention-output MSE on held-out sequences"
+                      + ("; on centred rows" if settings.centring == "mean" else "")
                       if settings.clip == "search" else "none (fixed ratios)"),
         calibration=CalibrationRecord(
             dataset=seqs.dataset, token_ids_sha256=seqs.sha256, tokens=seqs.input_ids.numel(),

@@ -30,7 +30,9 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
                   f"layers · {m.num_q_heads} query / {m.num_kv_heads} KV heads · head_dim {m.head_dim}")
     console.print(f"rotation {manifest.rotation.composition} {manifest.rotation.granularity.value}, value target "
                   f"{manifest.rotation.value_target.value}, mixing {manifest.rotation.hadamard}; clip "
-                  f"{manifest.clip.mode.value}; INT{q.bits} group {q.group_size}, sink {q.sink}, recent {q.recent}")
+                  f"{manifest.clip.mode.value}; INT{q.bits} group {q.group_size}, sink {q.sink}, recent {q.recent}; "
+                  f"{'centred (K/V means removed)' if manifest.centred else 'uncentred'} · schema "
+                  f"{manifest.schema_version}")
     console.print(f"calibrated on {c.tokens:,} tokens of {c.dataset} ({c.sequences}×{c.seq_len}, token sha256 "
                   f"{c.token_ids_sha256[:12]}…) in {c.wall_seconds:.1f} s, {c.created}")
     for f in manifest.artifacts:

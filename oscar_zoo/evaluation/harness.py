@@ -34,7 +34,8 @@ DEFAULT_THRESHOLDS = Thresholds(max_ppl_increase=0.10, max_kl=0.10, min_top1=0.8
 
 ATTENTION_NOTE = ("teacher-forced: query i reads key j exactly iff j < sink or j > i − recent, else its INT2 "
                   "dequantization; fp32 softmax over the union (blocked SDPA, equal to "
-                  "reference.windowed_attention_ref); rotated K/V rounded to the model dtype as the cache stores them")
+                  "reference.windowed_attention_ref); rotated K/V (centred when the artifact is, the value mean "
+                  "added back to the output) rounded to the model dtype as the cache stores them")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import layout, ops, reference
-from .validate import check_rotation_tensors, read_quant_settings
+from .validate import check_centring, check_rotation_tensors, read_quant_settings
 
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
@@ -479,6 +479,8 @@ class OscarCache(Cache):
             raise ValueError(f"{tensors_path}: {exc}") from None
         manifest = folder / "manifest.json"
         settings = read_quant_settings(manifest) if manifest.is_file() else {}
+        if manifest.is_file():
+            check_centring(manifest, t)
         settings.update(overrides)
         return cls(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"], quantize=quantize,
                    k_mean=t.get("k_mean"), v_mean=t.get("v_mean"), **settings)  # fmt: skip

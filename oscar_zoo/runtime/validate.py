@@ -153,6 +153,33 @@ def read_quant_settings(manifest: Path) -> dict[str, int]:
     """The quant settings a runtime takes from an artifact folder's `manifest.json`: quant.{group_size, sink, recent,
     flush} that are present and not null, each an integer. ValueError naming the file when it is not a UTF-8 JSON
     object (of sane size and depth) or a setting is not an integer; the values themselves are the cache's to check."""
+    quant = _read_quant(manifest)
+    settings = {}
+    for key in QUANT_KEYS:
+        value = (quant or {}).get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{manifest}: quant.{key} is {str(value)[:40]!r}, expected an integer")
+        settings[key] = value
+    return settings
+
+
+def check_centring(manifest: Path, tensors: Mapping[str, object]) -> None:
+    """The manifest's quant.centring ("mean" or "none"; absent: a version-1 manifest, uncentred) agrees with the
+    tensors: means present exactly when centred. ValueError naming the file otherwise (the two files do not belong
+    together)."""
+    centring = (_read_quant(manifest) or {}).get("centring", "none")
+    if centring not in ("mean", "none"):
+        raise ValueError(f"{manifest}: quant.centring is {str(centring)[:40]!r}, expected 'mean' or 'none'")
+    has_means = all(name in tensors for name in MEAN_NAMES)
+    if has_means != (centring == "mean"):
+        raise ValueError(f"{manifest} says quant.centring {centring!r} but the tensors "
+                         f"{'carry' if has_means else 'lack'} k_mean/v_mean: the files do not belong together")
+
+
+def _read_quant(manifest: Path) -> dict | None:
+    """The 'quant' object of a manifest.json (None when absent); ValueError when the file is not a sane JSON object."""
     with open(manifest, "rb") as f:
         data = f.read(MANIFEST_MAX_BYTES + 1)
     if len(data) > MANIFEST_MAX_BYTES:
@@ -167,12 +194,4 @@ def read_quant_settings(manifest: Path) -> dict[str, int]:
     if not isinstance(doc, dict) or not isinstance(quant, (dict, type(None))):
         raise ValueError(f"{manifest} must hold a JSON object with an object 'quant'; found "
                          f"{type(doc if not isinstance(doc, dict) else quant).__name__}")
-    settings = {}
-    for key in QUANT_KEYS:
-        value = (quant or {}).get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{manifest}: quant.{key} is {str(value)[:40]!r}, expected an integer")
-        settings[key] = value
-    return settings
+    return quant
