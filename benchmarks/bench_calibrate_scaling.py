@@ -77,6 +77,9 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default=None)
     ap.add_argument("--no-targets", action="store_true", help="leave the float64 targets out of the safetensors")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two scaling_*.safetensors and exit")
+    ap.add_argument("--predict", nargs=2, metavar=("ONE", "TWO"),
+                    help="predict N-GPU wall times from a 1-GPU and a 2-GPU scaling_*.json and exit")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[4, 8], help="N for --predict")
     args = ap.parse_args(argv)
     if args.shape is None:
         args.shape = "qwen3-32b" if args.device_map == "auto" else "qwen3-8b"
@@ -301,22 +304,69 @@ def compare(a: str, b: str) -> dict:
     return rows
 
 
+CAPTURE = ("pass 1/2: key target", "pass 2/2: value target")  # data parallel: split by sequences
+PER_LAYER = ("rotations", "clip search")  # split by layers, round-robin
+
+
+def predict(one: dict, two: dict, gpus: list[int]) -> list[dict]:
+    """N-GPU wall time from measured 1- and 2-GPU runs of the same problem. Per phase (rank 0's times):
+    capture passes scale as 1/N at the parallel efficiency measured at N = 2; the eigendecompositions and the clip
+    search as the largest layer share, ⌈L/N⌉/L; the held-out capture (a full forward on every rank) and the rest
+    of the wall time (start-up, collectives, file writes: wall − Σ phases) stay as measured at N = 2."""
+    if one["world_size"] != 1 or two["world_size"] != 2:
+        raise SystemExit(f"--predict needs a 1-process and a 2-process report, got worlds {one['world_size']} and "
+                         f"{two['world_size']}")
+    L = one["config"]["num_hidden_layers"]
+    p1, p2 = one["phases_rank0_s"], two["phases_rank0_s"]
+    cap1, cap2 = sum(p1.get(k, 0.0) for k in CAPTURE), sum(p2.get(k, 0.0) for k in CAPTURE)
+    efficiency = cap1 / (2 * cap2) if cap2 else 1.0
+    layer1 = sum(p1.get(k, 0.0) for k in PER_LAYER)
+    fixed = p2.get("held-out capture", 0.0) + max(0.0, two["wall_s"] - sum(p2.values()))
+    rows = []
+    for n in gpus:
+        wall = cap1 / (n * efficiency) + layer1 * -(-L // n) / L + fixed
+        rows.append({"gpus": n, "wall_s": round(wall, 4), "speedup": round(one["wall_s"] / wall, 3),
+                     "capture_s": round(cap1 / (n * efficiency), 4), "per_layer_s": round(layer1 * -(-L // n) / L, 4),
+                     "fixed_s": round(fixed, 4), "capture_efficiency": round(efficiency, 4)})
+    print(f"prediction from 1 GPU ({one['wall_s']:.3f} s) and 2 GPUs ({two['wall_s']:.3f} s), {L} layers:")
+    print("| GPUs | wall s | speedup | capture s | per-layer s | fixed s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['gpus']} | {r['wall_s']:.3f} | {r['speedup']:.2f}x | {r['capture_s']:.3f} | "
+              f"{r['per_layer_s']:.3f} | {r['fixed_s']:.3f} |")
+    return rows
+
+
 def table(report: dict) -> None:
     p = report["phases_rank0_s"]
     print(f"\n{report['mode']}, {report['shape']} shapes ({report['config']['num_hidden_layers']} layers), "
           f"{report['dtype']}, {report['tokens']} tokens = {report['sequences']}×{report['seq_len']}, batch "
           f"{report['batch_size']}, {report['device']}")
-    print("| world | wall s | tokens/s | pass 1 s | held-out s | pass 2 s | clip search s | capture tokens/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| world | wall s | tokens/s | pass 1 s | held-out s | pass 2 s | rotations s | clip search s | capture tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     cap = report["capture_tokens_per_s"]
     print(f"| {report['world_size']} | {report['wall_s']:.3f} | {report['tokens_per_s']:,.0f} | "
           f"{p.get('pass 1/2: key target', 0):.3f} | {p.get('held-out capture', 0):.3f} | "
-          f"{p.get('pass 2/2: value target', 0):.3f} | {p.get('clip search', 0):.3f} | "
+          f"{p.get('pass 2/2: value target', 0):.3f} | {p.get('rotations', 0):.3f} | {p.get('clip search', 0):.3f} | "
           f"{f'{cap:,.0f}' if cap else '—'} |")
+    if report.get("ranks"):
+        names = ("pass 1/2: key target", "held-out capture", "pass 2/2: value target", "rotations", "clip search")
+        print("| rank | pass 1 s | held-out s | pass 2 s | rotations s | clip search s |")
+        print("|---|---|---|---|---|---|")
+        for r in report["ranks"]:
+            print(f"| {r['rank']} | " + " | ".join(f"{r['phases'].get(n, 0):.3f}" for n in names) + " |")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.predict:
+        one, two = (json.loads(Path(f).read_text()) for f in args.predict)
+        rows = predict(one, two, args.gpus)
+        out = args.out or os.environ.get("OUT")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "scaling_predict.json").write_text(json.dumps(rows, indent=2))
+        return
     if args.compare:
         rows = compare(*args.compare)
         out = args.out or os.environ.get("OUT")

@@ -48,6 +48,18 @@ class DataParallel:
         n = moment.sums.numel()
         return type(moment)(flat[:n].view_as(moment.sums).clone(), flat[n:].view_as(moment.weights).clone())
 
+    def layers(self, num_layers: int) -> list[int]:
+        """The layers whose held-out capture, eigendecomposition and clip search this rank runs: round-robin, so the
+        shares differ by at most one layer and every rank gets early and late layers alike."""
+        return list(range(self.rank, num_layers, self.world))
+
+    def gather_layers(self, t: Tensor) -> Tensor:
+        """`t` [L, ...] holds this rank's layers (zeros in the others'): the whole tensor, on every rank. A sum over
+        ranks where exactly one is non-zero per element, so the values are the owners' bit for bit."""
+        flat = t.contiguous().to(_comm_device())
+        dist.all_reduce(flat)
+        return flat.to(t.device)
+
     def barrier(self) -> None:
         dist.barrier()
 

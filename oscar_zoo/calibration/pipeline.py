@@ -30,7 +30,7 @@ from . import clip_search
 from .capture import capturing, forward_batches
 from .data import TokenSequences
 from .distributed import DataParallel
-from .placement import accumulator_device, model_device, sample_on
+from .placement import accumulator_device, layer_devices, model_device, sample_on
 from .rotation import fit_rotations, spectrum_ratio
 from .targets import FirstMoment, SecondMoment, centred_target, group_heads, key_weights
 
@@ -185,9 +185,9 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
                progress: Progress, dp: DataParallel | None = None, note: Info = lambda msg: None
                ) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str], tuple[FirstMoment, ...]]:
     """The capture passes, resumable: (key target, weighted value target, softmax value target, held-out samples,
-    passes run, (key mean, value mean, key-weighted value mean Σ w v / Σ w)). With `dp`, this rank's share of the sequences is accumulated, the returned
-    sums are over all ranks, and only rank 0 captures the held-out samples (others return {}). `note` hears what was
-    resumed or reused."""
+    passes run, (key mean, value mean, key-weighted value mean Σ w v / Σ w)). With `dp`, this rank's share of the
+    sequences is accumulated, the returned sums are over all ranks, and the held-out samples are those of this rank's
+    layers (`DataParallel.layers`). `note` hears what was resumed or reused."""
     info, model = loaded.info, loaded.model
     device = accumulator_device(model, settings.accumulate_on)
     L, H_kv, D = info.num_layers, info.num_kv_heads, info.head_dim
@@ -227,13 +227,16 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         key, soft, k_mean, v_mean = reduce(key), reduce(soft), reduce(k_mean), reduce(v_mean)
 
         # Held-out attention inputs for the clip search (small: a few sequences), kept so re-fits need no forward.
-        heldout = store.load("heldout") if not dp or dp.is_main else {}
+        heldout = store.load("heldout")
+        owned = set(dp.layers(L) if dp else range(L))
         if heldout:
             note(f"held-out capture: reused from the checkpoint in {store.folder}")
         if heldout is None:
             captured: dict[str, list[torch.Tensor]] = {}
 
             def observe_heldout(layer, q, k, v, out, scaling):
+                if layer not in owned:
+                    return
                 for name, t in (("q", q), ("k", k), ("v", v)):
                     captured.setdefault(f"{layer}.{name}", []).append(t.detach().cpu())
                 captured[f"{layer}.scaling"] = [torch.tensor([scaling], dtype=torch.float64)]
@@ -291,8 +294,9 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
               progress: Progress | None = None, store_dir: Path | None = None,
               dp: DataParallel | None = None, note: Info | None = None) -> CalibrationResult | None:
     """Run (or resume, or reuse) calibration and return the manifest (without its file list) and the tensors.
-    With `dp`, every rank accumulates its share; the eigendecomposition and clip search run once, on rank 0, and the
-    other ranks return None. `note(line)` hears which checkpoints were resumed or reused (default: nobody)."""
+    With `dp`, every rank accumulates its share of the sequences; then each rank fits the rotations and runs the clip
+    search of its own layers (round-robin), the results are gathered on rank 0 (bit for bit), and the other ranks
+    return None. `note(line)` hears which checkpoints were resumed or reused (default: nobody)."""
     progress = progress or (lambda *a, **k: None)
     note = note or (lambda msg: None)
     t0 = time.perf_counter()
@@ -309,39 +313,59 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         raise InputError("a centred value target is defined for the weighted value target only")
     key, value, soft, heldout, ran, (k_sum, v_sum, v_wsum) = accumulate(loaded, seqs, settings, store, progress, dp,
                                                                         note)
-    if dp and not dp.is_main:
-        return None
 
     key_target = key.mean().cpu()
     value_target = (value if settings.value_target == ValueTarget.WEIGHTED.value else soft).mean().cpu()
     if settings.centred_value_target:
         value_target = centred_target(value_target, v_wsum.mean().cpu(), v_sum.mean().cpu())
-    k_rot, k_ev = fit_rotations(key_target, settings.granularity)
-    v_rot, v_ev = fit_rotations(value_target, settings.granularity)
+    L = key_target.shape[0]
+    mine = dp.layers(L) if dp else list(range(L))
+    gather = dp.gather_layers if dp else (lambda t: t)
+
+    def fit(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's layers fitted, the others' zero; then the whole [L, ...] tensors (on rank 0)."""
+        rot, ev = fit_rotations(target[mine], settings.granularity)
+        full_rot = torch.zeros((L, *rot.shape[1:]), dtype=rot.dtype)
+        full_ev = torch.zeros((L, *ev.shape[1:]), dtype=ev.dtype)
+        full_rot[mine], full_ev[mine] = rot, ev
+        return full_rot, full_ev
+
+    progress("rotations", 0, len(mine))
+    (k_rot, k_ev), (v_rot, v_ev) = fit(key_target), fit(value_target)
+    progress("rotations", len(mine), len(mine))
     k_mean = v_mean = None
     if settings.centring == "mean":  # per KV head, or (per-layer rotations) the mean over the layer's heads
         k_mean, v_mean = (m.mean().float().cpu() for m in (k_sum, v_sum))
         if settings.granularity == Granularity.PER_LAYER.value:
             k_mean, v_mean = k_mean.mean(1, keepdim=True), v_mean.mean(1, keepdim=True)
 
-    L, H = k_rot.shape[:2]
+    H = k_rot.shape[1]
     grid = clip_search.search_grid(settings.grid)
     key_tables = value_tables = None
     if settings.clip == ClipMode.SEARCH.value:
-        key_tables, value_tables = [], []
-        on = model_device(loaded.model)  # on a GPU run the search's [S, H_q, T, T] softmax products run there
-        for layer in range(L):
-            progress("clip search", layer, L)
+        devices = layer_devices(loaded.model)  # a layer's search runs where the layer runs (device maps: overlapped)
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(mine):
+            progress("clip search", i, len(mine))
+            on = devices.get(layer, torch.device("cpu"))
             means = {} if k_mean is None else {
                 "k_mean": reference.rotate_mean(k_mean[layer], k_rot[layer]).to(on),
                 "v_mean": reference.rotate_mean(v_mean[layer], v_rot[layer]).to(on)}
-            kt, vt = clip_search.objectives(sample_on(layer_sample(heldout, layer), on), k_rot[layer].to(on),
-                                            v_rot[layer].to(on), key_target[layer].to(on), grid, settings.group_size,
-                                            **means)
-            key_tables.append(kt.cpu())
-            value_tables.append(vt.cpu())
-        progress("clip search", L, L)
-        key_tables, value_tables = torch.stack(key_tables), torch.stack(value_tables)  # [L, R, H]
+            tables[layer] = clip_search.objectives(sample_on(layer_sample(heldout, layer), on), k_rot[layer].to(on),
+                                                   v_rot[layer].to(on), key_target[layer].to(on), grid,
+                                                   settings.group_size, **means)
+        progress("clip search", len(mine), len(mine))
+        R = len(grid)
+        # [L, R, H] float64 (the objectives' dtype), filled by the layers' owners
+        key_tables, value_tables = (torch.zeros(L, R, H, dtype=torch.float64) for _ in range(2))
+        for layer, (kt, vt) in tables.items():  # the first host copy: the layers' searches ran concurrently till here
+            key_tables[layer], value_tables[layer] = kt.cpu(), vt.cpu()
+    (k_rot, k_ev, v_rot, v_ev) = (gather(t) for t in (k_rot, k_ev, v_rot, v_ev))
+    if key_tables is not None:
+        key_tables, value_tables = gather(key_tables), gather(value_tables)
+    if dp and not dp.is_main:
+        return None
+    if key_tables is not None:
         k_clip = torch.stack([clip_search.pick(t, grid) for t in key_tables])
         v_clip = torch.stack([clip_search.pick(t, grid) for t in value_tables])
     else:

@@ -22,6 +22,18 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
+    """Where each attention layer's weights live (by its `layer_idx`): with a device map, the clip search of a layer
+    runs on its GPU, and the layers on different GPUs overlap. Offloaded layers (meta weights) use `model_device`."""
+    devices = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        param = next(module.parameters(), None)
+        if isinstance(idx, int) and param is not None and idx not in devices:
+            devices[idx] = param.device if param.device.type != "meta" else model_device(model)
+    return devices
+
+
 def accumulator_device(model: torch.nn.Module, accumulate_on: str) -> torch.device:
     """`model`: the model's first device; `cpu`: host memory (products still form on each layer's device)."""
     return torch.device("cpu") if accumulate_on == "cpu" else model_device(model)

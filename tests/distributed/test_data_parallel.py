@@ -1,11 +1,14 @@
-"""Data-parallel calibration on CPU with gloo: two ranks over halves of the sequences give the single-process float64
-sums (round-off only) and rotations; `--nproc 2` through the real entry point writes the single-process artifacts."""
+"""Data-parallel calibration on CPU with gloo: two or three ranks over shares of the sequences give the single-process
+float64 sums (round-off only), and the per-layer work split between them (4 layers: 2/2, or 2/1/1 over three ranks)
+gives the single-process rotations (float32 round-off) and the same clips; `--nproc 2` through the real entry point
+writes the single-process artifacts."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -17,20 +20,20 @@ from oscar_zoo.models import LoadedModel, arch_info, model_identity
 
 from ..conftest import tiny_model
 
-WORLD = 2
+WORLD = 2  # the --nproc test
 SETTINGS = CalibrationSettings(batch_size=2, grid=(0.9, 0.96, 1.0))  # ranks batch exactly as one process does
 
 
 def _problem():
-    model = tiny_model("qwen3")  # seeded: every rank builds the same weights
+    model = tiny_model("qwen3", num_hidden_layers=4)  # seeded: every rank builds the same weights
     torch.manual_seed(1)
     ids = torch.randint(0, 512, (5, 24))  # 4 calibration sequences + 1 held-out
     loaded = LoadedModel(model, None, arch_info(model.config), model_identity("tiny", None, model.config), "memory")
     return loaded, TokenSequences(ids[:4], ids[4:], "random", False)
 
 
-def _rank(rank: int, port: int, folder: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+def _rank(rank: int, world: int, port: int, folder: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from oscar_zoo.calibration import distributed
@@ -38,9 +41,9 @@ def _rank(rank: int, port: int, folder: str) -> None:
     dp = distributed.from_env("cpu")
     loaded, seqs = _problem()
     noop = lambda *a, **k: None  # noqa: E731
-    store = AccumulatorStore(os.path.join(folder, "store", f"rank{rank}-of-{WORLD}"))
+    store = AccumulatorStore(os.path.join(folder, "store", f"rank{rank}-of-{world}"))
     key, value, soft, heldout, ran, (k_mean, v_mean, v_wmean) = accumulate(loaded, seqs, SETTINGS, store, noop, dp)
-    assert (heldout != {}) == (rank == 0)
+    assert {int(name.split(".")[0]) for name in heldout} == set(range(rank, 4, world))  # this rank's layers only
     # the same store again through calibrate(): every accumulator is reused, the reduce is redone
     result = calibrate(loaded, seqs, SETTINGS, store_dir=os.path.join(folder, "store"), dp=dp)
     if rank == 0:
@@ -55,10 +58,11 @@ def _rank(rank: int, port: int, folder: str) -> None:
     distributed.shutdown()
 
 
-def test_two_gloo_ranks_equal_one_process(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_ranks_equal_one_process(tmp_path, world):
     from oscar_zoo.calibration.distributed import _free_port
 
-    mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_rank, args=(world, _free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
     got = torch.load(tmp_path / "rank0.pt")
     assert got["ran"] == ["pass1", "heldout", "pass2"]
 
@@ -71,10 +75,11 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
                       ("mean_w", k_mean.weights), ("v_wmean", v_wmean.sums)):
         assert torch.allclose(got[name], ref, rtol=1e-12, atol=1e-14 * ref.abs().max()), name  # float64 round-off
     single = calibrate(loaded, seqs, SETTINGS, store_dir=tmp_path / "single").rotations
-    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip", "k_mean",
-                 "v_mean"):
+    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_mean", "v_mean"):
         a, b = got["rotations"][name], getattr(single, name)
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), (name, (a - b).abs().max())
+    for name in ("k_clip", "v_clip"):
+        assert torch.equal(got["rotations"][name], getattr(single, name)), name
 
 
 def test_nproc_option_writes_the_single_process_artifacts(run_cli, tiny_model_dir, tmp_path):

@@ -30,7 +30,10 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     two = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
                 *TINY, "--out", str(out), "--tag", "w2"], tmp_path)
     one = _run([sys.executable, str(SCRIPT), *TINY, "--out", str(out), "--tag", "w1"], tmp_path)
-    assert "| world |" in two.stdout.splitlines()[-3] and "| world |" in one.stdout.splitlines()[-3]  # table last
+    assert "| world |" in one.stdout.splitlines()[-3]  # the table last
+    lines = two.stdout.splitlines()
+    assert "| world |" in lines[-7] and "| rank |" in lines[-4]  # then one row per rank
+    assert [line.split("|")[1].strip() for line in lines[-2:]] == ["0", "1"]
 
     r1, r2 = (json.loads((out / f"scaling_{t}.json").read_text()) for t in ("w1", "w2"))
     assert (r1["world_size"], r2["world_size"]) == (1, 2)
@@ -38,7 +41,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     assert r1["tokens"] == r2["tokens"] == 256
     for r in (r1, r2):
         assert r["wall_s"] > 0 and abs(r["tokens_per_s"] * r["wall_s"] / 256 - 1) < 1e-2
-        assert {"pass 1/2: key target", "pass 2/2: value target", "clip search"} <= set(r["phases_rank0_s"])
+        assert {"pass 1/2: key target", "pass 2/2: value target", "rotations", "clip search"} <= set(r["phases_rank0_s"])
     assert [g["rank"] for g in r2["ranks"]] == [0, 1]
 
     cmp = _run([sys.executable, str(SCRIPT), "--compare", str(out / "scaling_w1.safetensors"),
@@ -70,3 +73,25 @@ def test_device_map_mode_builds_per_module_and_runs(tmp_path):
     t = load_file(out / "scaling_devmap.safetensors")
     assert all(torch.isfinite(v).all() for v in t.values())
     assert (t["key_eigenvalues64"] > -1e-12).all()  # a second moment is positive semi-definite
+
+
+def test_predict_from_one_and_two_gpu_reports(tmp_path):
+    """A constructed pair of reports with known phases: capture 8 s on one GPU and 4.4 s on two (efficiency 8/8.8),
+    per-layer work 3 s over 5 layers, held-out 0.5 s and 0.2 s of the rest at two GPUs."""
+    def report(world, wall, phases):
+        return {"world_size": world, "wall_s": wall, "config": {"num_hidden_layers": 5}, "phases_rank0_s": phases}
+
+    one = report(1, 12.0, {"pass 1/2: key target": 5.0, "pass 2/2: value target": 3.0, "held-out capture": 0.5,
+                           "rotations": 1.0, "clip search": 2.0})
+    two = report(2, 7.6, {"pass 1/2: key target": 2.6, "pass 2/2: value target": 1.8, "held-out capture": 0.5,
+                          "rotations": 0.6, "clip search": 1.9})  # Σ = 7.4: 0.2 s outside the phases
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    (tmp_path / "two.json").write_text(json.dumps(two))
+    _run([sys.executable, str(SCRIPT), "--predict", str(tmp_path / "one.json"), str(tmp_path / "two.json"),
+          "--gpus", "4", "8", "--out", str(tmp_path)], tmp_path)
+    rows = {r["gpus"]: r for r in json.loads((tmp_path / "scaling_predict.json").read_text())}
+    eff = 8.0 / 8.8
+    for n, share in ((4, 2 / 5), (8, 1 / 5)):  # the largest layer share: ⌈5/4⌉ = 2 and ⌈5/8⌉ = 1 of 5 layers
+        expect = 8.0 / (n * eff) + 3.0 * share + 0.5 + 0.2
+        assert abs(rows[n]["wall_s"] - expect) < 1e-3, (n, rows[n], expect)
+        assert abs(rows[n]["speedup"] - 12.0 / expect) < 1e-2
