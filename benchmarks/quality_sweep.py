@@ -40,6 +40,7 @@ from oscar_zoo.calibration.pipeline import (
     store_key,
 )
 from oscar_zoo.calibration.rotation import fit_rotations, spectrum_ratio
+from oscar_zoo.calibration.targets import centred_target
 from oscar_zoo.evaluation import metrics
 from oscar_zoo.evaluation.attention import verifying
 from oscar_zoo.evaluation.baselines import (
@@ -52,7 +53,7 @@ from oscar_zoo.evaluation.baselines import (
 from oscar_zoo.evaluation.harness import Attender, _logits, quantizer
 from oscar_zoo.evaluation.peers import PEERS, PeerCache, build_peers
 from oscar_zoo.models import cache_root, load_model
-from oscar_zoo.runtime import layout
+from oscar_zoo.runtime import layout, reference
 
 DOC_CALIBRATION_MODULES = (
     "argparse", "collections", "functools", "logging", "os", "pathlib", "re", "shutil", "subprocess", "tarfile",
@@ -100,6 +101,9 @@ class Calibration:
     heldout: dict
     seconds: float
     ran: list
+    k_mean: torch.Tensor  # [L, H_kv, D] float64: the centred codec's means (pass 1)
+    v_mean: torch.Tensor
+    v_wmean: torch.Tensor  # key-weighted value mean (pass 2): the weighted value target about μ_V needs it
 
 
 def calibrate_targets(loaded, texts: list[str], source: str, n_sequences: int, log) -> Calibration:
@@ -108,9 +112,11 @@ def calibrate_targets(loaded, texts: list[str], source: str, n_sequences: int, l
     t0 = time.perf_counter()
     seqs = make_sequences(loaded.tokenizer, texts, 512, n_sequences, 2, SEED, dataset=source)
     store = AccumulatorStore(cache_root() / "calibration" / store_key(loaded, seqs))
-    key, value, soft, heldout, ran = accumulate(loaded, seqs, CalibrationSettings(), store, lambda *a, **k: None)
+    key, value, soft, heldout, ran, means = accumulate(loaded, seqs, CalibrationSettings(), store,
+                                                       lambda *a, **k: None)
     cal = Calibration(f"{source}:{seqs.input_ids.numel()}", seqs.input_ids.numel(), key.mean().cpu(),
-                      value.mean().cpu(), soft.mean().cpu(), heldout, time.perf_counter() - t0, ran)
+                      value.mean().cpu(), soft.mean().cpu(), heldout, time.perf_counter() - t0, ran,
+                      *(m.mean().cpu() for m in means))
     log(f"calibration {cal.name}: {cal.seconds:.0f} s (passes run: {ran or 'none, reused'})")
     return cal
 
@@ -118,8 +124,10 @@ def calibrate_targets(loaded, texts: list[str], source: str, n_sequences: int, l
 # --------------------------------------------------------------------------------------------------------- methods
 
 
-def searched_clips(cal: Calibration, k_rot, v_rot, group_size: int, objective: str) -> tuple[torch.Tensor, ...]:
-    """Per-(layer, rotation head) K/V ratios from clip_search on the calibration's held-out samples."""
+def searched_clips(cal: Calibration, k_rot, v_rot, group_size: int, objective: str, means=None
+                   ) -> tuple[torch.Tensor, ...]:
+    """Per-(layer, rotation head) K/V ratios from clip_search on the calibration's held-out samples; `means`
+    (k_mean, v_mean [L, H, D]) searches on the centred rows, as the pipeline does."""
     grid = clip_search.search_grid()
     L, D = cal.key.shape[0], cal.key.shape[-1]
     eye = torch.eye(D).expand(1, D, D)
@@ -127,8 +135,10 @@ def searched_clips(cal: Calibration, k_rot, v_rot, group_size: int, objective: s
     for layer in range(L):
         kr = eye if k_rot is None else k_rot[layer]
         vr = eye if v_rot is None else v_rot[layer]
+        centred = {} if means is None else {"k_mean": reference.rotate_mean(means[0][layer], kr),
+                                            "v_mean": reference.rotate_mean(means[1][layer], vr)}
         kt, vt = clip_search.objectives(layer_sample(cal.heldout, layer), kr, vr, cal.key[layer], grid, group_size,
-                                        objective=objective)
+                                        objective=objective, **centred)
         k_clip.append(clip_search.pick(kt, grid))
         v_clip.append(clip_search.pick(vt, grid))
     return torch.stack(k_clip), torch.stack(v_clip)
@@ -136,24 +146,37 @@ def searched_clips(cal: Calibration, k_rot, v_rot, group_size: int, objective: s
 
 def rotated(name: str, label: str, cal: Calibration | None, rotation: str, value_target: str = "weighted",
             clip: str = "search", objective: str = "attention", group_size: int = 0, kind: str = "variant",
-            D: int = 64) -> RotatedInt2:
-    """rotation: per-head | per-layer (U·H·P from `cal`), hp (data-free H·P), none. clip: search | fixed | none."""
+            D: int = 64, centring: bool = False, centred_value_target: bool = False) -> RotatedInt2:
+    """rotation: per-head | per-layer (U·H·P from `cal`), hp (data-free H·P), none. clip: search | fixed | none.
+    centring: the codec of schema 2 (means from `cal`, clips searched on centred rows); centred_value_target: the
+    weighted value target about μ_V (a covariance) instead of about 0."""
     L = 30 if cal is None else cal.key.shape[0]
+    means = None
+    if centring:
+        means = (cal.k_mean.float(), cal.v_mean.float())
+        if rotation != "per-head":  # one rotation per layer (or H·P for all): one mean per layer, as calibrate does
+            means = tuple(m.mean(1, keepdim=True) for m in means)
     if rotation in ("per-head", "per-layer"):
         k_rot, _ = fit_rotations(cal.key, rotation)
-        v_rot, _ = fit_rotations(cal.value_weighted if value_target == "weighted" else cal.value_softmax, rotation)
+        v_target = cal.value_weighted if value_target == "weighted" else cal.value_softmax
+        if centred_value_target:
+            v_target = centred_target(v_target, cal.v_wmean, cal.v_mean)
+        v_rot, _ = fit_rotations(v_target, rotation)
     elif rotation == "hp":
         k_rot = v_rot = hadamard_rotation(L, D)
     else:
         k_rot = v_rot = None
     H = 1 if k_rot is None else k_rot.shape[1]
     if clip == "search":
-        k_clip, v_clip = searched_clips(cal, k_rot, v_rot, group_size, objective)
+        k_clip, v_clip = searched_clips(cal, k_rot, v_rot, group_size, objective, means)
     elif clip == "fixed":
         k_clip, v_clip = torch.full((L, H), layout.DEFAULT_K_CLIP), torch.full((L, H), layout.DEFAULT_V_CLIP)
     else:
         k_clip = v_clip = torch.zeros(L, H)
-    m = RotatedInt2(name, label, kind, k_rot, v_rot, k_clip, v_clip, group_size, SINK, RECENT)
+    if means is not None and k_rot is None:
+        raise ValueError("centring needs a rotation (use hp for the data-free one)")
+    m = RotatedInt2(name, label, kind, k_rot, v_rot, k_clip, v_clip, group_size, SINK, RECENT,
+                    *(means if means is not None else (None, None)))
     m.head_dim = D
     return m
 
@@ -176,6 +199,43 @@ class KeyCentered(RotatedInt2):
         mu = (self.k_mean[layer].to(k.device)[:, None, :] @ M_k)[None]  # [1, H_kv, 1, D] rotated mean
         k_clip = self.k_clip[layer].reshape(-1, 1).to(k.device)
         kv.k_hat = self._history(quantize_pack, (kv.k.float() - mu).to(kv.k.dtype), k_clip) + mu
+        return kv
+
+
+class LloydMax(RotatedInt2):
+    """Issue 14 item 4, measured through fake quantization: `base`'s rotations, means and clips, with four Lloyd-Max
+    levels per (layer, KV head, K/V) instead of the uniform ones (`reference.fake_quant_levels`: the same float16
+    scale and zero, so the same bits), fitted on the calibration's held-out rows as the runtime would store them
+    (rotated, centred, clipped, in code units)."""
+
+    def __init__(self, base: RotatedInt2, cal: Calibration):
+        super().__init__("centred-lm", f"{base.name} + Lloyd-Max levels per (layer, head, K/V)", "variant",
+                         base.k_rotation, base.v_rotation, base.k_clip, base.v_clip, base.group_size, base.sink,
+                         base.recent, base.k_mean, base.v_mean)
+        self.head_dim = base.head_dim
+        self.levels = {}  # (layer, "k"|"v") -> [H, 1, 4] float32
+        for layer in range(self.k_rotation.shape[0]):
+            for name, M, mean, clip in (("k", self.k_rotation, self.k_mean, self.k_clip),
+                                        ("v", self.v_rotation, self.v_mean, self.v_clip)):
+                x = cal.heldout[f"{layer}.{name}"].float()  # [S, H_kv, T, D]
+                rows = reference.rotate_centred(x, M[layer], reference.rotate_mean(mean[layer], M[layer]))
+                rows = reference.clip_rows(rows, clip[layer].reshape(1, -1, 1).double())
+                u = reference.code_units(rows, self.group_size).transpose(0, 1)  # [H_kv, S, T, D/G, G]
+                self.levels[(layer, name)] = torch.stack([reference.fit_levels(u[h]) for h in range(u.shape[0])]
+                                                         ).float().reshape(-1, 1, 4)
+
+    def prepare(self, layer, q, k, v, quantize_pack):
+        kv = super().prepare(layer, q, k, v, quantize_pack)
+        T = kv.k.shape[2]
+        lo, hi = min(self.sink, T), max(min(self.sink, T), T - self.recent)
+        for name in ("k", "v"):
+            rows = getattr(kv, name)
+            clip = getattr(self, f"{name}_clip")[layer].reshape(-1, 1).to(rows.device)
+            out = rows.float().clone()
+            if hi > lo:
+                out[:, :, lo:hi] = reference.fake_quant_levels(rows[:, :, lo:hi], clip, self.levels[(layer, name)],
+                                                               self.group_size)
+            setattr(kv, f"{name}_hat", out)
         return kv
 
 
@@ -237,9 +297,10 @@ def main() -> None:
     ap.add_argument("--layer-probe", action="store_true", help="per-layer diagnostics even with --methods")
     ap.add_argument("--smoke", action="store_true", help="fixed clips instead of searches (a quick check of the loop)")
     ap.add_argument("--summarize", help="print the markdown tables of an existing result file and exit")
+    ap.add_argument("--reference", default="oscar", help="the method the paired columns compare with (summary)")
     args = ap.parse_args()
     if args.summarize:
-        print(summarize(json.loads(Path(args.summarize).read_text())))
+        print(summarize(json.loads(Path(args.summarize).read_text()), args.reference))
         return
 
     torch.set_num_threads(args.threads)
@@ -259,8 +320,18 @@ def main() -> None:
     plays, plays_src = load_texts(None)
     doc_cal = [module_docstrings(m) for m in DOC_CALIBRATION_MODULES]
     cal_large = calibrate_targets(loaded, plays, plays_src, large // 512, log)
-    cal_small = calibrate_targets(loaded, plays, plays_src, small // 512, log)
-    cal_docs = calibrate_targets(loaded, doc_cal, "stdlib-docstrings:calibration-modules", large // 512, log)
+    keep = None if not args.methods else set(args.methods.split(",")) | {"oscar"}
+    done_cals = [cal_large]
+
+    def lazy(make):  # the 4K-plays and docstring calibrations only when a method asks for them
+        if keep is not None and not any(n in keep for n in ("cal-4k", "cal-docs")):
+            return None
+        done_cals.append(make())
+        return done_cals[-1]
+
+    cal_small = lazy(lambda: calibrate_targets(loaded, plays, plays_src, small // 512, log))
+    cal_docs = lazy(lambda: calibrate_targets(loaded, doc_cal, "stdlib-docstrings:calibration-modules",
+                                              large // 512, log))
 
     # ---- methods (teacher-forced) and diagnostics-only variants (per-layer attention error)
     k16 = f"{large // 1024}K"
@@ -290,6 +361,14 @@ def main() -> None:
          {"rotation": "per-head", "value_target": "softmax", "objective": "reconstruction"}, "variant"),
         ("none-search", "no rotation, searched clips (attention objective)", cal_large, {"rotation": "none"},
          "variant"),
+        # codec v2 (issue 14): K/V means removed before INT2, clips searched on the centred rows
+        ("centred", f"codec v2, calibrate's default: per-head U·H·P, weighted V target, per-(layer, head) K/V means "
+         f"removed, clips searched on centred rows, {k16} plays", cal_large,
+         {"rotation": "per-head", "centring": True}, "default"),
+        ("centred-cov", "codec v2 with the weighted value target taken about μ_V (a covariance)", cal_large,
+         {"rotation": "per-head", "centring": True, "centred_value_target": True}, "variant"),
+        ("hp-centred", "H·P (data-free rotation) + per-layer K/V means, clips searched on centred rows", cal_large,
+         {"rotation": "hp", "centring": True}, "variant"),
         ("naive", "naive INT2: no rotation, no clip", None, {"rotation": "none", "clip": "none"}, "baseline"),
         ("clip-only", "clip-only INT2: no rotation, clips 0.96/0.92", None, {"rotation": "none", "clip": "fixed"},
          "baseline"),
@@ -306,7 +385,6 @@ def main() -> None:
          "baseline"),
     ]
     t0 = time.perf_counter()
-    keep = None if not args.methods else set(args.methods.split(",")) | {"oscar"}
     if keep:
         specs = [sp for sp in specs if sp[0] in keep]
         diag_specs = []
@@ -318,6 +396,9 @@ def main() -> None:
     methods += [m for m in (kivi("kivi-32", 32, D), kivi("kivi-64", 64, D)) if keep is None or m.name in keep]
     # transformers' QuantizedCache (its defaults, only nbits set): only when asked for (extra `peers`)
     methods += build_peers(tuple(n for n in PEERS if keep is not None and n in keep), model.config, D)
+    centred = next((m for m in methods if m.name == "centred"), None)
+    if centred is not None and (keep is None or "centred-lm" in keep):
+        methods.append(LloydMax(centred, cal_large))
     if keep is None or "kcenter" in keep:  # added after run B: the next-step probe of QUALITY.md
         k_mean = torch.stack([cal_large.heldout[f"{layer}.k"].float().mean(dim=(0, 2)) for layer in range(L)])
         methods.append(KeyCentered(methods[1], k_mean))
@@ -341,7 +422,7 @@ def main() -> None:
         "doc_evaluation_modules": DOC_EVALUATION_MODULES, "evaluation_plays": EVALUATION_PLAYS,
         "domain_sha256": {"plays": dom_plays.sha256, "docstrings": dom_docs.sha256},
         "calibrations": {c.name: {"tokens": c.tokens, "seconds": round(c.seconds, 1), "passes_run": c.ran}
-                         for c in (cal_large, cal_small, cal_docs)},
+                         for c in done_cals},
         "methods": {m.name: {"label": m.label, "kind": m.kind, "bits_2k": sum(m.bits(2048)) / 2,
                              "bits_32k": sum(m.bits(32768)) / 2, "history_bits": history_bits(m)}
                     for m in methods + diag_methods},
@@ -392,7 +473,7 @@ def main() -> None:
     result["complete"] = True
     save()
     log(f"total {result['wall_seconds']} s")
-    print(summarize(result))
+    print(summarize(result, args.reference))
 
 
 # ------------------------------------------------------------------------------------------------------- summary
@@ -403,7 +484,7 @@ def _stats(xs: list[float]) -> tuple[float, float]:
     return t.mean().item(), (t.std().item() if len(xs) > 1 else float("nan"))
 
 
-def summarize(result: dict) -> str:
+def summarize(result: dict, reference: str = "oscar") -> str:
     lines = []
     meth = result["methods"]
     for dname, by_method in result["scores"].items():
@@ -413,9 +494,9 @@ def summarize(result: dict) -> str:
             continue
         lines.append(f"\n### {dname} ({n} × {result['context']} tokens, positions ≥ {result['positions_from']})\n")
         lines.append("| method | hist bits | bits @2K | Δ PPL (mean ± sd) | pooled Δ PPL | KL (mean ± sd) | top-1 | "
-                     "Δ PPL − OSCAR's: mean ± sd (min) | KL − OSCAR's: mean ± sd (min) |")
+                     f"Δ PPL − {reference}'s: mean ± sd (min) | KL − {reference}'s: mean ± sd (min) |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
-        oscar = by_method.get("oscar", [])[:n]
+        oscar = by_method.get(reference, [])[:n]
         base_pooled = math.exp(sum(b["nll_sum"] for b in base) / sum(b["n"] for b in base))
         for name, rows in by_method.items():
             rows = rows[:n]
@@ -428,7 +509,7 @@ def summarize(result: dict) -> str:
             dm, ds = _stats(dppl)
             km, ks = _stats(kl)
             gap = gap_kl = ""
-            if name not in ("bf16", "oscar") and len(oscar) == n:  # paired per sequence: > 0 means OSCAR is better
+            if name not in ("bf16", reference) and len(oscar) == n:  # paired per sequence: > 0: the reference wins
                 diffs = [r["ppl"] / b["ppl"] - o["ppl"] / b["ppl"] for r, o, b in zip(rows, oscar, base)]
                 gm, gs = _stats(diffs)
                 gap = f"{gm:+.1%} ± {gs:.1%} ({min(diffs):+.1%})"

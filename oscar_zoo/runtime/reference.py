@@ -203,6 +203,54 @@ def fake_quant(x: Tensor, clip_ratio: float | Tensor, group_size: int = 0) -> Te
     return dequantize(codes, scale_zero)
 
 
+# ------------------------------------------------------------------------------ Lloyd-Max levels (measured only)
+# The codebook variant of docs/format.md §6: the same float16 scale and zero per group (the two stored scalars), the
+# four reconstruction levels non-uniform, in code units (the uniform codebook is 0, 1, 2, 3). Measured in
+# benchmarks/QUALITY.md through fake quantization; no artifact stores levels and the runtime decodes uniform codes only.
+UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)
+
+
+def code_units(x: Tensor, group_size: int = 0) -> Tensor:
+    """x [..., D] in the uniform codec's code units, u = x/scale + zero (float16 scale/zero of `quantize`), fp32
+    [..., D/G, G]: the values four levels are fitted to and chosen among."""
+    D = x.shape[-1]
+    G = layout.resolve_group_size(D, group_size)
+    _, scale_zero = quantize(x, group_size)
+    s, z = scale_zero[..., 0:1].float(), scale_zero[..., 1:2].float()
+    return x.float().reshape(*x.shape[:-1], D // G, G) / s + z
+
+
+def fake_quant_levels(x: Tensor, clip_ratio: float | Tensor, levels: Tensor, group_size: int = 0) -> Tensor:
+    """clip → the nearest of four levels ℓ [..., 4] (ascending, code units, broadcast to x.shape[:-1]) → dequantize,
+    fp32: x̂ = (ℓ_q − zero)·scale with the uniform codec's scale and zero. ℓ = 0, 1, 2, 3 gives `fake_quant` exactly
+    (the comparison u + ½ ≥ t + ½ is the uniform rounding ⌊u + ½⌋ at the thresholds t = ½, 3/2, 5/2)."""
+    x = clip_rows(x, clip_ratio)
+    D = x.shape[-1]
+    G = layout.resolve_group_size(D, group_size)
+    _, scale_zero = quantize(x, group_size)
+    s, z = scale_zero[..., 0:1].float(), scale_zero[..., 1:2].float()  # [..., D/G, 1]
+    u = x.float().reshape(*x.shape[:-1], D // G, G) / s + z
+    lv = levels.float().expand(*x.shape[:-1], layout.LEVELS + 1).unsqueeze(-2)  # [..., 1, 4]
+    t = (lv[..., :-1] + lv[..., 1:]) / 2  # [..., 1, 3] thresholds
+    q = ((u + 0.5).unsqueeze(-1) >= (t + 0.5).unsqueeze(-2)).sum(-1)  # [..., D/G, G] codes 0..3
+    chosen = torch.gather(lv.expand(*u.shape[:-1], layout.LEVELS + 1), -1, q)
+    return ((chosen - z) * s).reshape(x.shape)
+
+
+def fit_levels(u: Tensor, iterations: int = 50) -> Tensor:
+    """Lloyd-Max: four levels (float64, ascending, code units) minimising the mean squared error of samples u [N] in
+    [0, 3], from the uniform ones: thresholds at midpoints, each level the mean of its cell (an empty cell keeps its
+    level)."""
+    u = u.double().flatten()
+    levels = torch.tensor(UNIFORM_LEVELS, dtype=torch.float64)
+    for _ in range(iterations):
+        cells = (u[:, None] >= ((levels[:-1] + levels[1:]) / 2)[None]).sum(-1)
+        sums = torch.zeros(4, dtype=torch.float64).index_add_(0, cells, u)
+        counts = torch.bincount(cells, minlength=4).double()
+        levels = torch.where(counts > 0, sums / counts.clamp(min=1), levels)
+    return levels
+
+
 def fake_quant_tiers(
     x: Tensor,
     clip_ratio: float | Tensor,
