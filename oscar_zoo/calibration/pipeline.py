@@ -99,13 +99,21 @@ class AccumulatorStore:
     def save_async(self, name: str, tensors: Callable[[], dict[str, torch.Tensor]], wait: bool = False,
                    **state) -> bool:
         """Checkpoint without stalling the forward passes: `tensors()` is copied to host memory now and written by a
-        background thread. While a write is in flight this returns False and saves nothing, unless `wait`."""
-        if self._writer is not None and self._writer.is_alive() and not wait:
+        background thread. While a write is in flight this returns False and saves nothing, unless `wait` (a pass's
+        last checkpoint): then the write is queued behind the in-flight one, still without blocking the caller.
+        `flush()` waits for both."""
+        previous = self._writer if self._writer is not None and self._writer.is_alive() else None
+        if previous is not None and not wait:
             return False
-        self.flush()
+        if previous is None:
+            self.flush()  # a finished write's error surfaces here
         snapshot = {k: v.detach().to("cpu", copy=True) for k, v in tensors().items()}
 
         def write() -> None:
+            if previous is not None:
+                previous.join()
+                if self._error is not None:  # the earlier write failed: flush() raises that error
+                    return
             try:
                 self._write(name, snapshot, state)
             except BaseException as exc:  # re-raised by flush() in the calling thread
