@@ -200,6 +200,7 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
         f"≥{cut}: positions whose attention reads INT2 keys ({report.tokens_scored:,} tokens); Δ vs BF16 in brackets. "
         f"attn err: mean over layers of ‖o − o_bf16‖/‖o_bf16‖ (sequence 1, same inputs, queries ≥{cut}).",
         highlight=False)
+    _print_kl_by_distance(report)
     gen = next((m.generation for m in report.methods if m.kind != "reference" and m.generation is not None), None)
     if gen is not None:
         console.print(f"greedy: {gen.new_tokens} tokens after a {gen.prompt_tokens}-token held-out prompt through the "
@@ -217,6 +218,33 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
         console.print(f"[green]wrote[/] {plot}")
     if write:
         console.print(f"[green]stored[/] the report in {artifacts}/manifest.json (verification)")
+
+
+def distance_buckets(positions_from: int, context: int, bin_size: int) -> list[tuple[int, int]]:
+    """Position buckets past the windows on the report's bins, doubling: [320, 640), [640, 1280), … to the context."""
+    edges = [-(-positions_from // bin_size) * bin_size]
+    while edges[-1] * 2 < context:
+        edges.append(edges[-1] * 2)
+    return list(zip(edges, edges[1:] + [context]))
+
+
+def _print_kl_by_distance(report: VerifyReport) -> None:
+    """Mean KL per bucket of positions (from the report's per-bin means): error against how far back the INT2
+    history reaches."""
+    buckets = distance_buckets(report.positions_from, report.context, report.bin_size)
+    table = Table(title="KL vs BF16 by position (the INT2 history grows with the position)")
+    table.add_column("method")
+    for a, b in buckets:
+        table.add_column(f"{a:,}–{b:,}", justify="right")
+    for m in report.methods:
+        if m.kind == "reference" or not m.kl_by_position:
+            continue
+        cells = []
+        for a, b in buckets:
+            bins = [k for i, k in enumerate(m.kl_by_position) if a <= i * report.bin_size < b]
+            cells.append(f"{sum(bins) / len(bins):.4f}" if bins else "—")
+        table.add_row(SHORT.get(m.name, m.name), *cells, style="bold" if m.kind == "artifact" else None)
+    console.print(table)
 
 
 def _print_needle(needle: NeedleReport) -> None:

@@ -97,7 +97,7 @@ def test_verify_reports_the_float64_expectation_and_gates_on_it(run_cli, good_ar
     assert "missed the thresholds" in err
 
 
-def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, tmp_path, thresholds):
+def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, tmp_path, thresholds, capsys):
     import shutil
 
     folder = tmp_path / "artifacts"
@@ -115,6 +115,16 @@ def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, t
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     manifest, _ = load_artifacts(folder)  # re-checksummed, still valid
     assert VerifyReport.model_validate(manifest.verification) == report
+
+    # the table mode's KL-by-position buckets: whole bins past the windows (48 → the bin at 64), doubling to the context
+    from oscar_zoo.commands import verify as verify_command
+
+    assert (report.context, report.bin_size, len(oscar.kl_by_position)) == (192, 64, 3)
+    capsys.readouterr()
+    verify_command._print_kl_by_distance(report)
+    table = capsys.readouterr().out
+    assert "64–128" in table and "128–192" in table and "0–" not in table
+    assert f"{oscar.kl_by_position[1]:.4f}" in table and f"{oscar.kl_by_position[2]:.4f}" in table
 
 
 def test_manifest_model_mismatch_exits_4(run_cli, good_artifacts, heldout_file, tmp_path, tokenizer):
