@@ -260,7 +260,6 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     B, H_q, D = q.shape
     dev = q.device
     q = _last_contiguous(q, 1)
-    bf16_dummy = _dummy(dev, torch.bfloat16)
     any_bf16 = sink or recent
     sink = tuple(_last_contiguous(t, 1) for t in sink[:2]) + (sink[2],) if sink else None
     recent = tuple(_last_contiguous(t, 1) for t in recent[:2]) + (recent[2],) if recent else None
@@ -273,8 +272,9 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         ck = cv = _dummy(dev, layout.CODE_DTYPE)
         szk = szv = _dummy(dev, layout.SCALE_DTYPE)
         hlen, H_kv, G = any_bf16[2], any_bf16[0].shape[1], D
-    placeholder = (bf16_dummy, bf16_dummy, hlen)
-    sink, recent = sink or recent or placeholder, recent or sink or placeholder
+    if not any_bf16:  # placeholders made only when a tier is absent (never inside a captured decode step)
+        sink = (_dummy(dev, torch.bfloat16), _dummy(dev, torch.bfloat16), hlen)
+    sink, recent = sink or recent, recent or sink
     group = H_q // H_kv
     hpp = _heads_per_program(H_kv, group)
     grid = (B * -(-H_kv // hpp), s_sink + s_hist + s_recent)
