@@ -5,6 +5,8 @@ The reference runs the whole generated sequence at once, teacher-forced, with an
 presents every key and value to each query as docs/format.md says the cache holds them: a prefill query reads the
 exact keys; a decode query reads the sink and recent tiers as bf16(k·M) and the history between them as
 fake_quant(bf16(k·M)), with each step's tier boundaries computed from the format's rule, not read from the cache.
+With the centred codec (docs/format.md §6a) the stored rows are bf16(k·M − μ·M) and the reference reads them back in the
+uncentred frame (row + μ·M, in float64), without relying on softmax's shift invariance.
 The model runs in float32 (its weights are the bf16 checkpoint's), so that its own rounding does not drown what is
 checked. Tolerance: the project's 2× rule -- the cache's logit error (max and root-mean-square) against the float64
 reference may be at most twice that of a plain bf16 PyTorch run of the same attention math. Nothing is turned into a
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface
@@ -54,16 +57,18 @@ class TierView:
     k/v [B, H_kv, T, D] post-RoPE, unrotated. `dtype` is the math dtype (float64, or bfloat16 for the plain bf16 run);
     `quantize=False` presents the history exactly (what a cache without INT2 would give)."""
 
-    def __init__(self, k_rot, v_rot, k_clip, v_clip, dtype, quantize=True):
+    def __init__(self, k_rot, v_rot, k_clip, v_clip, dtype, quantize=True, k_mean=None, v_mean=None):
         self.k_rot, self.v_rot, self.k_clip, self.v_clip = k_rot, v_rot, k_clip, v_clip
-        self.dtype, self.quantize = dtype, quantize
+        self.dtype, self.quantize, self.k_mean, self.v_mean = dtype, quantize, k_mean, v_mean
 
-    def present(self, x: torch.Tensor, M: torch.Tensor, clip: torch.Tensor) -> list[torch.Tensor]:
-        """x [B, H_kv, T, D] → [exact x·M, bf16 tier row, history row], in the math dtype."""
+    def present(self, x: torch.Tensor, M: torch.Tensor, clip: torch.Tensor, mean=None) -> list[torch.Tensor]:
+        """x [B, H_kv, T, D] → [exact x·M, bf16 tier row, history row], in the math dtype, uncentred frame."""
         exact = torch.einsum("bhtd,hde->bhte", x.to(self.dtype), M.to(self.dtype))
-        tier = torch.einsum("bhtd,hde->bhte", x.float(), M).to(layout.TIER_DTYPE)  # what the BF16 tiers store
+        mu = torch.zeros(()) if mean is None else torch.einsum("hd,hde->he", mean.double(), M.double())[None, :, None]
+        # what the BF16 tiers store: the rotated row, centred when there is a mean, rounded once from fp32
+        tier = (torch.einsum("bhtd,hde->bhte", x.float(), M) - mu.float()).to(layout.TIER_DTYPE)
         hist = reference.fake_quant(tier.float(), clip[None, :, None]) if self.quantize else tier  # per-head ratio
-        return [exact, tier.to(self.dtype), hist.to(self.dtype)]
+        return [exact, (tier.double() + mu).to(self.dtype), (hist.double() + mu).to(self.dtype)]
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer, T = module.layer_idx, query.shape[2]
@@ -75,8 +80,9 @@ class TierView:
         Mk, Mv = self.k_rot[layer], self.v_rot[layer]
         g = query.shape[1] // key.shape[1]
         q = torch.einsum("bhtd,hde->bhte", query.to(self.dtype), Mk.repeat_interleave(g, 0).to(self.dtype))
-        k_forms = [t.repeat_interleave(g, 1) for t in self.present(key, Mk, self.k_clip[layer])]
-        v_forms = [t.repeat_interleave(g, 1) for t in self.present(value, Mv, self.v_clip[layer])]
+        k_mean, v_mean = (None if m is None else m[layer] for m in (self.k_mean, self.v_mean))
+        k_forms = [t.repeat_interleave(g, 1) for t in self.present(key, Mk, self.k_clip[layer], k_mean)]
+        v_forms = [t.repeat_interleave(g, 1) for t in self.present(value, Mv, self.v_clip[layer], v_mean)]
         logits = sum(torch.where(mask, q @ k.transpose(-1, -2), 0) for mask, k in zip(seen, k_forms))
         p = torch.softmax((logits * (scaling or D**-0.5)).masked_fill(j > i, -math.inf), dim=-1)  # [B, H_q, T, T]
         o = sum(torch.where(mask, p, 0) @ v for mask, v in zip(seen, v_forms))  # [B, H_q, T, D], M_V space
@@ -93,7 +99,8 @@ def _reference_logits(model, ids: torch.Tensor, view: TierView) -> torch.Tensor:
     return model(ids).logits[0, PROMPT - 1 : PROMPT - 1 + STEPS].double()
 
 
-def test_real_model_decodes_through_int2_like_the_float64_reference(monkeypatch):
+@pytest.mark.parametrize("centred", [False, True])
+def test_real_model_decodes_through_int2_like_the_float64_reference(centred, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # reference ops: interpreted kernels would take minutes
     path = ensure_demo_model()
     text = (corpus_dir() / "coriolanus_gut.txt").read_text()[20000:40000]
@@ -107,12 +114,16 @@ def test_real_model_decodes_through_int2_like_the_float64_reference(monkeypatch)
     k_rot, v_rot = _rotations(L, seed=1), _rotations(L, seed=2)
     k_clip = torch.tensor([0.96, 0.90, 1.0]).repeat(L, 1)  # per-head ratios: a head mix-up changes the codes
     v_clip = torch.tensor([0.92, 1.0, 0.86]).repeat(L, 1)
+    means = {}
+    if centred:  # per-(layer, head) means of the size of SmolLM2's key offsets (a few units per channel)
+        g = torch.Generator().manual_seed(3)
+        means = dict(k_mean=torch.randn(L, H_KV, D, generator=g) * 2, v_mean=torch.randn(L, H_KV, D, generator=g) / 4)
 
     calls = []
     real = attention.ops.tiered_decode_attention
     monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a: calls.append(1) or real(*a))
     enable_oscar(model)
-    cache = OscarCache(k_rot, v_rot, k_clip, v_clip, sink=SINK, recent=RECENT, flush=FLUSH)
+    cache = OscarCache(k_rot, v_rot, k_clip, v_clip, sink=SINK, recent=RECENT, flush=FLUSH, **means)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=STEPS, do_sample=False, cache=cache,
                              attention_mask=torch.ones_like(ids), output_logits=True, return_dict_in_generate=True)
@@ -122,7 +133,7 @@ def test_real_model_decodes_through_int2_like_the_float64_reference(monkeypatch)
         assert (layer.n_sink, layer.n_hist) == (SINK, _history_rows(PROMPT + STEPS - 2))
 
     seq = out.sequences[:, : PROMPT + STEPS - 1]  # the last generated token is nobody's query
-    views = dict(k_rot=k_rot, v_rot=v_rot, k_clip=k_clip, v_clip=v_clip)
+    views = dict(k_rot=k_rot, v_rot=v_rot, k_clip=k_clip, v_clip=v_clip, **means)
     expected = _reference_logits(model, seq, TierView(**views, dtype=torch.float64))
     plain_bf16 = _reference_logits(model, seq, TierView(**views, dtype=torch.bfloat16))
     exact_history = _reference_logits(model, seq, TierView(**views, dtype=torch.float64, quantize=False))
