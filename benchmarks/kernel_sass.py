@@ -51,7 +51,7 @@ def _specialise(fn, values: dict, constexprs: dict):
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
 
 
-def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1):
+def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, group_size: int = 0):
     """The decode kernel as `ops.tiered_decode_attention` would launch it on an H200 (132 SMs) for this shape."""
     captured = {}
 
@@ -60,12 +60,13 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1):
             return lambda *args, **kw: captured.update(args=args, kw=kw, grid=grid)
 
     hist = context - layout.SINK - layout.RECENT
+    NG = D // layout.resolve_group_size(D, group_size)
     cuda = torch.device("cuda", 0)
     q = torch.empty(batch, H_q, D, dtype=torch.bfloat16)
     tiers = dict(
         sink=(torch.empty(batch, H_kv, layout.SINK, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
-        hist=(torch.empty(batch, H_kv, hist, D // 4, dtype=torch.uint8), torch.empty(batch, H_kv, hist, 1, 2, dtype=torch.float16),
-              torch.empty(batch, H_kv, hist, D // 4, dtype=torch.uint8), torch.empty(batch, H_kv, hist, 1, 2, dtype=torch.float16),
+        hist=(torch.empty(batch, H_kv, hist, D // 4, dtype=torch.uint8), torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
+              torch.empty(batch, H_kv, hist, D // 4, dtype=torch.uint8), torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
               torch.empty(batch, dtype=torch.int32)),
         recent=(torch.empty(batch, H_kv, layout.RECENT + layout.FLUSH, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
     )  # fmt: skip
@@ -121,13 +122,14 @@ def main():
     ap.add_argument("--rows", type=int, default=ops.DECODE_ROWS)
     ap.add_argument("--block-n", type=int, default=ops.DECODE_BLOCK_N)
     ap.add_argument("--warps", type=int, default=ops.DECODE_WARPS)
+    ap.add_argument("--group-size", type=int, default=0, help="scale/zero group (0: one per row)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
     ops.DECODE_ROWS, ops.DECODE_BLOCK_N, ops.DECODE_WARPS = args.rows, args.block_n, args.warps
     import tempfile
 
-    compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch)
+    compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch, args.group_size)
     with tempfile.TemporaryDirectory() as tmp:
         found = loops(compiled.asm["cubin"], Path(tmp))
     int2 = max(found, key=lambda f: f[0])  # the INT2 loop is the long one

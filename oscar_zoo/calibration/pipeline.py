@@ -10,6 +10,7 @@ that rank's local sums; the all-reduce is redone on every run, so reuse and resu
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -351,9 +352,16 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     grid = clip_search.search_grid(settings.grid)
     key_tables = value_tables = None
     if settings.clip == ClipMode.SEARCH.value:
-        devices = layer_devices(loaded.model)  # a layer's search runs where the layer runs (device maps: overlapped)
+        # a layer's search runs where the layer runs; with a device map the layers are visited round-robin over the
+        # devices, so while one layer's inputs are copied to its GPU (a copy that waits for that GPU's queue) the
+        # searches already queued on the other GPUs run
+        devices = layer_devices(loaded.model)
+        by_device: dict[torch.device, list[int]] = {}
+        for layer in mine:
+            by_device.setdefault(devices.get(layer, torch.device("cpu")), []).append(layer)
+        order = [layer for turn in itertools.zip_longest(*by_device.values()) for layer in turn if layer is not None]
         tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, layer in enumerate(mine):
+        for i, layer in enumerate(order):
             progress("clip search", i, len(mine))
             on = devices.get(layer, torch.device("cpu"))
             means = {} if k_mean is None else {
@@ -366,7 +374,7 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         R = len(grid)
         # [L, R, H] float64 (the objectives' dtype), filled by the layers' owners
         key_tables, value_tables = (torch.zeros(L, R, H, dtype=torch.float64) for _ in range(2))
-        for layer, (kt, vt) in tables.items():  # the first host copy: the layers' searches ran concurrently till here
+        for layer, (kt, vt) in tables.items():  # the first wait for a search result
             key_tables[layer], value_tables[layer] = kt.cpu(), vt.cpu()
     (k_rot, k_ev, v_rot, v_ev) = (gather(t) for t in (k_rot, k_ev, v_rot, v_ev))
     if key_tables is not None:

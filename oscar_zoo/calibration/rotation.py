@@ -17,6 +17,8 @@ def fit_rotations(target: Tensor, granularity: str) -> tuple[Tensor, Tensor]:
     H = H_kv for "per-head" and 1 for "per-layer"."""
     if granularity == "per-layer":
         target = per_layer(target)
+    if target.shape[0] == 0:  # a data-parallel rank with no layers of its own
+        return torch.zeros(target.shape, dtype=torch.float32), torch.zeros(target.shape[:-1], dtype=torch.float32)
     M, evals = reference.rotation_from_target(target)
     M32 = M.to(torch.float32)
     eye = torch.eye(M.shape[-1])

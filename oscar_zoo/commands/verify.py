@@ -221,8 +221,11 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
 
 
 def distance_buckets(positions_from: int, context: int, bin_size: int) -> list[tuple[int, int]]:
-    """Position buckets past the windows on the report's bins, doubling: [320, 640), [640, 1280), … to the context."""
-    edges = [-(-positions_from // bin_size) * bin_size]
+    """Position buckets past the windows on the report's bins, doubling: [320, 640), [640, 1280), … to the context
+    (scoring from position 0 starts at the first bin's end; none when the windows reach the context)."""
+    edges = [max(bin_size, -(-positions_from // bin_size) * bin_size)]
+    if edges[0] >= context:
+        return []
     while edges[-1] * 2 < context:
         edges.append(edges[-1] * 2)
     return list(zip(edges, edges[1:] + [context]))
@@ -232,6 +235,8 @@ def _print_kl_by_distance(report: VerifyReport) -> None:
     """Mean KL per bucket of positions (from the report's per-bin means): error against how far back the INT2
     history reaches."""
     buckets = distance_buckets(report.positions_from, report.context, report.bin_size)
+    if not buckets:
+        return
     table = Table(title="KL vs BF16 by position (the INT2 history grows with the position)")
     table.add_column("method")
     for a, b in buckets:

@@ -1,6 +1,6 @@
 """Data-parallel calibration on CPU with gloo: two or three ranks over shares of the sequences give the single-process
 float64 sums (round-off only), and the per-layer work split between them (4 layers: 2/2, or 2/1/1 over three ranks)
-gives the single-process rotations (float32 round-off) and the same clips; `--nproc 2` through the real entry point
+gives the single-process rotations (float32 round-off) and the same clips (also with more ranks than layers); `--nproc 2` through the real entry point
 writes the single-process artifacts."""
 
 import json
@@ -24,26 +24,26 @@ WORLD = 2  # the --nproc test
 SETTINGS = CalibrationSettings(batch_size=2, grid=(0.9, 0.96, 1.0))  # ranks batch exactly as one process does
 
 
-def _problem():
-    model = tiny_model("qwen3", num_hidden_layers=4)  # seeded: every rank builds the same weights
+def _problem(layers: int = 4):
+    model = tiny_model("qwen3", num_hidden_layers=layers)  # seeded: every rank builds the same weights
     torch.manual_seed(1)
     ids = torch.randint(0, 512, (5, 24))  # 4 calibration sequences + 1 held-out
     loaded = LoadedModel(model, None, arch_info(model.config), model_identity("tiny", None, model.config), "memory")
     return loaded, TokenSequences(ids[:4], ids[4:], "random", False)
 
 
-def _rank(rank: int, world: int, port: int, folder: str) -> None:
+def _rank(rank: int, world: int, layers: int, port: int, folder: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from oscar_zoo.calibration import distributed
 
     dp = distributed.from_env("cpu")
-    loaded, seqs = _problem()
+    loaded, seqs = _problem(layers)
     noop = lambda *a, **k: None  # noqa: E731
     store = AccumulatorStore(os.path.join(folder, "store", f"rank{rank}-of-{world}"))
     key, value, soft, heldout, ran, (k_mean, v_mean, v_wmean) = accumulate(loaded, seqs, SETTINGS, store, noop, dp)
-    assert {int(name.split(".")[0]) for name in heldout} == set(range(rank, 4, world))  # this rank's layers only
+    assert {int(name.split(".")[0]) for name in heldout} == set(range(rank, layers, world))  # its layers only
     # the same store again through calibrate(): every accumulator is reused, the reduce is redone
     result = calibrate(loaded, seqs, SETTINGS, store_dir=os.path.join(folder, "store"), dp=dp)
     if rank == 0:
@@ -58,15 +58,15 @@ def _rank(rank: int, world: int, port: int, folder: str) -> None:
     distributed.shutdown()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_gloo_ranks_equal_one_process(tmp_path, world):
+@pytest.mark.parametrize("world, layers", [(2, 4), (3, 4), (3, 2)])  # even, uneven, a rank with no layer
+def test_gloo_ranks_equal_one_process(tmp_path, world, layers):
     from oscar_zoo.calibration.distributed import _free_port
 
-    mp.start_processes(_rank, args=(world, _free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank, args=(world, layers, _free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
     got = torch.load(tmp_path / "rank0.pt")
     assert got["ran"] == ["pass1", "heldout", "pass2"]
 
-    loaded, seqs = _problem()
+    loaded, seqs = _problem(layers)
     key, value, soft, heldout, _, (k_mean, v_mean, v_wmean) = accumulate(loaded, seqs, SETTINGS,
                                                                 AccumulatorStore(tmp_path / "single"),
                                                                 lambda *a, **k: None)

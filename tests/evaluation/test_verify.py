@@ -125,6 +125,9 @@ def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, t
     table = capsys.readouterr().out
     assert "64–128" in table and "128–192" in table and "0–" not in table
     assert f"{oscar.kl_by_position[1]:.4f}" in table and f"{oscar.kl_by_position[2]:.4f}" in table
+    # scoring from 0 (no windows) and windows that reach the context: finite, sensible buckets
+    assert verify_command.distance_buckets(0, 256, 64) == [(64, 128), (128, 256)]
+    assert verify_command.distance_buckets(300, 310, 64) == []
 
 
 def test_manifest_model_mismatch_exits_4(run_cli, good_artifacts, heldout_file, tmp_path, tokenizer):

@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SM90_SHARED = 227 * 1024  # bytes of shared memory one program may use on an H100/H200
 
 
-@pytest.mark.parametrize("shape", ["32,8,128", "9,3,64"])
-def test_decode_kernel_compiles_for_sm90(shape):
+@pytest.mark.parametrize("shape, group_size", [("32,8,128", 0), ("9,3,64", 0), ("32,8,128", 32)])
+def test_decode_kernel_compiles_for_sm90(shape, group_size):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--shape", shape, "--json"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--shape", shape,
+                           "--group-size", str(group_size), "--json"],
                           capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.splitlines()[-1])
