@@ -146,16 +146,20 @@ def searched_clips(cal: Calibration, k_rot, v_rot, group_size: int, objective: s
 
 def rotated(name: str, label: str, cal: Calibration | None, rotation: str, value_target: str = "weighted",
             clip: str = "search", objective: str = "attention", group_size: int = 0, kind: str = "variant",
-            D: int = 64, centring: bool = False, centred_value_target: bool = False) -> RotatedInt2:
+            D: int = 64, centring: bool = False, centred_value_target: bool = False, centre_values: bool = True,
+            search_centred: bool = True) -> RotatedInt2:
     """rotation: per-head | per-layer (U·H·P from `cal`), hp (data-free H·P), none. clip: search | fixed | none.
     centring: the codec of schema 2 (means from `cal`, clips searched on centred rows); centred_value_target: the
-    weighted value target about μ_V (a covariance) instead of about 0."""
+    weighted value target about μ_V (a covariance) instead of about 0. Diagnostics of the codec: centre_values=False
+    removes the key mean only; search_centred=False keeps the clips searched on uncentred rows."""
     L = 30 if cal is None else cal.key.shape[0]
     means = None
     if centring:
         means = (cal.k_mean.float(), cal.v_mean.float())
         if rotation != "per-head":  # one rotation per layer (or H·P for all): one mean per layer, as calibrate does
             means = tuple(m.mean(1, keepdim=True) for m in means)
+        if not centre_values:
+            means = (means[0], torch.zeros_like(means[1]))
     if rotation in ("per-head", "per-layer"):
         k_rot, _ = fit_rotations(cal.key, rotation)
         v_target = cal.value_weighted if value_target == "weighted" else cal.value_softmax
@@ -168,7 +172,7 @@ def rotated(name: str, label: str, cal: Calibration | None, rotation: str, value
         k_rot = v_rot = None
     H = 1 if k_rot is None else k_rot.shape[1]
     if clip == "search":
-        k_clip, v_clip = searched_clips(cal, k_rot, v_rot, group_size, objective, means)
+        k_clip, v_clip = searched_clips(cal, k_rot, v_rot, group_size, objective, means if search_centred else None)
     elif clip == "fixed":
         k_clip, v_clip = torch.full((L, H), layout.DEFAULT_K_CLIP), torch.full((L, H), layout.DEFAULT_V_CLIP)
     else:
@@ -369,6 +373,10 @@ def main() -> None:
          {"rotation": "per-head", "centring": True, "centred_value_target": True}, "variant"),
         ("hp-centred", "H·P (data-free rotation) + per-layer K/V means, clips searched on centred rows", cal_large,
          {"rotation": "hp", "centring": True}, "variant"),
+        ("centred-k", "codec v2 diagnostic: the key mean removed, values uncentred, clips searched on those rows",
+         cal_large, {"rotation": "per-head", "centring": True, "centre_values": False}, "variant"),
+        ("centred-oldclips", "codec v2 diagnostic: K/V means removed, the uncentred default's clips (not re-searched)",
+         cal_large, {"rotation": "per-head", "centring": True, "search_centred": False}, "variant"),
         ("naive", "naive INT2: no rotation, no clip", None, {"rotation": "none", "clip": "none"}, "baseline"),
         ("clip-only", "clip-only INT2: no rotation, clips 0.96/0.92", None, {"rotation": "none", "clip": "fixed"},
          "baseline"),
