@@ -18,13 +18,16 @@ from . import layout, reference
 
 LOG2E = 1.4426950408889634
 
-# Launch settings of the decode kernel (chosen on an H200, see benchmarks/RESULTS.md).
-DECODE_BLOCK_N = 64  # INT2 history tokens per tile
+# Launch settings of the decode kernel. Chosen from the static SASS profile (benchmarks/kernel_sass.py: fewest
+# instructions per token-head without register spills, for d = 128 and 64), not yet from GPU timings
+# (benchmarks/RESULTS.md, "Decode kernel v2"; `bench_decode.py --sweep` compares the alternatives on a GPU).
+DECODE_BLOCK_N = 32  # INT2 history tokens per tile
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
-DECODE_WARPS = 4
+DECODE_WARPS = 2
 DECODE_STAGES = 3
 DECODE_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, head group, split) programs per SM
-DECODE_ROWS = 16  # MMA rows per program: KV heads per program = max(1, DECODE_ROWS // GQA group)
+DECODE_ROWS = 16  # MMA rows per program: KV heads per program = max(1, DECODE_ROWS // GQA group) ...
+DECODE_MAX_HEADS = 8  # ... at most this many (multi-head attention: 16 would need 200 KB of shared memory)
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_BLOCK_T = 32
 
@@ -78,7 +81,7 @@ def _programs_target(device: torch.device) -> int:
 
 def _heads_per_program(H_kv: int, group: int) -> int:
     """KV heads one decode program serves: enough GQA groups to fill the MMA rows."""
-    return max(1, min(H_kv, DECODE_ROWS // group))
+    return max(1, min(H_kv, DECODE_ROWS // group, DECODE_MAX_HEADS))
 
 
 def _row_block(rows: int) -> int:
