@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|kernels]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
 #   builds quanto's CUDA extension once (logged; quanto compiles it with nvcc on first use), then OSCAR, bf16graph and
 #   transformers' QuantizedCache INT2 rows at $CONTEXTS (default "32768 100000"), batches 1 and 8
+# kernels: tests + the decode-kernel launch-setting sweep and headline rows (bench_decode.py --sweep --quick) and the
+#   quantize/pack rows: the first thing to run after a kernel change
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/oscar-gpu}
@@ -22,6 +24,12 @@ if [ "$mode" = peers ]; then
 fi
 if [ "$mode" != bench ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime --ignore tests/runtime/test_real_model.py 2>&1 | tee "$OUT/test_gpu.log" | tail -15
+fi
+if [ "$mode" = kernels ]; then
+  python3 benchmarks/bench_decode.py --sweep --quick 2>&1 | tee "$OUT/bench_decode.log" | grep -v '^sweep' | tail -8
+  python3 benchmarks/bench_quantize.py 2>&1 | tee "$OUT/bench_quantize.log" | tail -8
+  grep '^sweep' "$OUT/bench_decode.log"
+  exit 0
 fi
 if [ "$mode" = budget ]; then
   python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts 100000 --phases \
