@@ -195,12 +195,12 @@ class KeyCentered(RotatedInt2):
                          base.k_rotation, base.v_rotation, base.k_clip, base.v_clip, base.group_size, base.sink,
                          base.recent)
         self.head_dim = base.head_dim
-        self.k_mean = k_mean  # [L, H_kv, D] unrotated, fp32
+        self.probe_mean = k_mean  # [L, H_kv, D] unrotated, fp32 (not `k_mean`: that would make the base codec centre)
 
     def prepare(self, layer, q, k, v, quantize_pack):
         kv = super().prepare(layer, q, k, v, quantize_pack)
         M_k = self.k_rotation[layer].to(k.device)  # [H, D, D]
-        mu = (self.k_mean[layer].to(k.device)[:, None, :] @ M_k)[None]  # [1, H_kv, 1, D] rotated mean
+        mu = (self.probe_mean[layer].to(k.device)[:, None, :] @ M_k)[None]  # [1, H_kv, 1, D] rotated mean
         k_clip = self.k_clip[layer].reshape(-1, 1).to(k.device)
         kv.k_hat = self._history(quantize_pack, (kv.k.float() - mu).to(kv.k.dtype), k_clip) + mu
         return kv
