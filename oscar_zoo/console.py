@@ -16,6 +16,14 @@ err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)  
 ProgressFn = Callable[..., None]  # (phase description, done, total, rate="")
 
 
+def shown(text: object) -> str:
+    """Text that came from a file or a hub, for the terminal: control characters escaped (no terminal escape
+    sequences get through) and rich markup printed as written."""
+    from rich.markup import escape
+
+    return escape("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text)))
+
+
 @contextmanager
 def progress_reporter(enabled: bool = True) -> Iterator[ProgressFn]:
     """A progress callback for library code: `report(description, done, total)`; one bar per description."""

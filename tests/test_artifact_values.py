@@ -117,3 +117,19 @@ def test_a_file_passed_as_the_artifact_folder_says_so(tmp_path):
     make_artifacts(tmp_path / "art", L=L, H_kv=H_KV, D=D)
     code, _, err = run_cli("inspect", str(tmp_path / "art" / "manifest.json"))
     assert code == 2 and "is a file, not an artifact folder" in err and "does not exist" not in err
+
+
+def test_inspect_prints_manifest_text_without_terminal_escapes(tmp_path):
+    """Strings from a manifest reach the terminal with control characters escaped and rich markup taken literally."""
+    import json
+
+    folder = tmp_path / "art"
+    make_artifacts(folder, L=L, H_kv=H_KV, D=D)
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["model"]["id"] = "org/m\x1b[2J[bold red]owned[/]"
+    doc["calibration"]["dataset"] = "text\x07\x1b]0;title\x07"
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    code, out, err = run_cli("inspect", str(folder))
+    assert code == 0, err
+    assert "\x1b" not in out and "\x07" not in out
+    assert "org/m\\x1b[2J[bold red]owned[/]" in out and "text\\x07\\x1b]0;title\\x07" in out

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ..artifacts import load_artifacts
 from ..calibration.rotation import spectrum_ratio
-from ..console import console
+from ..console import console, shown
 from ..runtime import layout
 from .options import ArtifactsArg, Json
 
@@ -26,17 +26,17 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
                                        "bits_per_element": {str(c): round(v, 4) for c, v in bpe.items()}}))
         return
     c = manifest.calibration
-    console.print(f"[bold]{m.id}[/]{f' @ {m.revision}' if m.revision else ''} · {m.architecture} · {m.num_layers} "
+    console.print(f"[bold]{shown(m.id)}[/]{f' @ {shown(m.revision)}' if m.revision else ''} · {shown(m.architecture)} · {m.num_layers} "
                   f"layers · {m.num_q_heads} query / {m.num_kv_heads} KV heads · head_dim {m.head_dim}")
     console.print(f"rotation {manifest.rotation.composition} {manifest.rotation.granularity.value}, value target "
                   f"{manifest.rotation.value_target.value}, mixing {manifest.rotation.hadamard}; clip "
                   f"{manifest.clip.mode.value}; INT{q.bits} group {q.group_size}, sink {q.sink}, recent {q.recent}; "
                   f"{'centred (K/V means removed)' if manifest.centred else 'uncentred'} · schema "
                   f"{manifest.schema_version}")
-    console.print(f"calibrated on {c.tokens:,} tokens of {c.dataset} ({c.sequences}×{c.seq_len}, token sha256 "
-                  f"{c.token_ids_sha256[:12]}…) in {c.wall_seconds:.1f} s, {c.created}")
+    console.print(f"calibrated on {c.tokens:,} tokens of {shown(c.dataset)} ({c.sequences}×{c.seq_len}, token sha256 "
+                  f"{shown(c.token_ids_sha256[:12])}…) in {c.wall_seconds:.1f} s, {shown(c.created)}")
     for f in manifest.artifacts:
-        console.print(f"[green]ok[/] {f.path}  {f.bytes:,} bytes  sha256 {f.sha256[:16]}…")
+        console.print(f"[green]ok[/] {shown(f.path)}  {f.bytes:,} bytes  sha256 {shown(f.sha256[:16])}…")
     ks = spectrum_ratio(rotations.k_eigenvalues).mean(-1)
     vs = spectrum_ratio(rotations.v_eigenvalues).mean(-1)
     console.print(f"K λmax/λmean: median {ks.median():.1f}, max {ks.max():.1f} · V: median {vs.median():.1f}, "
