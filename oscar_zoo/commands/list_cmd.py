@@ -7,7 +7,7 @@ import json
 import typer
 from rich.table import Table
 
-from ..console import console
+from ..console import console, shown
 from ..hub.catalog import load_catalog
 from ..hub.zoo import bpe_128k, verification_summary
 from .options import Json
@@ -28,9 +28,9 @@ def list_command(json_output: Json = False) -> None:
                          ("verification", "left"), ("pull from", "left")):
         table.add_column(col, justify=justify, no_wrap=col in ("name", "model", "verification"))
     for e in entries:
-        where = "\n".join(f"{loc.hub}:{loc.spec}" + ("" if loc.published else " [yellow](planned, not published)[/]")
+        where = "\n".join(shown(f"{loc.hub}:{loc.spec}") + ("" if loc.published else " [yellow](planned, not published)[/]")
                           for loc in e.locations)
-        table.add_row(e.name, e.manifest.model.id, e.manifest.rotation.granularity.value,
+        table.add_row(shown(e.name), shown(e.manifest.model.id), e.manifest.rotation.granularity.value,
                       f"{bpe_128k(e.manifest):.2f}", verification_summary(e.manifest.verification), where)
     console.print(table)
     if not entries:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..console import console, err_console
+from ..console import console, err_console, shown
 from ..hub.publish import pull, resolve_source
 from .options import Json
 
@@ -42,9 +42,9 @@ def pull_command(
     table.add_column("bytes", justify="right")
     table.add_column("sha256")
     for p, b, s in result.files:
-        table.add_row(p, f"{b:,}", f"[green]ok[/] {s[:16]}…")
+        table.add_row(shown(p), f"{b:,}", f"[green]ok[/] {s[:16]}…")
     console.print(table)
-    console.print(f"[green]pulled[/] {result.manifest.model.id} rotations into {result.dest}")
+    console.print(f"[green]pulled[/] {shown(result.manifest.model.id)} rotations into {shown(result.dest)}")
 
 
 def register(app: typer.Typer) -> None:
