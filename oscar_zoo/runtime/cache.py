@@ -459,7 +459,7 @@ class OscarCache(Cache):
     @classmethod
     def from_folder(cls, path: str | Path, *, quantize: bool = True, **overrides) -> OscarCache:
         """Build from an artifact folder: `rotations.safetensors` (k/v_rotation, k/v_eigenvalues, k/v_clip, layer_ids;
-        k/v_mean in schema-2 folders, absent in version-1 ones) and, when present, `manifest.json`'s quant.{group_size, sink, recent, flush}; keyword overrides win.
+        k/v_mean in centred schema-2 folders) and, when present, `manifest.json`'s quant.{group_size, sink, recent, flush}; keyword overrides win.
         Every tensor is checked first (`validate.check_rotation_tensors`: finite, orthogonal, clips in (0, 1], shapes,
         layer ids); anything malformed raises ValueError. Checksums and the model match are `oscar_zoo.artifacts`'s."""
         from safetensors import SafetensorError

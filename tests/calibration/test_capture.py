@@ -56,8 +56,8 @@ def test_calibrated_key_and_value_targets_equal_independent_products(model_type,
     info = arch_info(model.config)
     loaded = LoadedModel(model, None, info, model_identity("tiny", None, model.config), "memory")
     seqs = TokenSequences(ids[:2], ids[2:], "random", False)
-    key, value, soft, heldout, ran, (k_mean, v_mean, v_wmean) = accumulate(loaded, seqs, CalibrationSettings(batch_size=1),
-                                                                  AccumulatorStore(tmp_path), lambda *a, **k: None)
+    key, value, soft, heldout, ran, (k_mean, v_mean, v_wmean) = accumulate(
+        loaded, seqs, CalibrationSettings(batch_size=1), AccumulatorStore(tmp_path), lambda *a, **k: None)
     assert ran == ["pass1", "heldout", "pass2"]
     qkv = _independent_qkv(model, ids[:2])
     g = info.group

@@ -4,8 +4,8 @@ Written from docs/format.md and verify's definitions, not from `oscar_zoo.evalua
 float64 with an attention function of this module; for the artifact's method, query i reads key/value j exactly iff
 j < sink or j > i − recent, and otherwise the INT2 round trip (`reference.fake_quant`, the codec's one definition) of
 the rotated row k·M_K (v·M_V), with the artifact's per-(layer, head) clip ratios; queries are rotated by M_K of their
-KV head (query head j → KV head j // g) and outputs un-rotated by M_Vᵀ. A centred artifact (k_mean, v_mean; docs/format.md
-§6a) is computed in the uncentred frame, without relying on softmax's shift invariance: the stored row is
+KV head (query head j → KV head j // g) and outputs un-rotated by M_Vᵀ. A centred artifact (k_mean, v_mean;
+docs/format.md §6a) is computed in the uncentred frame, without relying on softmax's shift invariance: the stored row is
 x·M − μ·M (rounded to the model's dtype, as the cache stores it), what attention reads is that row (or its INT2 round
 trip) plus μ·M, so neither the logits nor the output need a correction. Then, over scored positions (those at or past
 sink + recent): KL(exact ‖ method) per position, top-1 agreement, and the perplexity ratio, all in float64.

@@ -45,7 +45,8 @@ def _mean_rot64(mean: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
 
 def _expected64(q, k_rows, v_rows, Mk, Mv, q_offset, scale=SCALE, softcap=None):
     """float64 attention of q [B, H_q, n, D] over keys/values [B, H_kv, S, D] already in the rotated, uncentred frame
-    (what the cache reads back with μ·M added): (q·M_K)·kᵀ, optional softcap, causal softmax, ·v, ·M_Vᵀ. [B, n, H_q, D]."""
+    (what the cache reads back with μ·M added): (q·M_K)·kᵀ, optional softcap, causal softmax, ·v, ·M_Vᵀ.
+    Returns [B, n, H_q, D]."""
     qr = q.double() @ Mk.double().repeat_interleave(G, 0)
     logits = qr @ k_rows.double().repeat_interleave(G, 1).transpose(-1, -2) * scale
     if softcap is not None:
