@@ -55,8 +55,10 @@ def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths
     return clean, {k: v.to(device) for k, v in dirty.items()}
 
 
-def _bf16_run(q, c, sm_scale, tiers=("sink", "hist", "recent")):
-    """Plain bf16 PyTorch attention over the union of the tiers (history dequantized, then rounded to bf16)."""
+def _attention(q, c, sm_scale, dtype, tiers=("sink", "hist", "recent"), drop=None):
+    """Attention over the union of `tiers` in `dtype`: float64 (the reference) or bfloat16 (a plain bf16 PyTorch run,
+    the history dequantized then rounded, every operation in bf16). `drop` = (tier, index) removes that token from
+    every sequence that has it. Returns float64 o [B, H_q, D] and lse [B, H_q] (−inf and 0 where empty)."""
     H_q = q.shape[1]
     ks, vs, valid = [], [], []
     for t in tiers:
@@ -65,44 +67,23 @@ def _bf16_run(q, c, sm_scale, tiers=("sink", "hist", "recent")):
             v = reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"])
         else:
             k, v = c[f"{t}_k"].float(), c[f"{t}_v"].float()
-        ks.append(k), vs.append(v), valid.append(torch.arange(k.shape[2])[None, :] < c[f"{t}_len"][:, None])
-    k, v, ok = torch.cat(ks, 2).bfloat16(), torch.cat(vs, 2).bfloat16(), torch.cat(valid, 1)
+        ok = torch.arange(k.shape[2])[None, :] < c[f"{t}_len"].long()[:, None]
+        if drop is not None and drop[0] == t:
+            ok[:, drop[1]] = False
+        ks.append(k), vs.append(v), valid.append(ok)
+    k, v, ok = torch.cat(ks, 2).to(dtype), torch.cat(vs, 2).to(dtype), torch.cat(valid, 1)
     kx, vx = k.repeat_interleave(H_q // k.shape[1], 1), v.repeat_interleave(H_q // k.shape[1], 1)
-    logits = torch.einsum("bhd,bhtd->bht", q.bfloat16(), kx) * sm_scale
+    logits = torch.einsum("bhd,bhtd->bht", q.cpu().to(dtype), kx) * sm_scale
     logits = logits.masked_fill(~ok[:, None, :], -math.inf)
     lse = torch.logsumexp(logits, -1)
     p = torch.softmax(logits, -1).nan_to_num(0.0)
     return torch.einsum("bht,bhtd->bhd", p, vx).double(), lse.double()
 
 
-def _f64_attention(q, c, sm_scale, tiers=("sink", "hist", "recent"), drop=None):
-    """Float64 attention over the union of `tiers` (history dequantized exactly); `drop` = (tier, index) removes that
-    token from every sequence that has it. Returns o [B, H_q, D] and lse [B, H_q] (−inf and 0 where empty)."""
-    H_q = q.shape[1]
-    ks, vs, valid = [], [], []
-    for t in tiers:
-        if t == "hist":
-            k = reference.dequantize_unpack(c["codes_k"], c["scale_zero_k"])
-            v = reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"])
-        else:
-            k, v = c[f"{t}_k"], c[f"{t}_v"]
-        ok = torch.arange(k.shape[2])[None, :] < c[f"{t}_len"].long()[:, None]
-        if drop is not None and drop[0] == t:
-            ok[:, drop[1]] = False
-        ks.append(k.double()), vs.append(v.double()), valid.append(ok)
-    k, v, ok = torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(valid, 1)
-    kx, vx = k.repeat_interleave(H_q // k.shape[1], 1), v.repeat_interleave(H_q // k.shape[1], 1)
-    logits = torch.einsum("bhd,bhtd->bht", q.cpu().double(), kx) * sm_scale
-    logits = logits.masked_fill(~ok[:, None, :], -math.inf)
-    lse = torch.logsumexp(logits, -1)
-    p = torch.softmax(logits, -1).nan_to_num(0.0)
-    return torch.einsum("bht,bhtd->bhd", p, vx), lse
-
-
 def _check_rule(o, lse, q, clean, sm_scale, tiers=("sink", "hist", "recent"), boundary=None):
     """The 2×-bf16 rule against float64, and (given `boundary` = (tier, index)) that dropping that token breaks it."""
-    o_ref, lse_ref = _f64_attention(q, clean, sm_scale, tiers)
-    o_bf, lse_bf = _bf16_run(q.cpu(), clean, sm_scale, tiers)
+    o_ref, lse_ref = _attention(q, clean, sm_scale, torch.float64, tiers)
+    o_bf, lse_bf = _attention(q, clean, sm_scale, torch.bfloat16, tiers)
     o, lse = o.cpu().double(), lse.cpu().double()
     assert torch.isfinite(o).all()
     empty = torch.isinf(lse_ref)
@@ -116,7 +97,7 @@ def _check_rule(o, lse, q, clean, sm_scale, tiers=("sink", "hist", "recent"), bo
     assert lerr <= ltol, f"lse error {lerr:.3g} vs tolerance {ltol:.3g}"
     assert (o[empty] == 0).all()
     if boundary is not None:  # the tolerance is tight enough to see one token dropped at a tile/split boundary
-        o_drop, _ = _f64_attention(q, clean, sm_scale, tiers, drop=boundary)
+        o_drop, _ = _attention(q, clean, sm_scale, torch.float64, tiers, drop=boundary)
         assert (o_drop - o_ref).abs().max() > tol, f"dropping {boundary} hides under the tolerance {tol:.3g}"
 
 
