@@ -126,9 +126,9 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
     )  # fmt: skip
 
 
-SWEEP = [  # (MMA rows per program → KV heads per program, INT2 tile tokens, warps, stages, programs per SM)
-    (16, 32, 2, 3, 4), (16, 32, 2, 3, 8), (16, 32, 2, 2, 8), (16, 64, 4, 3, 4), (16, 64, 4, 3, 2), (16, 128, 4, 3, 4),
-    (16, 32, 1, 3, 16), (4, 64, 4, 3, 4),
+SWEEP = [  # (MMA rows per program → KV heads per program, INT2 tile tokens, warps, stages, programs per SM, register cap)
+    (16, 32, 2, 3, 4, None), (16, 32, 2, 3, 4, 128), (16, 32, 2, 3, 6, 128), (16, 32, 2, 2, 8, 128),
+    (16, 32, 2, 2, 8, 96), (16, 32, 4, 3, 6, 128), (16, 64, 4, 3, 4, 128), (8, 32, 2, 3, 6, 128),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
               ((9, 3, 64), 8, 32768)]  # fmt: skip
@@ -137,14 +137,14 @@ SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 12
 def sweep(gen, copy_bw):
     """Try launch settings of the decode kernel on the headline rows."""
     out = []
-    for rows, bn, warps, stages, per_sm in SWEEP:
+    for rows, bn, warps, stages, per_sm, maxnreg in SWEEP:
         ops.DECODE_ROWS, ops.DECODE_BLOCK_N, ops.DECODE_WARPS = rows, bn, warps
-        ops.DECODE_STAGES, ops.DECODE_PROGRAMS_PER_SM = stages, per_sm
+        ops.DECODE_STAGES, ops.DECODE_PROGRAMS_PER_SM, ops.DECODE_MAXNREG = stages, per_sm, maxnreg
         for (H_q, H_kv, D), B, L in SWEEP_ROWS:
             r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
-            r.update(rows=rows, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
+            r.update(rows=rows, block_n=bn, warps=warps, stages=stages, per_sm=per_sm, maxnreg=maxnreg)
             out.append(r)
-            print(f"sweep rows={rows} bn={bn} w={warps} st={stages} per_sm={per_sm} {H_q}/{H_kv} d={D} B={B} L={L}: "
+            print(f"sweep rows={rows} bn={bn} w={warps} st={stages} per_sm={per_sm} regs={maxnreg} {H_q}/{H_kv} d={D} B={B} L={L}: "
                   f"{r['oscar_us']:.1f} us ({r['oscar_bw_frac']:.0%} bw, {r['speedup']:.2f}x SDPA)", flush=True)  # fmt: skip
     return out
 
@@ -160,14 +160,15 @@ def main():
     result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, torch=torch.__version__,
                   triton=triton.__version__, rows=[])  # fmt: skip
     if args.sweep:
-        names = ("DECODE_ROWS", "DECODE_BLOCK_N", "DECODE_WARPS", "DECODE_STAGES", "DECODE_PROGRAMS_PER_SM")
+        names = ("DECODE_ROWS", "DECODE_BLOCK_N", "DECODE_WARPS", "DECODE_STAGES", "DECODE_PROGRAMS_PER_SM", "DECODE_MAXNREG")
         defaults = {n: getattr(ops, n) for n in names}
         result["sweep"] = sweep(gen, copy_bw)
         for n, v in defaults.items():
             setattr(ops, n, v)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
-        combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768)]
+        combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
+                  ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
     for (H_q, H_kv, D), B, L in combos:
         r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
         if r is None:

@@ -86,19 +86,30 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
         ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n = orig
     kw = dict(captured["kw"])
     kw["USE_ASM"] = ops.INT2_ASM_UNPACK
-    warps = kw.pop("num_warps")
+    warps, maxnreg = kw.pop("num_warps"), kw.pop("maxnreg")
     fn = decode._decode_kernel
     values = dict(zip([n for n in fn.arg_names if n not in kw], captured["args"]))
     src = _specialise(fn, values, kw)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)), kw, warps
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg)), kw, warps
+
+
+def _cuobjdump(cubin: bytes, tmp: Path, flag: str) -> str:
+    path = tmp / "decode.cubin"
+    path.write_bytes(cubin)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), flag, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def resources(cubin: bytes, tmp: Path) -> dict:
+    """Registers per thread and local (spill) bytes per thread, as the driver will see them: the registers bound how
+    many programs an SM holds at once (65,536 per SM)."""
+    out = _cuobjdump(cubin, tmp, "-res-usage")
+    return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)), local=int(re.search(r"LOCAL:(\d+)", out).group(1)))
 
 
 def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter]]:
     """(instruction count, opcode counts) of every backward-branch loop in the SASS."""
-    path = tmp / "decode.cubin"
-    path.write_bytes(cubin)
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    sass = _cuobjdump(cubin, tmp, "-sass")
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
@@ -122,25 +133,29 @@ def main():
     ap.add_argument("--rows", type=int, default=ops.DECODE_ROWS)
     ap.add_argument("--block-n", type=int, default=ops.DECODE_BLOCK_N)
     ap.add_argument("--warps", type=int, default=ops.DECODE_WARPS)
+    ap.add_argument("--maxnreg", type=int, default=ops.DECODE_MAXNREG, help="register cap (0: none)")
     ap.add_argument("--group-size", type=int, default=0, help="scale/zero group (0: one per row)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
     ops.DECODE_ROWS, ops.DECODE_BLOCK_N, ops.DECODE_WARPS = args.rows, args.block_n, args.warps
+    ops.DECODE_MAXNREG = args.maxnreg or None
     import tempfile
 
     compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch, args.group_size)
     with tempfile.TemporaryDirectory() as tmp:
         found = loops(compiled.asm["cubin"], Path(tmp))
+        res = resources(compiled.asm["cubin"], Path(tmp))
     int2 = max(found, key=lambda f: f[0])  # the INT2 loop is the long one
     per = int2[0] * warps / (kw["BLOCK_N"] * kw["HPP"])
     if args.json:
         print(json.dumps(dict(triton=triton.__version__, shared=compiled.metadata.shared, warps=warps, HPP=kw["HPP"],
                               BLOCK_H=kw["BLOCK_H"], BLOCK_N=kw["BLOCK_N"], loop_instructions=int2[0],
-                              per_token_head=per, ops=dict(int2[1]))))  # fmt: skip
+                              per_token_head=per, ops=dict(int2[1]), **res)))  # fmt: skip
         return
     print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: {kw['HPP']} KV heads per program, "
-          f"BLOCK_H {kw['BLOCK_H']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B")
+          f"BLOCK_H {kw['BLOCK_H']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B, "
+          f"{res['registers']} registers/thread, {res['local']} B local (spills)/thread")
     print(f"INT2 loop: {int2[0]} instructions per warp per tile → {per:.1f} warp instructions per token-head")
     print("  " + ", ".join(f"{op} {n}" for op, n in int2[1].most_common(12)))
 

@@ -28,6 +28,8 @@ DECODE_STAGES = 3
 DECODE_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, head group, split) programs per SM
 DECODE_ROWS = 16  # MMA rows per program: KV heads per program = max(1, DECODE_ROWS // GQA group) ...
 DECODE_MAX_HEADS = 8  # ... at most this many (multi-head attention: 16 would need 200 KB of shared memory)
+DECODE_MAXNREG = 128  # register cap: 255 unconstrained allow 4 programs per SM; 128 spill nothing (kernel_sass.py)
+MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_BLOCK_T = 32
 
@@ -292,7 +294,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, HPP=hpp, BLOCK_H=_row_block(hpp * group), BLOCK_N=_block_n(dev, True),
         BLOCK_NB=_block_n(dev, False), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=DECODE_STAGES, num_warps=DECODE_WARPS,
+        STAGES=DECODE_STAGES, num_warps=DECODE_WARPS, maxnreg=DECODE_MAXNREG,
     )  # fmt: skip
 
 
@@ -420,11 +422,14 @@ def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
 def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor) -> None:
     merge = _kernels()[2]
     N, S, D = o3.shape
-    merge._merge_kernel[(N,)](
+    # split D (slices of ≥ 16 floats) until there are ~MERGE_PROGRAMS programs; tiles of ~4K elements
+    parts = max(1, min(D // 16, triton_next_pow2(-(-MERGE_PROGRAMS // N))))
+    block_d = D // parts
+    merge._merge_kernel[(N, parts)](
         o3, l2, out, out_lse,
         S,
         o3.stride(0), o3.stride(1), l2.stride(0), out.stride(0),
-        D=D, BLOCK_S=min(16, triton_next_pow2(S)), num_warps=4 if D >= 128 else 2,
+        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, 4096 // block_d)), num_warps=4,
     )  # fmt: skip
 
 

@@ -1,6 +1,8 @@
 """Log-sum-exp merge of split/tier partials (o, lse) into the exact softmax output; all-empty rows give o = 0, −inf.
 
-One program per output row (batch · query head); partials with lse = −inf contribute nothing.
+Grid (output row = batch · query head, slice of D): enough programs to keep the GPU's memory pipes busy when there are
+few rows and many splits (batch 1 at long context), and big [splits × dims] tiles so each program has few dependent
+loads in flight. Partials with lse = −inf contribute nothing.
 """
 
 from __future__ import annotations
@@ -11,47 +13,39 @@ import triton.language as tl
 
 @triton.jit
 def _merge_kernel(
-    # pointers
     o_ptr,  # [N, S, D] float32 partial outputs (normalised)
     lse_ptr,  # [N, S] float32
     out_ptr,  # [N, D] float32
     out_lse_ptr,  # [N] float32
-    # sizes
     S,
-    # strides
-    stride_on,
-    stride_os,
-    stride_ln,
-    stride_outn,
-    # constexpr
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
+    stride_on, stride_os, stride_ln, stride_outn,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
+    dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, D)
+    lse_row = lse_ptr + n * stride_ln
 
     m = tl.full([BLOCK_S], float("-inf"), tl.float32)
     for s0 in range(0, S, BLOCK_S):
-        m = tl.maximum(m, tl.load(lse_ptr + n * stride_ln + s0 + offs_s, mask=s0 + offs_s < S, other=float("-inf")))
+        m = tl.maximum(m, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < S, other=float("-inf")))
     m_max = tl.max(m, axis=0)
     nonempty = m_max > float("-inf")
     m_safe = tl.where(nonempty, m_max, 0.0)
 
     w_sum = tl.zeros([BLOCK_S], tl.float32)
-    acc = tl.zeros([BLOCK_S, D], tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     for s0 in range(0, S, BLOCK_S):
         s_ok = s0 + offs_s < S
-        lse = tl.load(lse_ptr + n * stride_ln + s0 + offs_s, mask=s_ok, other=float("-inf"))
-        w = tl.where(lse > float("-inf"), tl.exp(lse - m_safe), 0.0)
-        o = tl.load(
-            o_ptr + n * stride_on + (s0 + offs_s)[:, None] * stride_os + dims[None, :],
-            mask=(s_ok & (lse > float("-inf")))[:, None],
-            other=0.0,
-        )
+        lse = tl.load(lse_row + s0 + offs_s, mask=s_ok, other=float("-inf"))
+        live = lse > float("-inf")
+        w = tl.where(live, tl.exp(lse - m_safe), 0.0)
+        o = tl.load(o_ptr + n * stride_on + (s0 + offs_s)[:, None] * stride_os + dims[None, :], mask=live[:, None],
+                    other=0.0)  # fmt: skip
         w_sum += w
         acc += w[:, None] * o
     total = tl.sum(w_sum, axis=0)
     out = tl.sum(acc, axis=0) / tl.where(nonempty, total, 1.0)
     tl.store(out_ptr + n * stride_outn + dims, out)
-    tl.store(out_lse_ptr + n, tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), float("-inf")))
+    if tl.program_id(1) == 0:
+        tl.store(out_lse_ptr + n, tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), float("-inf")))

@@ -1,0 +1,35 @@
+"""Run one decode-attention shape a few times, for a profiler (`ncu`, `nsys`) to attach to.
+
+Usage (GPU machine, repository root):
+    ncu -k regex:'_decode_kernel|_merge' --launch-skip 4 --launch-count 2 --set full --import-source yes \
+        -o /tmp/decode python3 benchmarks/profile_decode.py --shape 32/8/128 --batch 1 --context 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench_decode import int2_cache
+from oscar_zoo.runtime import ops
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="32/8/128", help="query heads/KV heads/head dim")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=100_000)
+    ap.add_argument("--iters", type=int, default=8)
+    args = ap.parse_args()
+    H_q, H_kv, D = (int(x) for x in args.shape.split("/"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache = int2_cache(args.batch, H_kv, D, args.context, gen)
+    q = torch.randn(args.batch, H_q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for _ in range(args.iters):
+        ops.tiered_decode_attention(q, **cache, sm_scale=D**-0.5)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
