@@ -266,3 +266,32 @@ def test_out_replaces_only_a_recognisable_artifact_folder(calibrated, run_cli, t
     assert read_manifest(out).clip.mode.value == "fixed"
     assert [p.name for p in link.parent.iterdir()] == ["art"]
     assert not [p.name for p in out.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_calibrate_defaults_to_uncentred_and_centring_mean_still_writes_means(calibrated, run_cli, tiny_model_dir,
+                                                                              text_file, tmp_path):
+    """No --centring flag: the uncentred codec (issue 14's decision, benchmarks/QUALITY.md "Decision": centring loses
+    needle retrieval) — a schema-2 manifest recording quant.centring "none", no k_mean/v_mean tensors, a cache without
+    means. `--centring mean` (the same accumulators, no forward pass) still writes the centred codec: the means, the
+    manifest saying so, a centred cache."""
+    from oscar_zoo.runtime.cache import OscarCache
+
+    out, summary = calibrated
+    manifest, rot = load_artifacts(out)
+    assert summary["centring"] == "none"
+    assert manifest.schema_version == 2 and manifest.quant.centring == "none" and not manifest.centred
+    assert rot.k_mean is None and rot.v_mean is None
+    assert not {"k_mean", "v_mean"} & set(load_tensors(out / "rotations.safetensors"))
+    assert not OscarCache.from_folder(out).centred
+
+    centred = tmp_path / "centred"
+    code, stdout, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", centred,
+                                "--json", "--centring", "mean")
+    assert code == 0, err
+    again = json.loads(stdout)
+    assert again["forward_passes"] == [] and again["centring"] == "mean"
+    manifest, rot = load_artifacts(centred)
+    assert manifest.schema_version == 2 and manifest.quant.centring == "mean" and manifest.centred
+    assert rot.k_mean.shape == rot.v_mean.shape == (2, 2, 64)
+    assert rot.k_mean.abs().max() > 0 and rot.v_mean.abs().max() > 0
+    assert OscarCache.from_folder(centred).centred

@@ -53,7 +53,8 @@ class CalibrationSettings:
     sink: int = layout.SINK
     recent: int = layout.RECENT
     flush: int = layout.FLUSH
-    centring: str = "mean"  # "mean": the centred codec (docs/format.md §6a); "none": rows stored as x·M (schema 1's)
+    centring: str = "none"  # "none": rows stored as x·M (schema 1's); "mean": the centred codec (docs/format.md §6a),
+    # lower KL but worse needle retrieval (benchmarks/QUALITY.md, "Decision")
     centred_value_target: bool = False  # weighted value target about μ_V (a covariance) instead of about 0; measured
     # in benchmarks/QUALITY.md, not a default (library only)
     batch_size: int = 4

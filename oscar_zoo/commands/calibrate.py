@@ -63,8 +63,10 @@ def calibrate_command(
     v_clip: Annotated[float, typer.Option(help="Fixed value clip ratio (used by --clip fixed).")] =
     layout.DEFAULT_V_CLIP,
     group_size: Annotated[int, typer.Option(help="Quantization group along head_dim; 0 = one group per row.")] = 0,
-    centring: Annotated[Centring, typer.Option(help="mean: store K/V rows minus their calibrated per-(layer, KV head) "
-                        "mean (the codec of schema 2, docs/format.md §6a); none: uncentred rows.")] = Centring.MEAN,
+    centring: Annotated[Centring, typer.Option(help="none (default): uncentred rows. mean: store K/V rows minus their "
+                        "calibrated per-(layer, KV head) mean (docs/format.md §6a): lower KL at 2K, worse needle "
+                        "retrieval (benchmarks/QUALITY.md) — measure with `verify --needle` before adopting.")] =
+    Centring.NONE,
     sink: Annotated[int, typer.Option(help="Full-precision sink tokens the runtime keeps (≥ 0; sink + recent < "
                                            "32768).")] = layout.SINK,
     recent: Annotated[int, typer.Option(help="Full-precision recent tokens the runtime keeps (≥ 0).")] =

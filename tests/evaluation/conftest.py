@@ -70,7 +70,9 @@ def loaded(model_dir):
 
 @pytest.fixture(scope="session")
 def good_artifacts(tmp_path_factory, loaded):
-    """OSCAR artifacts calibrated by the library pipeline on 4×128 tokens of a calibration play (fixed clips)."""
+    """OSCAR artifacts calibrated by the library pipeline on 4×128 tokens of a calibration play (fixed clips), with
+    the centred codec (`centring="mean"`, schema 2 with k_mean/v_mean; not calibrate's default, which is uncentred):
+    the verify tests check the means' path against the float64 reference; the version-1 fixture covers uncentred."""
     from oscar_zoo.artifacts import write_artifacts
     from oscar_zoo.calibration.data import corpus_dir, make_sequences
     from oscar_zoo.calibration.pipeline import CalibrationSettings, calibrate
@@ -78,7 +80,8 @@ def good_artifacts(tmp_path_factory, loaded):
     text = (corpus_dir() / "hamlet_gut.txt").read_text()[:60000]
     seqs = make_sequences(loaded.tokenizer, [text], 128, 4, 1, dataset="hamlet excerpt")
     root = tmp_path_factory.mktemp("artifacts")
-    result = calibrate(loaded, seqs, CalibrationSettings(clip="fixed", sink=SINK, recent=RECENT, batch_size=4),
+    result = calibrate(loaded, seqs, CalibrationSettings(clip="fixed", sink=SINK, recent=RECENT, batch_size=4,
+                                                            centring="mean"),
                        store_dir=root / "store")
     write_artifacts(root / "good", result.manifest, result.rotations)
     return root / "good"

@@ -258,9 +258,10 @@ def test_version1_artifacts_load_inspect_verify_and_serve_as_before(run_cli, mod
 
 
 def test_the_float64_expectation_tells_centred_from_uncentred(good_artifacts, model64, heldout_ids):
-    """What makes the match tests above sensitive to the codec: the calibrated (centred) artifact and the same
-    rotations and clips without its means differ in the float64 perplexity increase and top-1 agreement by far more
-    than the match tolerances (observed on this sequence: +0.0 % vs −18.8 %, 44.8 % vs 38.5 %; KL only by 1 %)."""
+    """What makes the match tests above sensitive to the codec: the calibrated (centred, `centring="mean"`) artifact
+    and the same rotations and clips without its means differ in the float64 perplexity increase and top-1 agreement
+    by far more than the match tolerances (observed on this sequence: +0.0 % vs −18.8 %, 44.8 % vs 38.5 %; KL only
+    by 1 %)."""
     import dataclasses
 
     manifest, rot = load_artifacts(good_artifacts)
