@@ -9,6 +9,7 @@ when OUT is set. Usage: PYTHONPATH=. python benchmarks/bench_decode.py [--quick]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -81,7 +82,7 @@ def int2_bytes(B, H_q, H_kv, D, L) -> int:
     hist = L - layout.SINK - layout.RECENT
     cache = 2 * B * H_kv * (hist * layout.bytes_per_token(D, D) + (layout.SINK + layout.RECENT) * D * 2)
     cuda = torch.device("cuda")
-    S = (ops._int2_splits(B, H_kv, H_q // H_kv, hist, cuda, None) + ops._bf16_splits(layout.SINK, cuda)
+    S = (ops._int2_splits(B, H_kv, H_q // H_kv, D, hist, cuda, None) + ops._bf16_splits(layout.SINK, cuda)
          + ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda))  # the splits tiered_decode_attention launches
     partials = 2 * B * H_q * S * (D + 1) * 4  # written once, read once by the merge
     return cache + partials + B * H_q * D * 2
@@ -126,26 +127,28 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
     )  # fmt: skip
 
 
-SWEEP = [  # (MMA rows per program → KV heads per program, INT2 tile tokens, warps, stages, programs per SM, register cap)
-    (16, 32, 2, 3, 4, None), (16, 32, 2, 3, 4, 128), (16, 32, 2, 3, 6, 128), (16, 32, 2, 2, 8, 128),
-    (16, 32, 2, 2, 8, 96), (16, 32, 4, 3, 6, 128), (16, 64, 4, 3, 4, 128), (8, 32, 2, 3, 6, 128),
+C = ops.DecodeConfig
+SWEEP = [  # ops.DecodeConfig(rows, tile tokens, warps, stages, programs per SM, register cap)
+    C(16, 64, 4, 3, 4, 128), C(16, 64, 4, 3, 4, 168), C(16, 64, 4, 3, 4, None), C(16, 64, 4, 3, 6, 128),
+    C(16, 32, 2, 3, 4, None), C(16, 32, 2, 3, 6, None), C(16, 32, 2, 2, 8, None),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
               ((9, 3, 64), 8, 32768)]  # fmt: skip
 
 
 def sweep(gen, copy_bw):
-    """Try launch settings of the decode kernel on the headline rows."""
+    """Try launch settings of the decode kernel on the headline rows (each setting for every head dim)."""
     out = []
-    for rows, bn, warps, stages, per_sm, maxnreg in SWEEP:
-        ops.DECODE_ROWS, ops.DECODE_BLOCK_N, ops.DECODE_WARPS = rows, bn, warps
-        ops.DECODE_STAGES, ops.DECODE_PROGRAMS_PER_SM, ops.DECODE_MAXNREG = stages, per_sm, maxnreg
+    defaults = dict(ops.DECODE_CONFIGS)
+    for cfg in SWEEP:
+        ops.DECODE_CONFIGS.update({d: cfg for d in defaults})
         for (H_q, H_kv, D), B, L in SWEEP_ROWS:
             r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
-            r.update(rows=rows, block_n=bn, warps=warps, stages=stages, per_sm=per_sm, maxnreg=maxnreg)
+            r.update(dataclasses.asdict(cfg))
             out.append(r)
-            print(f"sweep rows={rows} bn={bn} w={warps} st={stages} per_sm={per_sm} regs={maxnreg} {H_q}/{H_kv} d={D} B={B} L={L}: "
-                  f"{r['oscar_us']:.1f} us ({r['oscar_bw_frac']:.0%} bw, {r['speedup']:.2f}x SDPA)", flush=True)  # fmt: skip
+            print(f"sweep {cfg} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us ({r['oscar_bw_frac']:.0%} bw, "
+                  f"{r['speedup']:.2f}x SDPA)", flush=True)  # fmt: skip
+    ops.DECODE_CONFIGS.update(defaults)
     return out
 
 
@@ -160,11 +163,7 @@ def main():
     result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, torch=torch.__version__,
                   triton=triton.__version__, rows=[])  # fmt: skip
     if args.sweep:
-        names = ("DECODE_ROWS", "DECODE_BLOCK_N", "DECODE_WARPS", "DECODE_STAGES", "DECODE_PROGRAMS_PER_SM", "DECODE_MAXNREG")
-        defaults = {n: getattr(ops, n) for n in names}
         result["sweep"] = sweep(gen, copy_bw)
-        for n, v in defaults.items():
-            setattr(ops, n, v)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),

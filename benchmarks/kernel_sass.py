@@ -11,6 +11,7 @@ printed too (a kernel above 227 KiB does not launch). Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -73,10 +74,10 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
     orig = (ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n)
     try:
         ops._kernels = lambda: (None, type("M", (), {"_decode_kernel": Grab()}), None)
-        ops._programs_target = lambda device: ops.DECODE_PROGRAMS_PER_SM * 132
+        ops._programs_target = lambda device, D: ops.decode_config(D).programs_per_sm * 132
         ops._dot_dtype = lambda: tl.bfloat16
-        ops._block_n = lambda device, int2: ops.DECODE_BLOCK_N if int2 else ops.DECODE_BLOCK_NB
-        s_hist = ops._int2_splits(batch, H_kv, H_q // H_kv, hist, cuda, None)
+        ops._block_n = lambda device, D: ops.decode_config(D).block_n if D else ops.DECODE_BLOCK_NB
+        s_hist = ops._int2_splits(batch, H_kv, H_q // H_kv, D, hist, cuda, None)
         s_sink, s_recent = ops._bf16_splits(layout.SINK, cuda), ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda)
         S = s_sink + s_hist + s_recent
         o, lse = torch.empty(batch, H_q, S, D), torch.empty(batch, H_q, S)
@@ -101,10 +102,10 @@ def _cuobjdump(cubin: bytes, tmp: Path, flag: str) -> str:
 
 
 def resources(cubin: bytes, tmp: Path) -> dict:
-    """Registers per thread and local (spill) bytes per thread, as the driver will see them: the registers bound how
-    many programs an SM holds at once (65,536 per SM)."""
+    """Registers per thread and stack bytes per thread (where register spills go), as the driver will see them: the
+    registers bound how many programs an SM holds at once (65,536 per SM)."""
     out = _cuobjdump(cubin, tmp, "-res-usage")
-    return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)), local=int(re.search(r"LOCAL:(\d+)", out).group(1)))
+    return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)), stack=int(re.search(r"STACK:(\d+)", out).group(1)))
 
 
 def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter]]:
@@ -130,16 +131,19 @@ def main():
     ap.add_argument("--shape", default="32,8,128", help="H_q,H_kv,D")
     ap.add_argument("--context", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--rows", type=int, default=ops.DECODE_ROWS)
-    ap.add_argument("--block-n", type=int, default=ops.DECODE_BLOCK_N)
-    ap.add_argument("--warps", type=int, default=ops.DECODE_WARPS)
-    ap.add_argument("--maxnreg", type=int, default=ops.DECODE_MAXNREG, help="register cap (0: none)")
+    ap.add_argument("--rows", type=int, help="default: the head dim's DecodeConfig (ops.DECODE_CONFIGS)")
+    ap.add_argument("--block-n", type=int)
+    ap.add_argument("--warps", type=int)
+    ap.add_argument("--maxnreg", type=int, help="register cap (0: none)")
     ap.add_argument("--group-size", type=int, default=0, help="scale/zero group (0: one per row)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
-    ops.DECODE_ROWS, ops.DECODE_BLOCK_N, ops.DECODE_WARPS = args.rows, args.block_n, args.warps
-    ops.DECODE_MAXNREG = args.maxnreg or None
+    cfg = ops.decode_config(D)
+    cfg = dataclasses.replace(cfg, rows=args.rows or cfg.rows, block_n=args.block_n or cfg.block_n,
+                              warps=args.warps or cfg.warps,
+                              maxnreg=cfg.maxnreg if args.maxnreg is None else args.maxnreg or None)  # fmt: skip
+    ops.DECODE_CONFIGS.update({d: cfg for d in ops.DECODE_CONFIGS})
     import tempfile
 
     compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch, args.group_size)
@@ -155,7 +159,7 @@ def main():
         return
     print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: {kw['HPP']} KV heads per program, "
           f"BLOCK_H {kw['BLOCK_H']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B, "
-          f"{res['registers']} registers/thread, {res['local']} B local (spills)/thread")
+          f"{res['registers']} registers/thread, {res['stack']} B stack (spills)/thread")
     print(f"INT2 loop: {int2[0]} instructions per warp per tile → {per:.1f} warp instructions per token-head")
     print("  " + ", ".join(f"{op} {n}" for op, n in int2[1].most_common(12)))
 

@@ -7,6 +7,7 @@ to the host: split counts come from shapes and the SM count, so decode is CUDA-g
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -18,17 +19,26 @@ from . import layout, reference
 
 LOG2E = 1.4426950408889634
 
-# Launch settings of the decode kernel. Chosen from the static SASS profile (benchmarks/kernel_sass.py: fewest
-# instructions per token-head without register spills, for d = 128 and 64), not yet from GPU timings
-# (benchmarks/RESULTS.md, "Decode kernel v2"; `bench_decode.py --sweep` compares the alternatives on a GPU).
-DECODE_BLOCK_N = 32  # INT2 history tokens per tile
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch settings of the decode kernel for one head dim."""
+
+    rows: int  # MMA rows per program: KV heads per program = max(1, rows // GQA group), at most DECODE_MAX_HEADS
+    block_n: int  # INT2 history tokens per tile
+    warps: int
+    stages: int  # software-pipeline depth of the history loop
+    programs_per_sm: int  # split-K: aim for this many (batch, head group, split) programs per SM
+    maxnreg: int | None  # register cap (None: the compiler's choice)
+
+
+# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v2"): d = 128 runs best with
+# 64-token tiles, 4 warps and a 128-register cap (uncapped it takes 255 registers and 4 programs fit an SM); d = 64
+# with 32-token tiles, 2 warps and no cap. Larger head dims use the d = 128 settings.
+DECODE_CONFIGS = {64: DecodeConfig(16, 32, 2, 3, 4, None), 128: DecodeConfig(16, 64, 4, 3, 4, 128)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
-DECODE_WARPS = 2
-DECODE_STAGES = 3
-DECODE_PROGRAMS_PER_SM = 4  # split-K: aim for this many (batch, head group, split) programs per SM
-DECODE_ROWS = 16  # MMA rows per program: KV heads per program = max(1, DECODE_ROWS // GQA group) ...
-DECODE_MAX_HEADS = 8  # ... at most this many (multi-head attention: 16 would need 200 KB of shared memory)
-DECODE_MAXNREG = 128  # register cap: 255 unconstrained allow 4 programs per SM; 128 spill nothing (kernel_sass.py)
+DECODE_MAX_HEADS = 8  # multi-head attention: 16 heads per program would need 200 KB of shared memory
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_BLOCK_T = 32
@@ -75,15 +85,19 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _programs_target(device: torch.device) -> int:
+def decode_config(D: int) -> DecodeConfig:
+    return DECODE_CONFIGS[64 if D <= 64 else 128]
+
+
+def _programs_target(device: torch.device, D: int) -> int:
     if device.type != "cuda":
         return 8  # interpreter: a few splits suffice to exercise the split logic
-    return DECODE_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return decode_config(D).programs_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _heads_per_program(H_kv: int, group: int) -> int:
+def _heads_per_program(H_kv: int, group: int, D: int) -> int:
     """KV heads one decode program serves: enough GQA groups to fill the MMA rows."""
-    return max(1, min(H_kv, DECODE_ROWS // group, DECODE_MAX_HEADS))
+    return max(1, min(H_kv, decode_config(D).rows // group, DECODE_MAX_HEADS))
 
 
 def _row_block(rows: int) -> int:
@@ -223,24 +237,25 @@ def _check_kv(name: str, t: Tensor, q: Tensor, last: tuple[int, ...], dtype: tor
     return H_kv
 
 
-def _block_n(device: torch.device, int2: bool) -> int:
+def _block_n(device: torch.device, D: int | None) -> int:
+    """Tokens per tile: of the INT2 history for head dim D, of the BF16 tiers for D = None."""
     if device.type != "cuda":
         return 16  # interpreter: small tiles, many of them
-    return DECODE_BLOCK_N if int2 else DECODE_BLOCK_NB
+    return decode_config(D).block_n if D else DECODE_BLOCK_NB
 
 
-def _int2_splits(B: int, H_kv: int, group: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
+def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
     if num_splits is not None:
         _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
-    programs = B * -(-H_kv // _heads_per_program(H_kv, group))
-    by_programs = -(-_programs_target(device) // programs)
-    by_tokens = -(-T_cap // (2 * _block_n(device, True)))  # at least two tiles per split
+    programs = B * -(-H_kv // _heads_per_program(H_kv, group, D))
+    by_programs = -(-_programs_target(device, D) // programs)
+    by_tokens = -(-T_cap // (2 * _block_n(device, D)))  # at least two tiles per split
     return max(1, min(by_programs, by_tokens))
 
 
 def _bf16_splits(T_cap: int, device: torch.device) -> int:
-    return max(1, -(-T_cap // _block_n(device, False)))
+    return max(1, -(-T_cap // _block_n(device, None)))
 
 
 def _kernel_head_dim_ok(D: int) -> bool:
@@ -281,7 +296,8 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         sink = (_dummy(dev, torch.bfloat16), _dummy(dev, torch.bfloat16), hlen)
     sink, recent = sink or recent, recent or sink
     group = H_q // H_kv
-    hpp = _heads_per_program(H_kv, group)
+    hpp = _heads_per_program(H_kv, group, D)
+    cfg = decode_config(D)
     grid = (B * -(-H_kv // hpp), s_sink + s_hist + s_recent)
     decode._decode_kernel[grid](
         q, sink[0], sink[1], sink[2], ck, szk, cv, szv, hlen, recent[0], recent[1], recent[2], o, lse,
@@ -292,9 +308,9 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         *_strides(cv, 3), *_strides(szv, 3),
         *_strides(recent[0], 3), *_strides(recent[1], 3),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        D=D, G=G, HPP=hpp, BLOCK_H=_row_block(hpp * group), BLOCK_N=_block_n(dev, True),
-        BLOCK_NB=_block_n(dev, False), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=DECODE_STAGES, num_warps=DECODE_WARPS, maxnreg=DECODE_MAXNREG,
+        D=D, G=G, HPP=hpp, BLOCK_H=_row_block(hpp * group), BLOCK_N=_block_n(dev, D),
+        BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
+        STAGES=cfg.stages, num_warps=cfg.warps, maxnreg=cfg.maxnreg,
     )  # fmt: skip
 
 
@@ -328,7 +344,7 @@ def decode_int2_partial(
     per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`."""
     H_kv, G, hist_len = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     B, H_q, D = q.shape
-    S = _int2_splits(B, H_kv, H_q // H_kv, codes_k.shape[2], q.device, num_splits)
+    S = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, num_splits)
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S)
     o = _alloc((B, H_q, S, D), torch.float32, q.device)
@@ -461,7 +477,7 @@ def tiered_decode_attention(
             q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
             recent_k, recent_v, recent_len, sm_scale,
         )  # fmt: skip
-    s_hist = _int2_splits(B, H_kv, H_q // H_kv, codes_k.shape[2], q.device, None)
+    s_hist = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None)
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], q.device), _bf16_splits(recent_k.shape[2], q.device)
     S = s_sink + s_hist + s_recent
     o_part = _alloc((B, H_q, S, D), torch.float32, q.device)

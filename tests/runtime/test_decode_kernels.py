@@ -6,6 +6,7 @@ of a plain bf16 PyTorch run of the same math (plus 1e-5 absolute, for cases wher
 token). Every case also checks that the rule is tight enough to matter: dropping the one token at a tile or split
 boundary moves the float64 answer by more than the tolerance."""
 
+import dataclasses
 import math
 
 import pytest
@@ -133,7 +134,7 @@ def test_history_tile_boundaries(device, hist):
 def test_gqa_groups(device, group, rows, monkeypatch):
     """Several KV heads per program (the MMA rows filled by whole GQA groups), including a last program whose heads run
     past H_kv (3 KV heads, 2 per program)."""
-    monkeypatch.setattr(ops, "DECODE_ROWS", rows)
+    monkeypatch.setitem(ops.DECODE_CONFIGS, 64, dataclasses.replace(ops.decode_config(64), rows=rows))
     H_kv, D = 3, 64
     clean, dirty = _cache([500], H_kv, D, device, seed=group)
     _check_against_reference(_query(1, H_kv * group, D, device, group), clean, dirty, D**-0.5,

@@ -1,7 +1,8 @@
 """The decode kernel compiles for an H200 (sm_90) as `ops` launches it, without a GPU (benchmarks/kernel_sass.py in a
 fresh process, where Triton is not in interpreter mode): catches what the CPU interpreter cannot (non-constexpr
-globals, shared memory beyond what an SM has, register spills in the token loop); an earlier draft of the kernel
-needed 512 KB of shared memory at 32/8 heads and passed every interpreter test.."""
+globals, shared memory beyond what an SM has, a register cap the compiler did not apply); an earlier draft of the kernel
+needed 512 KB of shared memory at 32/8 heads and passed every interpreter test. Register spills are not refused: the
+d = 128 settings spill a little under their 128-register cap and still measure fastest on an H200 (RESULTS.md)."""
 
 import json
 import os
@@ -12,11 +13,12 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+from oscar_zoo.runtime import ops  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SM90_SHARED = 227 * 1024  # bytes of shared memory one program may use on an H100/H200
 
 
-@pytest.mark.parametrize("shape, group_size", [("32,8,128", 0), ("9,3,64", 0), ("32,8,128", 32)])
+@pytest.mark.parametrize("shape, group_size", [("32,8,128", 0), ("9,3,64", 0), ("32,8,128", 32), ("16,16,256", 0)])
 def test_decode_kernel_compiles_for_sm90(shape, group_size):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--shape", shape,
@@ -24,8 +26,8 @@ def test_decode_kernel_compiles_for_sm90(shape, group_size):
                           capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.splitlines()[-1])
-    H_q, H_kv, _ = (int(x) for x in shape.split(","))
+    H_q, H_kv, D = (int(x) for x in shape.split(","))
     assert r["shared"] <= SM90_SHARED
     assert r["HPP"] * (H_q // H_kv) <= r["BLOCK_H"]
     assert r["ops"]["HMMA"] > 0  # the token loop runs on tensor cores
-    assert r["ops"].get("STL", 0) == 0, "register spills (local-memory stores) in the token loop"
+    assert r["registers"] <= (ops.decode_config(D).maxnreg or 255)
