@@ -366,9 +366,9 @@ def main() -> None:
         ("none-search", "no rotation, searched clips (attention objective)", cal_large, {"rotation": "none"},
          "variant"),
         # codec v2 (issue 14): K/V means removed before INT2, clips searched on the centred rows
-        ("centred", f"codec v2, calibrate's default: per-head U·H·P, weighted V target, per-(layer, head) K/V means "
-         f"removed, clips searched on centred rows, {k16} plays", cal_large,
-         {"rotation": "per-head", "centring": True}, "default"),
+        ("centred", f"codec v2, calibrate --centring mean (not the default): per-head U·H·P, weighted V target, "
+         f"per-(layer, head) K/V means removed, clips searched on centred rows, {k16} plays", cal_large,
+         {"rotation": "per-head", "centring": True}, "variant"),
         ("centred-cov", "codec v2 with the weighted value target taken about μ_V (a covariance)", cal_large,
          {"rotation": "per-head", "centring": True, "centred_value_target": True}, "variant"),
         ("hp-centred", "H·P (data-free rotation) + per-layer K/V means, clips searched on centred rows", cal_large,
