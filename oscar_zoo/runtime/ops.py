@@ -41,7 +41,7 @@ DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tok
 DECODE_MAX_HEADS = 8  # multi-head attention: 16 heads per program would need 200 KB of shared memory
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
-QUANT_BLOCK_T = 32
+QUANT_WARPS = 4  # quantize/pack: one row per thread, 32·QUANT_WARPS rows per program (benchmarks/quantize_sass.py)
 
 
 # ------------------------------------------------------------------------------------------------------- dispatch
@@ -177,18 +177,24 @@ def quantize_pack(
     if not (_use_kernel(x) and kernel_ok):
         return reference.quantize_pack_ref(x, clip_ratio, group_size, rotation)
 
-    k_rows = reference.clip_index(clip_ratio, D)
-    try:
-        k_rows = k_rows.to(device=x.device, dtype=torch.int32).expand(x.shape[:-1])
-    except RuntimeError as err:
-        raise ValueError(
-            f"clip_ratio of shape {tuple(k_rows.shape)} does not broadcast to the rows of x {tuple(x.shape[:-1])}"
-        ) from err
-    # view x and the clip index as [B, H, T, ·] (leading dims folded into B)
+    # view x as [B, H, T, D] (leading dims folded into B)
     x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
-    k3 = k_rows.reshape(x4.shape[:-1])
     x4 = _last_contiguous(x4, 1)
     B, H, T, _ = x4.shape
+    if isinstance(clip_ratio, Tensor):  # the kernel computes the clip index per row (no host op, no extra launch)
+        ratio = clip_ratio if clip_ratio.device == x.device else clip_ratio.to(x.device)
+        ratio = ratio.float() if ratio.dtype == torch.bool else ratio
+        try:
+            r3 = ratio.expand(x.shape[:-1]).reshape(x4.shape[:-1])
+        except RuntimeError as err:
+            raise ValueError(
+                f"clip_ratio of shape {tuple(ratio.shape)} does not broadcast to the rows of x {tuple(x.shape[:-1])}"
+            ) from err
+        k_const, r_strides, max_m = -1, tuple(r3.stride()), 0
+    else:
+        r3, k_const, r_strides = x4, int(reference.clip_index(float(clip_ratio), D)), (0, 0, 0)
+        m = 1 if k_const < 0 else D - k_const  # τ is the m-th largest |x|
+        max_m = 8 if m <= 8 else 16 if m <= 16 else 0
     codes = _alloc((B, H, T, D // layout.CODES_PER_BYTE), layout.CODE_DTYPE, x.device)
     scale_zero = _alloc((B, H, T, D // G, 2), layout.SCALE_DTYPE, x.device)
 
@@ -201,16 +207,17 @@ def quantize_pack(
     stride_rh = (rot.stride(0) if rot.dim() == 3 else 0) if rotate else 0
     x_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(x.dtype)
     _check(x_dtype is not None, lambda: f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    block_t = 16 if rotate else QUANT_BLOCK_T
-    grid = (triton.cdiv(T, block_t), B * H)
+    warps = 8 if rotate else QUANT_WARPS
+    block_t = 16 if rotate else 32 * QUANT_WARPS  # one row per thread
+    grid = (triton.cdiv(T, block_t), B * H) if rotate else (triton.cdiv(B * H * T, block_t),)
     qp._quantize_pack_kernel[grid](
-        x4, rot, k3, codes, scale_zero,
-        H, T,
-        x4.stride(0), x4.stride(1), x4.stride(2), stride_rh,
-        k3.stride(0), k3.stride(1), k3.stride(2),
-        D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
-        REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
-        num_warps=8 if rotate else 4,
+        x4, rot, r3, codes, scale_zero,
+        B * H * T, H, T, k_const,
+        x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r_strides,
+        D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, RATIO_TENSOR=isinstance(clip_ratio, Tensor), X_DTYPE=x_dtype,
+        MAX_M=max_m, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
+        C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2],
+        num_warps=warps,
     )  # fmt: skip
     out_shape = tuple(x.shape[:-1])
     return codes.reshape(*out_shape, D // 4), scale_zero.reshape(*out_shape, D // G, 2)

@@ -1,14 +1,32 @@
 """Fused (optional rotate) → clip → INT2 quantize → quartered pack of K/V rows into the history layout.
 
 Twin of `reference.quantize_pack_ref`, bit for bit when no rotation is given (the demotion path: rows already rotated).
-One program = BLOCK_T rows of one (batch, KV head). The clip threshold is the exact k-th smallest |x| (peeled from the nearer end),
-scale/zero are rounded to float16 and the codes computed from the rounded values with IEEE division, as the reference.
+
+Layout: one row per thread. A program takes BLOCK_T consecutive rows of the flattened [B·H·T] row space (so an
+8-token demotion of 32×8 heads is 16 programs, not 256 mostly-masked ones) and each thread holds its row's D values
+in registers, so every reduction along the row (order statistic, group min/max, packing) is in-thread: no shuffles, no
+shared memory.
+
+Clip: τ = k-th smallest |x| of the row, k = ⌊r·D + 1e-6⌋ (`reference.clip_index`, computed here in float64 from the
+ratio tensor, so the host launches nothing but this kernel). With m = D − k ≤ 8 (or ≤ 16) τ is the m-th largest |x|,
+taken from a register-resident top-8 (top-16): Batcher-sort chunks of 8 (16) values, then merge chunk lists pairwise
+(bitonic max + half-cleaners) down to one sorted list. Ties are kept with multiplicity, as sort() keeps them. Other
+ratios (m > 16, rare: r < 0.875) take the exact peeling loop.
+
+Quantize: scale/zero rounded to float16 as the reference, codes from the rounded values. The reference divides x/s
+(IEEE); for 16-bit inputs the kernel uses y = RN(1/s) once per group and one Markstein correction per element
+(q0 = x·y, ρ = fma(q0, −s, x), q = fma(ρ, y, q0)), which equals RN(x/s) for every pair of a bf16/fp16 x and a
+float16 s (exhaustive check: tests/runtime/test_quantize_pack_kernel.py); float32 inputs keep div_rn. The floor
+⌊q + z + ½⌋ clamped to 0..3 is a count of three exact float32 thresholds on u = q + z (no float→int conversion).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# u ≥ C_i  ⇔  float32(u + 0.5) ≥ i (round to nearest even), i = 1, 2, 3: the code is the number of thresholds reached
+ROUND_THRESHOLDS = (0.5 - 2.0**-25, 1.5, 2.5)
 
 
 @triton.jit
@@ -18,71 +36,397 @@ def _negate(x):
 
 
 @triton.jit
+def _split_last(v):
+    """[R, C, 2n] → the even and odd entries of the last axis, [R, C, n] each (register renaming, no data movement)."""
+    return tl.split(tl.reshape(v, [v.shape[0], v.shape[1], v.shape[2] // 2, 2]))
+
+
+@triton.jit
+def _pair_chunks(t):
+    """[R, C] → chunks 0, 2, 4, … and 1, 3, 5, …, [R, C/2] each."""
+    return tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
+
+
+@triton.jit
+def _split8(v):
+    """[R, C, 8] → 8 tensors [R, C] (one per position within a chunk; which is which does not matter)."""
+    e, o = _split_last(v)
+    ee, eo = _split_last(e)
+    oe, oo = _split_last(o)
+    v0, v1 = tl.split(ee)
+    v2, v3 = tl.split(eo)
+    v4, v5 = tl.split(oe)
+    v6, v7 = tl.split(oo)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _split16(v):
+    e, o = _split_last(v)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _split8(e)
+    v8, v9, v10, v11, v12, v13, v14, v15 = _split8(o)
+    return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
+
+
+@triton.jit
+def _mth_largest8(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """a [BLOCK_T, D] ≥ 0 → its m-th largest per row (1 ≤ m ≤ 8; other m give an unspecified value)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _split8(tl.reshape(a, [BLOCK_T, D // 8, 8]))
+    v0, v1, v2, v3, v4, v5, v6, v7 = _sort8(v0, v1, v2, v3, v4, v5, v6, v7)
+    for _ in tl.static_range(D // 8 - 1):  # (unrolled; the chunk count halves each time, exits at one chunk)
+        if v0.shape[1] > 1:
+            a0, b0 = _pair_chunks(v0)
+            a1, b1 = _pair_chunks(v1)
+            a2, b2 = _pair_chunks(v2)
+            a3, b3 = _pair_chunks(v3)
+            a4, b4 = _pair_chunks(v4)
+            a5, b5 = _pair_chunks(v5)
+            a6, b6 = _pair_chunks(v6)
+            a7, b7 = _pair_chunks(v7)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
+    t = tl.reshape(v0, [BLOCK_T])
+    t = tl.where(m == 2, tl.reshape(v1, [BLOCK_T]), t)
+    t = tl.where(m == 3, tl.reshape(v2, [BLOCK_T]), t)
+    t = tl.where(m == 4, tl.reshape(v3, [BLOCK_T]), t)
+    t = tl.where(m == 5, tl.reshape(v4, [BLOCK_T]), t)
+    t = tl.where(m == 6, tl.reshape(v5, [BLOCK_T]), t)
+    t = tl.where(m == 7, tl.reshape(v6, [BLOCK_T]), t)
+    t = tl.where(m == 8, tl.reshape(v7, [BLOCK_T]), t)
+    return t
+
+
+@triton.jit
+def _sort8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Batcher odd-even merge sort of 8 tensors, descending (19 compare-exchanges)."""
+    v0, v1 = tl.maximum(v0, v1), tl.minimum(v0, v1)
+    v2, v3 = tl.maximum(v2, v3), tl.minimum(v2, v3)
+    v4, v5 = tl.maximum(v4, v5), tl.minimum(v4, v5)
+    v6, v7 = tl.maximum(v6, v7), tl.minimum(v6, v7)
+    v0, v2 = tl.maximum(v0, v2), tl.minimum(v0, v2)
+    v1, v3 = tl.maximum(v1, v3), tl.minimum(v1, v3)
+    v4, v6 = tl.maximum(v4, v6), tl.minimum(v4, v6)
+    v5, v7 = tl.maximum(v5, v7), tl.minimum(v5, v7)
+    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
+    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
+    v0, v4 = tl.maximum(v0, v4), tl.minimum(v0, v4)
+    v1, v5 = tl.maximum(v1, v5), tl.minimum(v1, v5)
+    v2, v6 = tl.maximum(v2, v6), tl.minimum(v2, v6)
+    v3, v7 = tl.maximum(v3, v7), tl.minimum(v3, v7)
+    v2, v4 = tl.maximum(v2, v4), tl.minimum(v2, v4)
+    v3, v5 = tl.maximum(v3, v5), tl.minimum(v3, v5)
+    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
+    v3, v4 = tl.maximum(v3, v4), tl.minimum(v3, v4)
+    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """The 8 largest of two descending lists, descending: bitonic max then half-cleaners."""
+    v0 = tl.maximum(a0, b7)
+    v1 = tl.maximum(a1, b6)
+    v2 = tl.maximum(a2, b5)
+    v3 = tl.maximum(a3, b4)
+    v4 = tl.maximum(a4, b3)
+    v5 = tl.maximum(a5, b2)
+    v6 = tl.maximum(a6, b1)
+    v7 = tl.maximum(a7, b0)
+    v0, v4 = tl.maximum(v0, v4), tl.minimum(v0, v4)
+    v1, v5 = tl.maximum(v1, v5), tl.minimum(v1, v5)
+    v2, v6 = tl.maximum(v2, v6), tl.minimum(v2, v6)
+    v3, v7 = tl.maximum(v3, v7), tl.minimum(v3, v7)
+    v0, v2 = tl.maximum(v0, v2), tl.minimum(v0, v2)
+    v1, v3 = tl.maximum(v1, v3), tl.minimum(v1, v3)
+    v4, v6 = tl.maximum(v4, v6), tl.minimum(v4, v6)
+    v5, v7 = tl.maximum(v5, v7), tl.minimum(v5, v7)
+    v0, v1 = tl.maximum(v0, v1), tl.minimum(v0, v1)
+    v2, v3 = tl.maximum(v2, v3), tl.minimum(v2, v3)
+    v4, v5 = tl.maximum(v4, v5), tl.minimum(v4, v5)
+    v6, v7 = tl.maximum(v6, v7), tl.minimum(v6, v7)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _sort16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+    """Batcher odd-even merge sort of 16 tensors, descending (63 compare-exchanges)."""
+    v0, v1 = tl.maximum(v0, v1), tl.minimum(v0, v1)
+    v2, v3 = tl.maximum(v2, v3), tl.minimum(v2, v3)
+    v4, v5 = tl.maximum(v4, v5), tl.minimum(v4, v5)
+    v6, v7 = tl.maximum(v6, v7), tl.minimum(v6, v7)
+    v8, v9 = tl.maximum(v8, v9), tl.minimum(v8, v9)
+    v10, v11 = tl.maximum(v10, v11), tl.minimum(v10, v11)
+    v12, v13 = tl.maximum(v12, v13), tl.minimum(v12, v13)
+    v14, v15 = tl.maximum(v14, v15), tl.minimum(v14, v15)
+    v0, v2 = tl.maximum(v0, v2), tl.minimum(v0, v2)
+    v1, v3 = tl.maximum(v1, v3), tl.minimum(v1, v3)
+    v4, v6 = tl.maximum(v4, v6), tl.minimum(v4, v6)
+    v5, v7 = tl.maximum(v5, v7), tl.minimum(v5, v7)
+    v8, v10 = tl.maximum(v8, v10), tl.minimum(v8, v10)
+    v9, v11 = tl.maximum(v9, v11), tl.minimum(v9, v11)
+    v12, v14 = tl.maximum(v12, v14), tl.minimum(v12, v14)
+    v13, v15 = tl.maximum(v13, v15), tl.minimum(v13, v15)
+    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
+    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
+    v9, v10 = tl.maximum(v9, v10), tl.minimum(v9, v10)
+    v13, v14 = tl.maximum(v13, v14), tl.minimum(v13, v14)
+    v0, v4 = tl.maximum(v0, v4), tl.minimum(v0, v4)
+    v1, v5 = tl.maximum(v1, v5), tl.minimum(v1, v5)
+    v2, v6 = tl.maximum(v2, v6), tl.minimum(v2, v6)
+    v3, v7 = tl.maximum(v3, v7), tl.minimum(v3, v7)
+    v8, v12 = tl.maximum(v8, v12), tl.minimum(v8, v12)
+    v9, v13 = tl.maximum(v9, v13), tl.minimum(v9, v13)
+    v10, v14 = tl.maximum(v10, v14), tl.minimum(v10, v14)
+    v11, v15 = tl.maximum(v11, v15), tl.minimum(v11, v15)
+    v2, v4 = tl.maximum(v2, v4), tl.minimum(v2, v4)
+    v3, v5 = tl.maximum(v3, v5), tl.minimum(v3, v5)
+    v10, v12 = tl.maximum(v10, v12), tl.minimum(v10, v12)
+    v11, v13 = tl.maximum(v11, v13), tl.minimum(v11, v13)
+    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
+    v3, v4 = tl.maximum(v3, v4), tl.minimum(v3, v4)
+    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
+    v9, v10 = tl.maximum(v9, v10), tl.minimum(v9, v10)
+    v11, v12 = tl.maximum(v11, v12), tl.minimum(v11, v12)
+    v13, v14 = tl.maximum(v13, v14), tl.minimum(v13, v14)
+    v0, v8 = tl.maximum(v0, v8), tl.minimum(v0, v8)
+    v1, v9 = tl.maximum(v1, v9), tl.minimum(v1, v9)
+    v2, v10 = tl.maximum(v2, v10), tl.minimum(v2, v10)
+    v3, v11 = tl.maximum(v3, v11), tl.minimum(v3, v11)
+    v4, v12 = tl.maximum(v4, v12), tl.minimum(v4, v12)
+    v5, v13 = tl.maximum(v5, v13), tl.minimum(v5, v13)
+    v6, v14 = tl.maximum(v6, v14), tl.minimum(v6, v14)
+    v7, v15 = tl.maximum(v7, v15), tl.minimum(v7, v15)
+    v4, v8 = tl.maximum(v4, v8), tl.minimum(v4, v8)
+    v5, v9 = tl.maximum(v5, v9), tl.minimum(v5, v9)
+    v6, v10 = tl.maximum(v6, v10), tl.minimum(v6, v10)
+    v7, v11 = tl.maximum(v7, v11), tl.minimum(v7, v11)
+    v2, v4 = tl.maximum(v2, v4), tl.minimum(v2, v4)
+    v3, v5 = tl.maximum(v3, v5), tl.minimum(v3, v5)
+    v6, v8 = tl.maximum(v6, v8), tl.minimum(v6, v8)
+    v7, v9 = tl.maximum(v7, v9), tl.minimum(v7, v9)
+    v10, v12 = tl.maximum(v10, v12), tl.minimum(v10, v12)
+    v11, v13 = tl.maximum(v11, v13), tl.minimum(v11, v13)
+    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
+    v3, v4 = tl.maximum(v3, v4), tl.minimum(v3, v4)
+    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
+    v7, v8 = tl.maximum(v7, v8), tl.minimum(v7, v8)
+    v9, v10 = tl.maximum(v9, v10), tl.minimum(v9, v10)
+    v11, v12 = tl.maximum(v11, v12), tl.minimum(v11, v12)
+    v13, v14 = tl.maximum(v13, v14), tl.minimum(v13, v14)
+    return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
+
+
+@triton.jit
+def _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15):
+    """The 16 largest of two descending lists, descending: bitonic max then half-cleaners."""
+    v0 = tl.maximum(a0, b15)
+    v1 = tl.maximum(a1, b14)
+    v2 = tl.maximum(a2, b13)
+    v3 = tl.maximum(a3, b12)
+    v4 = tl.maximum(a4, b11)
+    v5 = tl.maximum(a5, b10)
+    v6 = tl.maximum(a6, b9)
+    v7 = tl.maximum(a7, b8)
+    v8 = tl.maximum(a8, b7)
+    v9 = tl.maximum(a9, b6)
+    v10 = tl.maximum(a10, b5)
+    v11 = tl.maximum(a11, b4)
+    v12 = tl.maximum(a12, b3)
+    v13 = tl.maximum(a13, b2)
+    v14 = tl.maximum(a14, b1)
+    v15 = tl.maximum(a15, b0)
+    v0, v8 = tl.maximum(v0, v8), tl.minimum(v0, v8)
+    v1, v9 = tl.maximum(v1, v9), tl.minimum(v1, v9)
+    v2, v10 = tl.maximum(v2, v10), tl.minimum(v2, v10)
+    v3, v11 = tl.maximum(v3, v11), tl.minimum(v3, v11)
+    v4, v12 = tl.maximum(v4, v12), tl.minimum(v4, v12)
+    v5, v13 = tl.maximum(v5, v13), tl.minimum(v5, v13)
+    v6, v14 = tl.maximum(v6, v14), tl.minimum(v6, v14)
+    v7, v15 = tl.maximum(v7, v15), tl.minimum(v7, v15)
+    v0, v4 = tl.maximum(v0, v4), tl.minimum(v0, v4)
+    v1, v5 = tl.maximum(v1, v5), tl.minimum(v1, v5)
+    v2, v6 = tl.maximum(v2, v6), tl.minimum(v2, v6)
+    v3, v7 = tl.maximum(v3, v7), tl.minimum(v3, v7)
+    v8, v12 = tl.maximum(v8, v12), tl.minimum(v8, v12)
+    v9, v13 = tl.maximum(v9, v13), tl.minimum(v9, v13)
+    v10, v14 = tl.maximum(v10, v14), tl.minimum(v10, v14)
+    v11, v15 = tl.maximum(v11, v15), tl.minimum(v11, v15)
+    v0, v2 = tl.maximum(v0, v2), tl.minimum(v0, v2)
+    v1, v3 = tl.maximum(v1, v3), tl.minimum(v1, v3)
+    v4, v6 = tl.maximum(v4, v6), tl.minimum(v4, v6)
+    v5, v7 = tl.maximum(v5, v7), tl.minimum(v5, v7)
+    v8, v10 = tl.maximum(v8, v10), tl.minimum(v8, v10)
+    v9, v11 = tl.maximum(v9, v11), tl.minimum(v9, v11)
+    v12, v14 = tl.maximum(v12, v14), tl.minimum(v12, v14)
+    v13, v15 = tl.maximum(v13, v15), tl.minimum(v13, v15)
+    v0, v1 = tl.maximum(v0, v1), tl.minimum(v0, v1)
+    v2, v3 = tl.maximum(v2, v3), tl.minimum(v2, v3)
+    v4, v5 = tl.maximum(v4, v5), tl.minimum(v4, v5)
+    v6, v7 = tl.maximum(v6, v7), tl.minimum(v6, v7)
+    v8, v9 = tl.maximum(v8, v9), tl.minimum(v8, v9)
+    v10, v11 = tl.maximum(v10, v11), tl.minimum(v10, v11)
+    v12, v13 = tl.maximum(v12, v13), tl.minimum(v12, v13)
+    v14, v15 = tl.maximum(v14, v15), tl.minimum(v14, v15)
+    return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
+
+
+@triton.jit
+def _mth_largest16(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """a [BLOCK_T, D] ≥ 0 → its m-th largest per row (1 ≤ m ≤ 16)."""
+    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _split16(tl.reshape(a, [BLOCK_T, D // 16, 16]))
+    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _sort16(
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
+    )
+    for _ in tl.static_range(D // 16 - 1):
+        if v0.shape[1] > 1:
+            a0, b0 = _pair_chunks(v0)
+            a1, b1 = _pair_chunks(v1)
+            a2, b2 = _pair_chunks(v2)
+            a3, b3 = _pair_chunks(v3)
+            a4, b4 = _pair_chunks(v4)
+            a5, b5 = _pair_chunks(v5)
+            a6, b6 = _pair_chunks(v6)
+            a7, b7 = _pair_chunks(v7)
+            a8, b8 = _pair_chunks(v8)
+            a9, b9 = _pair_chunks(v9)
+            a10, b10 = _pair_chunks(v10)
+            a11, b11 = _pair_chunks(v11)
+            a12, b12 = _pair_chunks(v12)
+            a13, b13 = _pair_chunks(v13)
+            a14, b14 = _pair_chunks(v14)
+            a15, b15 = _pair_chunks(v15)
+            v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _merge16(
+                a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15,
+            )  # fmt: skip
+    t = tl.reshape(v0, [BLOCK_T])
+    t = tl.where(m == 2, tl.reshape(v1, [BLOCK_T]), t)
+    t = tl.where(m == 3, tl.reshape(v2, [BLOCK_T]), t)
+    t = tl.where(m == 4, tl.reshape(v3, [BLOCK_T]), t)
+    t = tl.where(m == 5, tl.reshape(v4, [BLOCK_T]), t)
+    t = tl.where(m == 6, tl.reshape(v5, [BLOCK_T]), t)
+    t = tl.where(m == 7, tl.reshape(v6, [BLOCK_T]), t)
+    t = tl.where(m == 8, tl.reshape(v7, [BLOCK_T]), t)
+    t = tl.where(m == 9, tl.reshape(v8, [BLOCK_T]), t)
+    t = tl.where(m == 10, tl.reshape(v9, [BLOCK_T]), t)
+    t = tl.where(m == 11, tl.reshape(v10, [BLOCK_T]), t)
+    t = tl.where(m == 12, tl.reshape(v11, [BLOCK_T]), t)
+    t = tl.where(m == 13, tl.reshape(v12, [BLOCK_T]), t)
+    t = tl.where(m == 14, tl.reshape(v13, [BLOCK_T]), t)
+    t = tl.where(m == 15, tl.reshape(v14, [BLOCK_T]), t)
+    t = tl.where(m == 16, tl.reshape(v15, [BLOCK_T]), t)
+    return t
+
+
+@triton.jit
+def _kth_smallest_peel(x, kk, D: tl.constexpr):
+    """The exact k-th smallest |x| per row for any k (the general path): walk from the nearer end of the sorted order
+    (largest values for k ≥ D/2, smallest otherwise), removing all copies of the current extreme per step, until the
+    k-th position is reached."""
+    from_top = kk >= D // 2
+    rem = tl.where(from_top, D - 1 - kk, kk)  # sorted positions to skip from that end
+    rem = tl.where(kk < 0, 0, rem)
+    cur = tl.where(from_top[:, None], tl.abs(x), -tl.abs(x))  # peel maxima of cur either way
+    tau = tl.zeros_like(kk).to(tl.float32)
+    done = kk < -1  # all False
+    for _ in range(tl.max(rem, axis=0) + 1):
+        mx = tl.max(cur, axis=1)
+        hit = cur == mx[:, None]
+        cnt = tl.sum(hit.to(tl.int32), axis=1)
+        now = (rem < cnt) & (~done)
+        tau = tl.where(now, tl.abs(mx), tau)
+        done = done | now
+        rem = rem - cnt
+        cur = tl.where(hit, float("-inf"), cur)
+    return tau
+
+
+@triton.jit
 def _quantize_pack_kernel(
     # pointers
-    x_ptr,  # [B, H, T, D] any float dtype
+    x_ptr,  # [B, H, T, D] any float dtype (last dim contiguous)
     rot_ptr,  # [H, D, D] or [D, D] float (unused unless ROTATE)
-    k_ptr,  # [B, H, T] int32 clip index per row (−1 = no clip); broadcast strides allowed
+    r_ptr,  # clip ratio per row, broadcast strides allowed (unused unless RATIO_TENSOR)
     codes_ptr,  # [B, H, T, D/4] uint8, contiguous
     sz_ptr,  # [B, H, T, D/G, 2] float16, contiguous
     # sizes
+    N,  # B·H·T rows
     H,
     T,
+    K_CONST,  # clip index of every row when not RATIO_TENSOR (−1 = no clip)
     # strides
     stride_xb,
     stride_xh,
     stride_xt,
     stride_rh,
-    stride_kb,
-    stride_kh,
-    stride_kt,
+    stride_cb,
+    stride_ch,
+    stride_ct,
     # constexpr
     D: tl.constexpr,
     G: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr,
+    RATIO_TENSOR: tl.constexpr,
     X_DTYPE: tl.constexpr,
+    MAX_M: tl.constexpr,  # 8 or 16: every row has m ≤ MAX_M (only that path is compiled); 0: any m
     REL_FLOOR: tl.constexpr,
     ABS_FLOOR: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    C3: tl.constexpr,
 ):
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    row_ok = rows < T
+    if ROTATE:  # BLOCK_T rows of one (batch, KV head): the rotation is one [D, D] matrix per program
+        pid_bh = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = t < T
+        n = pid_bh * T + t
+        b = pid_bh // H
+        h = pid_bh % H
+    else:  # BLOCK_T consecutive rows of the flattened row space
+        n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = n < N
+        t = n % T
+        bh = n // T
+        b = bh // H
+        h = bh % H
     dims = tl.arange(0, D)
-    x_ptrs = x_ptr + b.to(tl.int64) * stride_xb + h * stride_xh + rows[:, None].to(tl.int64) * stride_xt + dims[None, :]
-    x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, D]
+    x_row = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + t.to(tl.int64) * stride_xt
+    # [D/8, BLOCK_T, 8]: 16-byte vectors, consecutive rows on consecutive lanes (the coalescer gives each thread a row)
+    v8 = tl.arange(0, 8)
+    c8 = tl.arange(0, D // 8) * 8
+    x_ptrs = x_ptr + x_row[None, :, None] + c8[:, None, None] + v8[None, None, :]
+    x = tl.load(x_ptrs, mask=row_ok[None, :, None], other=0.0).to(tl.float32)
+    x = tl.reshape(tl.permute(x, (1, 0, 2)), [BLOCK_T, D])
 
     if ROTATE:
-        r_rows = tl.arange(0, D)
-        rot = tl.load(rot_ptr + h * stride_rh + r_rows[:, None] * D + dims[None, :]).to(tl.float32)  # [D, D]
+        rot = tl.load(rot_ptr + h * stride_rh + dims[:, None] * D + dims[None, :]).to(tl.float32)  # [D, D]
         x = tl.dot(x, rot, input_precision="ieee")
         x = x.to(X_DTYPE).to(tl.float32)  # the cache stores rotated rows in x's dtype
 
-    # clip to ±τ, τ = k-th smallest |x| of the row, found exactly by peeling: walk from the nearer end of the sorted
-    # order (largest values for r > ½, smallest otherwise), removing all copies of the current extreme per step, until
-    # the k-th position is reached. Clip ratios near 1 (0.92–0.96) need D − k ≤ 11 steps instead of a full sort.
-    kk = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows * stride_kt, mask=row_ok, other=-1)  # [BLOCK_T]
-    from_top = kk >= D // 2
-    rem = tl.where(from_top, D - 1 - kk, kk)  # sorted positions to skip from that end
-    rem = tl.where(kk < 0, 0, rem)
-    cur = tl.where(from_top[:, None], tl.abs(x), -tl.abs(x))  # peel maxima of cur either way
-    tau = tl.zeros([BLOCK_T], tl.float32)
-    done = tl.zeros([BLOCK_T], tl.int1)
-    for _ in range(tl.max(rem, axis=0) + 1):
-        m = tl.max(cur, axis=1)
-        hit = cur == m[:, None]
-        cnt = tl.sum(hit.to(tl.int32), axis=1)
-        now = (rem < cnt) & (~done)
-        tau = tl.where(now, tl.abs(m), tau)
-        done = done | now
-        rem = rem - cnt
-        cur = tl.where(hit, float("-inf"), cur)
+    # clip index k = ⌊r·D + 1e-6⌋ clamped to [0, D−1], −1 when r ≤ 0 (float64, as reference.clip_index; D is a power
+    # of two, so r·D is exact and a fused multiply-add rounds the same)
+    if RATIO_TENSOR:
+        r = tl.load(r_ptr + b * stride_cb + h * stride_ch + t * stride_ct, mask=row_ok, other=0.0).to(tl.float64)
+        kf = tl.minimum(tl.maximum(tl.floor(r * D + 1e-6), 0.0), D - 1.0)
+        kk = tl.where(r > 0, kf.to(tl.int32), -1)
+    else:
+        kk = tl.zeros([BLOCK_T], tl.int32) + K_CONST
+    kk = tl.where(row_ok, kk, -1)
+    m = D - kk  # τ is the m-th largest |x|
+    if MAX_M == 8:  # the launch knows m ≤ 8 for every row (float ratio)
+        tau = _mth_largest8(tl.abs(x), m, BLOCK_T, D)
+    elif MAX_M == 16:
+        tau = _mth_largest16(tl.abs(x), m, BLOCK_T, D)
+    else:  # per-row ratios: the block's largest m picks the path
+        m_max = tl.max(tl.where(kk < 0, 1, m), axis=0)
+        if m_max <= 8:
+            tau = _mth_largest8(tl.abs(x), m, BLOCK_T, D)
+        elif m_max <= 16:
+            tau = _mth_largest16(tl.abs(x), m, BLOCK_T, D)
+        else:
+            tau = _kth_smallest_peel(x, kk, D)
     tau = tl.where(kk < 0, float("inf"), tau)
     neg_tau = _negate(tau)
     x = tl.minimum(tl.maximum(x, neg_tau[:, None]), tau[:, None])
@@ -97,18 +441,23 @@ def _quantize_pack_kernel(
     s = scale16.to(tl.float32)
     zero16 = tl.div_rn(_negate(lo), s).to(tl.float16)
     z = zero16.to(tl.float32)
-    q = tl.floor((tl.div_rn(xg, s[:, :, None]) + z[:, :, None]) + 0.5)
-    q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
+    if X_DTYPE == tl.float32:
+        q = tl.div_rn(xg, s[:, :, None])
+    else:  # RN(x/s) by one Markstein correction of x·RN(1/s): exact for 16-bit x and float16 s
+        y = tl.div_rn(1.0, s)[:, :, None]
+        q0 = xg * y
+        q = tl.fma(tl.fma(q0, _negate(s)[:, :, None], xg), y, q0)
+    u = q + z[:, :, None]
+    code = (u >= C1).to(tl.int32) + (u >= C2).to(tl.int32) + (u >= C3).to(tl.int32)  # clamp(⌊u + ½⌋, 0, 3)
 
     # quartered pack: byte j holds dims j, j+D/4, j+D/2, j+3D/4 in bits 0/2/4/6
-    q4 = tl.reshape(q, [BLOCK_T, 4, D4])
+    q4 = tl.reshape(code, [BLOCK_T, 4, D4])
     shifts = tl.arange(0, 4) * 2
     packed = tl.sum(q4 << shifts[None, :, None], axis=1).to(tl.uint8)  # [BLOCK_T, D4]
 
-    out_rows = (pid_bh * T + rows).to(tl.int64)  # contiguous outputs
+    out_rows = n.to(tl.int64)  # contiguous outputs
     cols = tl.arange(0, D4)
     tl.store(codes_ptr + out_rows[:, None] * D4 + cols[None, :], packed, mask=row_ok[:, None])
-    grp = tl.arange(0, NG)
-    sz_off = out_rows[:, None] * (2 * NG) + grp[None, :] * 2
-    tl.store(sz_ptr + sz_off, scale16, mask=row_ok[:, None])
-    tl.store(sz_ptr + sz_off + 1, zero16, mask=row_ok[:, None])
+    sz = tl.join(scale16, zero16)  # [BLOCK_T, NG, 2]
+    sz_off = out_rows[:, None, None] * (2 * NG) + tl.arange(0, NG)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    tl.store(sz_ptr + sz_off, sz, mask=row_ok[:, None, None])
