@@ -34,7 +34,8 @@ HALF_RATE = ("FMNMX", "IMNMX", "FSETP", "ISETP", "FSET", "FSEL", "SEL", "LOP3", 
 CONVERSIONS = ("F2I", "I2F", "FRND", "F2F", "I2FP", "F2IP")  # 16 lanes per SM per clock
 
 
-def compile_quantize(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_WARPS, rows: int = 1 << 20):
+def compile_quantize(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_WARPS, asm: bool = ops.QUANT_ASM,
+                     rows: int = 1 << 20):
     """The kernel as `ops.quantize_pack` launches it for bf16 rows [1, 8, rows/8, D] (no rotation)."""
     captured = {}
 
@@ -43,16 +44,16 @@ def compile_quantize(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_
             return lambda *args, **kw: captured.update(args=args, kw=kw, grid=grid)
 
     mod = type("M", (), {"_quantize_pack_kernel": Grab(), "ROUND_THRESHOLDS": qp.ROUND_THRESHOLDS})
-    orig = (ops._kernels, ops._use_kernel, ops.QUANT_WARPS)
+    orig = (ops._kernels, ops._use_kernel, ops.QUANT_WARPS, ops.QUANT_ASM)
     try:
         ops._kernels = lambda: (mod, None, None)
         ops._use_kernel = lambda t: True
-        ops.QUANT_WARPS = warps
+        ops.QUANT_WARPS, ops.QUANT_ASM = warps, asm
         x = torch.empty(1, 8, rows // 8, D, dtype=torch.bfloat16)
         clip = torch.full((8, 1), 0.96) if ratio == "tensor" else float(ratio)
         ops.quantize_pack(x, clip, group_size)
     finally:
-        ops._kernels, ops._use_kernel, ops.QUANT_WARPS = orig
+        ops._kernels, ops._use_kernel, ops.QUANT_WARPS, ops.QUANT_ASM = orig
     kw = dict(captured["kw"])
     warps = kw.pop("num_warps")
     fn = qp._quantize_pack_kernel
@@ -73,8 +74,8 @@ def sass_ops(cubin: bytes, tmp: Path) -> Counter:
     return ops_
 
 
-def profile(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_WARPS) -> dict:
-    compiled, kw, warps = compile_quantize(D, ratio, group_size, warps)
+def profile(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_WARPS, asm: bool = ops.QUANT_ASM) -> dict:
+    compiled, kw, warps = compile_quantize(D, ratio, group_size, warps, asm)
     with tempfile.TemporaryDirectory() as tmp:
         counts = sass_ops(compiled.asm["cubin"], Path(tmp))
         res = resources(compiled.asm["cubin"], Path(tmp))
@@ -87,7 +88,7 @@ def profile(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_WARPS) ->
     nbytes = 2 * D + layout.bytes_per_token(D, layout.resolve_group_size(D, group_size))
     budget = nbytes / 4.0e12 * 132 * 4 * 1.98e9
     return dict(triton=triton.__version__, D=D, ratio=ratio, group_size=group_size, warps=warps,
-                BLOCK_T=kw["BLOCK_T"], MAX_M=kw["MAX_M"], shared=compiled.metadata.shared, instructions=total,
+                BLOCK_T=kw["BLOCK_T"], MAX_M=kw["MAX_M"], NET16=kw["NET16"], shared=compiled.metadata.shared, instructions=total,
                 warp_instructions_per_row=per_row, issue_slots_per_row=slots, budget_per_row=budget,
                 bytes_per_row=nbytes, ops=dict(counts.most_common()), **res)  # fmt: skip
 
@@ -98,9 +99,10 @@ def main():
     ap.add_argument("--ratio", default="0.96", help="float clip ratio, or 'tensor' (per-head ratios)")
     ap.add_argument("--group-size", type=int, default=0)
     ap.add_argument("--warps", type=int, default=ops.QUANT_WARPS)
+    ap.add_argument("--asm", type=int, default=int(ops.QUANT_ASM), help="1: sort |x| as packed 16-bit pairs (PTX)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    r = profile(args.d, args.ratio, args.group_size, args.warps)
+    r = profile(args.d, args.ratio, args.group_size, args.warps, bool(args.asm))
     if args.json:
         print(json.dumps(r))
         return

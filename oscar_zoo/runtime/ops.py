@@ -41,6 +41,7 @@ DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tok
 DECODE_MAX_HEADS = 8  # multi-head attention: 16 heads per program would need 200 KB of shared memory
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
+QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
 QUANT_WARPS = 4  # quantize/pack: one row per thread, 32·QUANT_WARPS rows per program (benchmarks/quantize_sass.py)
 
 
@@ -215,7 +216,7 @@ def quantize_pack(
         B * H * T, H, T, k_const,
         x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r_strides,
         D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, RATIO_TENSOR=isinstance(clip_ratio, Tensor), X_DTYPE=x_dtype,
-        MAX_M=max_m, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
+        MAX_M=max_m, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
         C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2],
         num_warps=warps,
     )  # fmt: skip

@@ -31,3 +31,20 @@ def test_decode_kernel_compiles_for_sm90(shape, group_size):
     assert r["HPP"] * (H_q // H_kv) <= r["BLOCK_H"]
     assert r["ops"]["HMMA"] > 0  # the token loop runs on tensor cores
     assert r["registers"] <= (ops.decode_config(D).maxnreg or 255)
+
+
+@pytest.mark.parametrize("d, ratio, group_size", [(128, "0.96", 0), (128, "0.92", 0), (64, "0.96", 0), (128, "tensor", 0),
+                                                  (64, "tensor", 0), (128, "0.96", 32), (64, "0.92", 16)])  # fmt: skip
+def test_quantize_kernel_compiles_for_sm90(d, ratio, group_size):
+    """The quantize/pack kernel as ops.quantize_pack launches it (packed 16-bit sort, float and per-head ratios):
+    compiles for sm_90, fits shared memory, one row per thread without shared-memory shuffles of the row."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_sass.py"), "--d", str(d), "--ratio", ratio,
+                           "--group-size", str(group_size), "--json"],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    assert r["shared"] <= SM90_SHARED
+    assert r["ops"].get("HMNMX2", 0) > 0  # the order statistic runs on packed bf16 pairs
+    assert r["ops"].get("SHFL", 0) == 0  # every row reduction stays in its thread
+    assert r["ops"].get("STL", 0) <= (4 if group_size else 0), "register spills (local-memory stores)"

@@ -84,3 +84,108 @@ def test_bad_inputs_raise():
         ops.quantize_pack(x, 0.96, group_size=48)
     with pytest.raises(ValueError, match="rotation"):
         ops.quantize_pack(x, 0.96, rotation=torch.eye(32))
+
+
+# ------------------------------------------------------------------ one row per thread, tiles of 128 flattened rows
+
+
+@pytest.mark.parametrize("D, group_size", [(128, 0), (128, 32), (64, 0), (64, 16)])
+@pytest.mark.parametrize("ratio", [0.96, 0.92, "per-head"])
+@pytest.mark.parametrize("H, T", [(1, 1), (1, 127), (1, 128), (1, 129), (3, 43)])  # tile (128 rows) ± 1; tiles across heads
+def test_bit_exact_runtime_shapes(device, D, group_size, ratio, H, T):
+    """The shapes the runtime uses: d = 128 / 64, G = D and G < D, per-head [H, 1] clip tensors (0.96, 0.92 and 0.8,
+    i.e. the top-8, top-16 and general clip paths in one launch) and float clips, row counts around the tile."""
+    x = _rows(1, H, T, D, torch.bfloat16, device, seed=D + T + H)
+    if ratio == "per-head":
+        ratio = torch.tensor([[0.96], [0.92], [0.8]][:H], device=device)
+    _assert_bit_exact(x, ratio, group_size)
+
+
+def test_bit_exact_demotion_step(device):
+    """The decode-time demotion: B 32 × H 8 × 8 tokens, a strided view of the recent tier, per-head clip tensor."""
+    B, H, F, D = 32, 8, 8, 128
+    tier = _rows(B, H, 24, D, torch.bfloat16, device, seed=11)
+    clip = torch.tensor([0.96, 0.92, 0.96, 0.9, 0.95, 0.92, 1.0, 0.0], device=device).reshape(H, 1)
+    _assert_bit_exact(tier[:, :, :F], clip)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_rotation_per_head_clip_within_tolerance(device, D):
+    """Rotation given (per-head [H, D, D], per-head clips): same tolerance as test_rotation_within_tolerance."""
+    H = 2
+    x = _rows(1, H, 37, D, torch.bfloat16, device, seed=D)
+    Q, _ = torch.linalg.qr(torch.randn(H, D, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+    M, clip = Q.float().to(device), torch.tensor([[0.96], [0.92]], device=device)
+    codes, sz = ops.quantize_pack(x, clip, rotation=M)
+    codes_ref, sz_ref = reference.quantize_pack_ref(x.cpu(), clip.cpu(), rotation=M.cpu())
+    q, q_ref = reference.unpack_codes(codes.cpu()).int(), reference.unpack_codes(codes_ref).int()
+    assert (q - q_ref).abs().max() <= 1
+    assert (q != q_ref).float().mean() <= 0.01
+    torch.testing.assert_close(sz.cpu().float(), sz_ref.float(), rtol=2e-2, atol=1e-3)
+
+
+def test_ratio_tensor_not_broadcasting_raises(device):
+    with pytest.raises(ValueError, match="broadcast"):
+        ops.quantize_pack(torch.randn(1, 2, 4, 64, device=device), torch.full((3, 1), 0.96, device=device))
+
+
+# ------------------------------------------------------------------ the kernel's arithmetic shortcuts, exhaustively
+
+
+def test_round_thresholds_equal_floor_of_u_plus_half():
+    """code = #{i : u ≥ C_i} equals clamp(⌊float32(u + ½)⌋, 0, 3) for every float32 u near the thresholds."""
+    from oscar_zoo.runtime.kernels.quantize_pack import ROUND_THRESHOLDS
+
+    c = torch.tensor(ROUND_THRESHOLDS, dtype=torch.float32)
+    near = torch.cat([c, torch.tensor([0.0, 1.0, 2.0, 3.0, -0.5, 3.5])])
+    bits = near.view(torch.int32)[:, None] + torch.arange(-4096, 4097, dtype=torch.int32)[None, :]
+    u = torch.cat([bits.flatten().view(torch.float32), torch.linspace(-10, 10, 100_001)])
+    u = u[torch.isfinite(u)]  # (the bit patterns below +0.0 are NaNs)
+    want = torch.floor(u + 0.5).clamp(0, 3)
+    got = (u[:, None] >= c[None, :]).sum(1).float()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mantissa_bits", [7, 10])  # bfloat16, float16 x
+def test_markstein_quotient_is_correctly_rounded(mantissa_bits):
+    """q = fma(fma(x·y, −s, x), y, x·y) with y = RN(1/s) equals RN(x/s) for every significand pair of a 16-bit x and a
+    float16 s (exponents only scale the quotient): the kernel's division for bf16/fp16 rows. fma emulated in float64
+    (x·y products of 24-bit significands are exact there)."""
+    x = 1 + torch.arange(2**mantissa_bits, dtype=torch.float64) / 2**mantissa_bits
+    s = 1 + torch.arange(1024, dtype=torch.float64) / 1024
+    for scale in (1.0, 2.0**-9, 2.0**6):
+        X, S = torch.meshgrid((x * scale).float(), s.float(), indexing="ij")
+        y = 1 / S
+        q0 = X * y
+        r = (X.double() - q0.double() * S.double()).float()
+        q = (r.double() * y.double() + q0.double()).float()
+        assert torch.equal(q, X / S)
+
+
+# ------------------------------------------------------------------ GPU only: one launch, capturable
+
+
+@pytest.mark.gpu
+def test_demotion_is_one_capturable_launch():
+    """The demotion step (per-head clip tensor on the device) records into a CUDA graph and replays bit-exactly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    B, H, F, D = 32, 8, 8, 128
+    tier = _rows(B, H, 24, D, torch.bfloat16, "cuda", seed=5)
+    clip = torch.tensor([0.96, 0.92, 0.96, 0.9, 0.95, 0.92, 1.0, 0.8], device="cuda").reshape(H, 1)
+    x = tier[:, :, :F]
+    ops.quantize_pack(x, clip)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        codes, sz = ops.quantize_pack(x, clip)
+    tier.copy_(_rows(B, H, 24, D, torch.bfloat16, "cuda", seed=6))
+    g.replay()
+    torch.cuda.synchronize()
+    codes_ref, sz_ref = reference.quantize_pack_ref(x.cpu(), clip.cpu())
+    assert torch.equal(codes.cpu(), codes_ref) and torch.equal(sz.cpu().view(torch.int16), sz_ref.view(torch.int16))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.quantize_pack(x, clip)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [e.name for e in kernels]

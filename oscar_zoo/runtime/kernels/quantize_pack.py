@@ -36,6 +36,25 @@ def _negate(x):
 
 
 @triton.jit
+def _mx(a, b, ASM: tl.constexpr):
+    """max(a, b); ASM: two 16-bit lanes per instruction (max.bf16x2 / max.f16x2, exact like any max)."""
+    if ASM:
+        op: tl.constexpr = "max.bf16x2 $0, $1, $2;" if a.dtype == tl.bfloat16 else "max.f16x2 $0, $1, $2;"
+        return tl.inline_asm_elementwise(op, "=r,r,r", [a, b], dtype=a.dtype, is_pure=True, pack=2)
+    else:
+        return tl.maximum(a, b)
+
+
+@triton.jit
+def _mn(a, b, ASM: tl.constexpr):
+    if ASM:
+        op: tl.constexpr = "min.bf16x2 $0, $1, $2;" if a.dtype == tl.bfloat16 else "min.f16x2 $0, $1, $2;"
+        return tl.inline_asm_elementwise(op, "=r,r,r", [a, b], dtype=a.dtype, is_pure=True, pack=2)
+    else:
+        return tl.minimum(a, b)
+
+
+@triton.jit
 def _split_last(v):
     """[R, C, 2n] → the even and odd entries of the last axis, [R, C, n] each (register renaming, no data movement)."""
     return tl.split(tl.reshape(v, [v.shape[0], v.shape[1], v.shape[2] // 2, 2]))
@@ -43,8 +62,8 @@ def _split_last(v):
 
 @triton.jit
 def _pair_chunks(t):
-    """[R, C] → chunks 0, 2, 4, … and 1, 3, 5, …, [R, C/2] each."""
-    return tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
+    """[R, C] → chunks [0, C/2) and [C/2, C), [R, C/2] each (halves keep a thread's register pairs together)."""
+    return tl.split(tl.permute(tl.reshape(t, [t.shape[0], 2, t.shape[1] // 2]), (0, 2, 1)))
 
 
 @triton.jit
@@ -69,11 +88,12 @@ def _split16(v):
 
 
 @triton.jit
-def _mth_largest8(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr):
-    """a [BLOCK_T, D] ≥ 0 → its m-th largest per row (1 ≤ m ≤ 8; other m give an unspecified value)."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = _split8(tl.reshape(a, [BLOCK_T, D // 8, 8]))
-    v0, v1, v2, v3, v4, v5, v6, v7 = _sort8(v0, v1, v2, v3, v4, v5, v6, v7)
-    for _ in tl.static_range(D // 8 - 1):  # (unrolled; the chunk count halves each time, exits at one chunk)
+def _mth_largest8(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """a [BLOCK_T, D] ≥ 0 → its m-th largest per row (1 ≤ m ≤ 8; other m give an unspecified value). Position p of
+    chunk c is element p·D/8 + c, so a thread's neighbouring chunks sit in one 32-bit register (ASM pairs)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _split8(tl.permute(tl.reshape(a, [BLOCK_T, 8, D // 8]), (0, 2, 1)))
+    v0, v1, v2, v3, v4, v5, v6, v7 = _sort8(v0, v1, v2, v3, v4, v5, v6, v7, ASM)
+    for _ in tl.static_range(D // 8 - 1):  # unrolled; the chunk count halves each time down to one
         if v0.shape[1] > 1:
             a0, b0 = _pair_chunks(v0)
             a1, b1 = _pair_chunks(v1)
@@ -83,200 +103,202 @@ def _mth_largest8(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr):
             a5, b5 = _pair_chunks(v5)
             a6, b6 = _pair_chunks(v6)
             a7, b7 = _pair_chunks(v7)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
-    t = tl.reshape(v0, [BLOCK_T])
-    t = tl.where(m == 2, tl.reshape(v1, [BLOCK_T]), t)
-    t = tl.where(m == 3, tl.reshape(v2, [BLOCK_T]), t)
-    t = tl.where(m == 4, tl.reshape(v3, [BLOCK_T]), t)
-    t = tl.where(m == 5, tl.reshape(v4, [BLOCK_T]), t)
-    t = tl.where(m == 6, tl.reshape(v5, [BLOCK_T]), t)
-    t = tl.where(m == 7, tl.reshape(v6, [BLOCK_T]), t)
-    t = tl.where(m == 8, tl.reshape(v7, [BLOCK_T]), t)
+            if v0.shape[1] >= 4:  # two or more chunks per half: packed pairs
+                v0, v1, v2, v3, v4, v5, v6, v7 = _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, ASM)
+            else:
+                v0, v1, v2, v3, v4, v5, v6, v7 = _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False)
+    t = tl.reshape(v0, [BLOCK_T]).to(tl.float32)
+    t = tl.where(m == 2, tl.reshape(v1, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 3, tl.reshape(v2, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 4, tl.reshape(v3, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 5, tl.reshape(v4, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 6, tl.reshape(v5, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 7, tl.reshape(v6, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 8, tl.reshape(v7, [BLOCK_T]).to(tl.float32), t)
     return t
 
 
 @triton.jit
-def _sort8(v0, v1, v2, v3, v4, v5, v6, v7):
+def _sort8(v0, v1, v2, v3, v4, v5, v6, v7, ASM: tl.constexpr):
     """Batcher odd-even merge sort of 8 tensors, descending (19 compare-exchanges)."""
-    v0, v1 = tl.maximum(v0, v1), tl.minimum(v0, v1)
-    v2, v3 = tl.maximum(v2, v3), tl.minimum(v2, v3)
-    v4, v5 = tl.maximum(v4, v5), tl.minimum(v4, v5)
-    v6, v7 = tl.maximum(v6, v7), tl.minimum(v6, v7)
-    v0, v2 = tl.maximum(v0, v2), tl.minimum(v0, v2)
-    v1, v3 = tl.maximum(v1, v3), tl.minimum(v1, v3)
-    v4, v6 = tl.maximum(v4, v6), tl.minimum(v4, v6)
-    v5, v7 = tl.maximum(v5, v7), tl.minimum(v5, v7)
-    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
-    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
-    v0, v4 = tl.maximum(v0, v4), tl.minimum(v0, v4)
-    v1, v5 = tl.maximum(v1, v5), tl.minimum(v1, v5)
-    v2, v6 = tl.maximum(v2, v6), tl.minimum(v2, v6)
-    v3, v7 = tl.maximum(v3, v7), tl.minimum(v3, v7)
-    v2, v4 = tl.maximum(v2, v4), tl.minimum(v2, v4)
-    v3, v5 = tl.maximum(v3, v5), tl.minimum(v3, v5)
-    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
-    v3, v4 = tl.maximum(v3, v4), tl.minimum(v3, v4)
-    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
+    v0, v1 = _mx(v0, v1, ASM), _mn(v0, v1, ASM)
+    v2, v3 = _mx(v2, v3, ASM), _mn(v2, v3, ASM)
+    v4, v5 = _mx(v4, v5, ASM), _mn(v4, v5, ASM)
+    v6, v7 = _mx(v6, v7, ASM), _mn(v6, v7, ASM)
+    v0, v2 = _mx(v0, v2, ASM), _mn(v0, v2, ASM)
+    v1, v3 = _mx(v1, v3, ASM), _mn(v1, v3, ASM)
+    v4, v6 = _mx(v4, v6, ASM), _mn(v4, v6, ASM)
+    v5, v7 = _mx(v5, v7, ASM), _mn(v5, v7, ASM)
+    v1, v2 = _mx(v1, v2, ASM), _mn(v1, v2, ASM)
+    v5, v6 = _mx(v5, v6, ASM), _mn(v5, v6, ASM)
+    v0, v4 = _mx(v0, v4, ASM), _mn(v0, v4, ASM)
+    v1, v5 = _mx(v1, v5, ASM), _mn(v1, v5, ASM)
+    v2, v6 = _mx(v2, v6, ASM), _mn(v2, v6, ASM)
+    v3, v7 = _mx(v3, v7, ASM), _mn(v3, v7, ASM)
+    v2, v4 = _mx(v2, v4, ASM), _mn(v2, v4, ASM)
+    v3, v5 = _mx(v3, v5, ASM), _mn(v3, v5, ASM)
+    v1, v2 = _mx(v1, v2, ASM), _mn(v1, v2, ASM)
+    v3, v4 = _mx(v3, v4, ASM), _mn(v3, v4, ASM)
+    v5, v6 = _mx(v5, v6, ASM), _mn(v5, v6, ASM)
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
-def _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+def _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, ASM: tl.constexpr):
     """The 8 largest of two descending lists, descending: bitonic max then half-cleaners."""
-    v0 = tl.maximum(a0, b7)
-    v1 = tl.maximum(a1, b6)
-    v2 = tl.maximum(a2, b5)
-    v3 = tl.maximum(a3, b4)
-    v4 = tl.maximum(a4, b3)
-    v5 = tl.maximum(a5, b2)
-    v6 = tl.maximum(a6, b1)
-    v7 = tl.maximum(a7, b0)
-    v0, v4 = tl.maximum(v0, v4), tl.minimum(v0, v4)
-    v1, v5 = tl.maximum(v1, v5), tl.minimum(v1, v5)
-    v2, v6 = tl.maximum(v2, v6), tl.minimum(v2, v6)
-    v3, v7 = tl.maximum(v3, v7), tl.minimum(v3, v7)
-    v0, v2 = tl.maximum(v0, v2), tl.minimum(v0, v2)
-    v1, v3 = tl.maximum(v1, v3), tl.minimum(v1, v3)
-    v4, v6 = tl.maximum(v4, v6), tl.minimum(v4, v6)
-    v5, v7 = tl.maximum(v5, v7), tl.minimum(v5, v7)
-    v0, v1 = tl.maximum(v0, v1), tl.minimum(v0, v1)
-    v2, v3 = tl.maximum(v2, v3), tl.minimum(v2, v3)
-    v4, v5 = tl.maximum(v4, v5), tl.minimum(v4, v5)
-    v6, v7 = tl.maximum(v6, v7), tl.minimum(v6, v7)
+    v0 = _mx(a0, b7, ASM)
+    v1 = _mx(a1, b6, ASM)
+    v2 = _mx(a2, b5, ASM)
+    v3 = _mx(a3, b4, ASM)
+    v4 = _mx(a4, b3, ASM)
+    v5 = _mx(a5, b2, ASM)
+    v6 = _mx(a6, b1, ASM)
+    v7 = _mx(a7, b0, ASM)
+    v0, v4 = _mx(v0, v4, ASM), _mn(v0, v4, ASM)
+    v1, v5 = _mx(v1, v5, ASM), _mn(v1, v5, ASM)
+    v2, v6 = _mx(v2, v6, ASM), _mn(v2, v6, ASM)
+    v3, v7 = _mx(v3, v7, ASM), _mn(v3, v7, ASM)
+    v0, v2 = _mx(v0, v2, ASM), _mn(v0, v2, ASM)
+    v1, v3 = _mx(v1, v3, ASM), _mn(v1, v3, ASM)
+    v4, v6 = _mx(v4, v6, ASM), _mn(v4, v6, ASM)
+    v5, v7 = _mx(v5, v7, ASM), _mn(v5, v7, ASM)
+    v0, v1 = _mx(v0, v1, ASM), _mn(v0, v1, ASM)
+    v2, v3 = _mx(v2, v3, ASM), _mn(v2, v3, ASM)
+    v4, v5 = _mx(v4, v5, ASM), _mn(v4, v5, ASM)
+    v6, v7 = _mx(v6, v7, ASM), _mn(v6, v7, ASM)
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
-def _sort16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+def _sort16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, ASM: tl.constexpr):
     """Batcher odd-even merge sort of 16 tensors, descending (63 compare-exchanges)."""
-    v0, v1 = tl.maximum(v0, v1), tl.minimum(v0, v1)
-    v2, v3 = tl.maximum(v2, v3), tl.minimum(v2, v3)
-    v4, v5 = tl.maximum(v4, v5), tl.minimum(v4, v5)
-    v6, v7 = tl.maximum(v6, v7), tl.minimum(v6, v7)
-    v8, v9 = tl.maximum(v8, v9), tl.minimum(v8, v9)
-    v10, v11 = tl.maximum(v10, v11), tl.minimum(v10, v11)
-    v12, v13 = tl.maximum(v12, v13), tl.minimum(v12, v13)
-    v14, v15 = tl.maximum(v14, v15), tl.minimum(v14, v15)
-    v0, v2 = tl.maximum(v0, v2), tl.minimum(v0, v2)
-    v1, v3 = tl.maximum(v1, v3), tl.minimum(v1, v3)
-    v4, v6 = tl.maximum(v4, v6), tl.minimum(v4, v6)
-    v5, v7 = tl.maximum(v5, v7), tl.minimum(v5, v7)
-    v8, v10 = tl.maximum(v8, v10), tl.minimum(v8, v10)
-    v9, v11 = tl.maximum(v9, v11), tl.minimum(v9, v11)
-    v12, v14 = tl.maximum(v12, v14), tl.minimum(v12, v14)
-    v13, v15 = tl.maximum(v13, v15), tl.minimum(v13, v15)
-    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
-    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
-    v9, v10 = tl.maximum(v9, v10), tl.minimum(v9, v10)
-    v13, v14 = tl.maximum(v13, v14), tl.minimum(v13, v14)
-    v0, v4 = tl.maximum(v0, v4), tl.minimum(v0, v4)
-    v1, v5 = tl.maximum(v1, v5), tl.minimum(v1, v5)
-    v2, v6 = tl.maximum(v2, v6), tl.minimum(v2, v6)
-    v3, v7 = tl.maximum(v3, v7), tl.minimum(v3, v7)
-    v8, v12 = tl.maximum(v8, v12), tl.minimum(v8, v12)
-    v9, v13 = tl.maximum(v9, v13), tl.minimum(v9, v13)
-    v10, v14 = tl.maximum(v10, v14), tl.minimum(v10, v14)
-    v11, v15 = tl.maximum(v11, v15), tl.minimum(v11, v15)
-    v2, v4 = tl.maximum(v2, v4), tl.minimum(v2, v4)
-    v3, v5 = tl.maximum(v3, v5), tl.minimum(v3, v5)
-    v10, v12 = tl.maximum(v10, v12), tl.minimum(v10, v12)
-    v11, v13 = tl.maximum(v11, v13), tl.minimum(v11, v13)
-    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
-    v3, v4 = tl.maximum(v3, v4), tl.minimum(v3, v4)
-    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
-    v9, v10 = tl.maximum(v9, v10), tl.minimum(v9, v10)
-    v11, v12 = tl.maximum(v11, v12), tl.minimum(v11, v12)
-    v13, v14 = tl.maximum(v13, v14), tl.minimum(v13, v14)
-    v0, v8 = tl.maximum(v0, v8), tl.minimum(v0, v8)
-    v1, v9 = tl.maximum(v1, v9), tl.minimum(v1, v9)
-    v2, v10 = tl.maximum(v2, v10), tl.minimum(v2, v10)
-    v3, v11 = tl.maximum(v3, v11), tl.minimum(v3, v11)
-    v4, v12 = tl.maximum(v4, v12), tl.minimum(v4, v12)
-    v5, v13 = tl.maximum(v5, v13), tl.minimum(v5, v13)
-    v6, v14 = tl.maximum(v6, v14), tl.minimum(v6, v14)
-    v7, v15 = tl.maximum(v7, v15), tl.minimum(v7, v15)
-    v4, v8 = tl.maximum(v4, v8), tl.minimum(v4, v8)
-    v5, v9 = tl.maximum(v5, v9), tl.minimum(v5, v9)
-    v6, v10 = tl.maximum(v6, v10), tl.minimum(v6, v10)
-    v7, v11 = tl.maximum(v7, v11), tl.minimum(v7, v11)
-    v2, v4 = tl.maximum(v2, v4), tl.minimum(v2, v4)
-    v3, v5 = tl.maximum(v3, v5), tl.minimum(v3, v5)
-    v6, v8 = tl.maximum(v6, v8), tl.minimum(v6, v8)
-    v7, v9 = tl.maximum(v7, v9), tl.minimum(v7, v9)
-    v10, v12 = tl.maximum(v10, v12), tl.minimum(v10, v12)
-    v11, v13 = tl.maximum(v11, v13), tl.minimum(v11, v13)
-    v1, v2 = tl.maximum(v1, v2), tl.minimum(v1, v2)
-    v3, v4 = tl.maximum(v3, v4), tl.minimum(v3, v4)
-    v5, v6 = tl.maximum(v5, v6), tl.minimum(v5, v6)
-    v7, v8 = tl.maximum(v7, v8), tl.minimum(v7, v8)
-    v9, v10 = tl.maximum(v9, v10), tl.minimum(v9, v10)
-    v11, v12 = tl.maximum(v11, v12), tl.minimum(v11, v12)
-    v13, v14 = tl.maximum(v13, v14), tl.minimum(v13, v14)
+    v0, v1 = _mx(v0, v1, ASM), _mn(v0, v1, ASM)
+    v2, v3 = _mx(v2, v3, ASM), _mn(v2, v3, ASM)
+    v4, v5 = _mx(v4, v5, ASM), _mn(v4, v5, ASM)
+    v6, v7 = _mx(v6, v7, ASM), _mn(v6, v7, ASM)
+    v8, v9 = _mx(v8, v9, ASM), _mn(v8, v9, ASM)
+    v10, v11 = _mx(v10, v11, ASM), _mn(v10, v11, ASM)
+    v12, v13 = _mx(v12, v13, ASM), _mn(v12, v13, ASM)
+    v14, v15 = _mx(v14, v15, ASM), _mn(v14, v15, ASM)
+    v0, v2 = _mx(v0, v2, ASM), _mn(v0, v2, ASM)
+    v1, v3 = _mx(v1, v3, ASM), _mn(v1, v3, ASM)
+    v4, v6 = _mx(v4, v6, ASM), _mn(v4, v6, ASM)
+    v5, v7 = _mx(v5, v7, ASM), _mn(v5, v7, ASM)
+    v8, v10 = _mx(v8, v10, ASM), _mn(v8, v10, ASM)
+    v9, v11 = _mx(v9, v11, ASM), _mn(v9, v11, ASM)
+    v12, v14 = _mx(v12, v14, ASM), _mn(v12, v14, ASM)
+    v13, v15 = _mx(v13, v15, ASM), _mn(v13, v15, ASM)
+    v1, v2 = _mx(v1, v2, ASM), _mn(v1, v2, ASM)
+    v5, v6 = _mx(v5, v6, ASM), _mn(v5, v6, ASM)
+    v9, v10 = _mx(v9, v10, ASM), _mn(v9, v10, ASM)
+    v13, v14 = _mx(v13, v14, ASM), _mn(v13, v14, ASM)
+    v0, v4 = _mx(v0, v4, ASM), _mn(v0, v4, ASM)
+    v1, v5 = _mx(v1, v5, ASM), _mn(v1, v5, ASM)
+    v2, v6 = _mx(v2, v6, ASM), _mn(v2, v6, ASM)
+    v3, v7 = _mx(v3, v7, ASM), _mn(v3, v7, ASM)
+    v8, v12 = _mx(v8, v12, ASM), _mn(v8, v12, ASM)
+    v9, v13 = _mx(v9, v13, ASM), _mn(v9, v13, ASM)
+    v10, v14 = _mx(v10, v14, ASM), _mn(v10, v14, ASM)
+    v11, v15 = _mx(v11, v15, ASM), _mn(v11, v15, ASM)
+    v2, v4 = _mx(v2, v4, ASM), _mn(v2, v4, ASM)
+    v3, v5 = _mx(v3, v5, ASM), _mn(v3, v5, ASM)
+    v10, v12 = _mx(v10, v12, ASM), _mn(v10, v12, ASM)
+    v11, v13 = _mx(v11, v13, ASM), _mn(v11, v13, ASM)
+    v1, v2 = _mx(v1, v2, ASM), _mn(v1, v2, ASM)
+    v3, v4 = _mx(v3, v4, ASM), _mn(v3, v4, ASM)
+    v5, v6 = _mx(v5, v6, ASM), _mn(v5, v6, ASM)
+    v9, v10 = _mx(v9, v10, ASM), _mn(v9, v10, ASM)
+    v11, v12 = _mx(v11, v12, ASM), _mn(v11, v12, ASM)
+    v13, v14 = _mx(v13, v14, ASM), _mn(v13, v14, ASM)
+    v0, v8 = _mx(v0, v8, ASM), _mn(v0, v8, ASM)
+    v1, v9 = _mx(v1, v9, ASM), _mn(v1, v9, ASM)
+    v2, v10 = _mx(v2, v10, ASM), _mn(v2, v10, ASM)
+    v3, v11 = _mx(v3, v11, ASM), _mn(v3, v11, ASM)
+    v4, v12 = _mx(v4, v12, ASM), _mn(v4, v12, ASM)
+    v5, v13 = _mx(v5, v13, ASM), _mn(v5, v13, ASM)
+    v6, v14 = _mx(v6, v14, ASM), _mn(v6, v14, ASM)
+    v7, v15 = _mx(v7, v15, ASM), _mn(v7, v15, ASM)
+    v4, v8 = _mx(v4, v8, ASM), _mn(v4, v8, ASM)
+    v5, v9 = _mx(v5, v9, ASM), _mn(v5, v9, ASM)
+    v6, v10 = _mx(v6, v10, ASM), _mn(v6, v10, ASM)
+    v7, v11 = _mx(v7, v11, ASM), _mn(v7, v11, ASM)
+    v2, v4 = _mx(v2, v4, ASM), _mn(v2, v4, ASM)
+    v3, v5 = _mx(v3, v5, ASM), _mn(v3, v5, ASM)
+    v6, v8 = _mx(v6, v8, ASM), _mn(v6, v8, ASM)
+    v7, v9 = _mx(v7, v9, ASM), _mn(v7, v9, ASM)
+    v10, v12 = _mx(v10, v12, ASM), _mn(v10, v12, ASM)
+    v11, v13 = _mx(v11, v13, ASM), _mn(v11, v13, ASM)
+    v1, v2 = _mx(v1, v2, ASM), _mn(v1, v2, ASM)
+    v3, v4 = _mx(v3, v4, ASM), _mn(v3, v4, ASM)
+    v5, v6 = _mx(v5, v6, ASM), _mn(v5, v6, ASM)
+    v7, v8 = _mx(v7, v8, ASM), _mn(v7, v8, ASM)
+    v9, v10 = _mx(v9, v10, ASM), _mn(v9, v10, ASM)
+    v11, v12 = _mx(v11, v12, ASM), _mn(v11, v12, ASM)
+    v13, v14 = _mx(v13, v14, ASM), _mn(v13, v14, ASM)
     return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
 
 
 @triton.jit
-def _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15):
+def _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, ASM: tl.constexpr):
     """The 16 largest of two descending lists, descending: bitonic max then half-cleaners."""
-    v0 = tl.maximum(a0, b15)
-    v1 = tl.maximum(a1, b14)
-    v2 = tl.maximum(a2, b13)
-    v3 = tl.maximum(a3, b12)
-    v4 = tl.maximum(a4, b11)
-    v5 = tl.maximum(a5, b10)
-    v6 = tl.maximum(a6, b9)
-    v7 = tl.maximum(a7, b8)
-    v8 = tl.maximum(a8, b7)
-    v9 = tl.maximum(a9, b6)
-    v10 = tl.maximum(a10, b5)
-    v11 = tl.maximum(a11, b4)
-    v12 = tl.maximum(a12, b3)
-    v13 = tl.maximum(a13, b2)
-    v14 = tl.maximum(a14, b1)
-    v15 = tl.maximum(a15, b0)
-    v0, v8 = tl.maximum(v0, v8), tl.minimum(v0, v8)
-    v1, v9 = tl.maximum(v1, v9), tl.minimum(v1, v9)
-    v2, v10 = tl.maximum(v2, v10), tl.minimum(v2, v10)
-    v3, v11 = tl.maximum(v3, v11), tl.minimum(v3, v11)
-    v4, v12 = tl.maximum(v4, v12), tl.minimum(v4, v12)
-    v5, v13 = tl.maximum(v5, v13), tl.minimum(v5, v13)
-    v6, v14 = tl.maximum(v6, v14), tl.minimum(v6, v14)
-    v7, v15 = tl.maximum(v7, v15), tl.minimum(v7, v15)
-    v0, v4 = tl.maximum(v0, v4), tl.minimum(v0, v4)
-    v1, v5 = tl.maximum(v1, v5), tl.minimum(v1, v5)
-    v2, v6 = tl.maximum(v2, v6), tl.minimum(v2, v6)
-    v3, v7 = tl.maximum(v3, v7), tl.minimum(v3, v7)
-    v8, v12 = tl.maximum(v8, v12), tl.minimum(v8, v12)
-    v9, v13 = tl.maximum(v9, v13), tl.minimum(v9, v13)
-    v10, v14 = tl.maximum(v10, v14), tl.minimum(v10, v14)
-    v11, v15 = tl.maximum(v11, v15), tl.minimum(v11, v15)
-    v0, v2 = tl.maximum(v0, v2), tl.minimum(v0, v2)
-    v1, v3 = tl.maximum(v1, v3), tl.minimum(v1, v3)
-    v4, v6 = tl.maximum(v4, v6), tl.minimum(v4, v6)
-    v5, v7 = tl.maximum(v5, v7), tl.minimum(v5, v7)
-    v8, v10 = tl.maximum(v8, v10), tl.minimum(v8, v10)
-    v9, v11 = tl.maximum(v9, v11), tl.minimum(v9, v11)
-    v12, v14 = tl.maximum(v12, v14), tl.minimum(v12, v14)
-    v13, v15 = tl.maximum(v13, v15), tl.minimum(v13, v15)
-    v0, v1 = tl.maximum(v0, v1), tl.minimum(v0, v1)
-    v2, v3 = tl.maximum(v2, v3), tl.minimum(v2, v3)
-    v4, v5 = tl.maximum(v4, v5), tl.minimum(v4, v5)
-    v6, v7 = tl.maximum(v6, v7), tl.minimum(v6, v7)
-    v8, v9 = tl.maximum(v8, v9), tl.minimum(v8, v9)
-    v10, v11 = tl.maximum(v10, v11), tl.minimum(v10, v11)
-    v12, v13 = tl.maximum(v12, v13), tl.minimum(v12, v13)
-    v14, v15 = tl.maximum(v14, v15), tl.minimum(v14, v15)
+    v0 = _mx(a0, b15, ASM)
+    v1 = _mx(a1, b14, ASM)
+    v2 = _mx(a2, b13, ASM)
+    v3 = _mx(a3, b12, ASM)
+    v4 = _mx(a4, b11, ASM)
+    v5 = _mx(a5, b10, ASM)
+    v6 = _mx(a6, b9, ASM)
+    v7 = _mx(a7, b8, ASM)
+    v8 = _mx(a8, b7, ASM)
+    v9 = _mx(a9, b6, ASM)
+    v10 = _mx(a10, b5, ASM)
+    v11 = _mx(a11, b4, ASM)
+    v12 = _mx(a12, b3, ASM)
+    v13 = _mx(a13, b2, ASM)
+    v14 = _mx(a14, b1, ASM)
+    v15 = _mx(a15, b0, ASM)
+    v0, v8 = _mx(v0, v8, ASM), _mn(v0, v8, ASM)
+    v1, v9 = _mx(v1, v9, ASM), _mn(v1, v9, ASM)
+    v2, v10 = _mx(v2, v10, ASM), _mn(v2, v10, ASM)
+    v3, v11 = _mx(v3, v11, ASM), _mn(v3, v11, ASM)
+    v4, v12 = _mx(v4, v12, ASM), _mn(v4, v12, ASM)
+    v5, v13 = _mx(v5, v13, ASM), _mn(v5, v13, ASM)
+    v6, v14 = _mx(v6, v14, ASM), _mn(v6, v14, ASM)
+    v7, v15 = _mx(v7, v15, ASM), _mn(v7, v15, ASM)
+    v0, v4 = _mx(v0, v4, ASM), _mn(v0, v4, ASM)
+    v1, v5 = _mx(v1, v5, ASM), _mn(v1, v5, ASM)
+    v2, v6 = _mx(v2, v6, ASM), _mn(v2, v6, ASM)
+    v3, v7 = _mx(v3, v7, ASM), _mn(v3, v7, ASM)
+    v8, v12 = _mx(v8, v12, ASM), _mn(v8, v12, ASM)
+    v9, v13 = _mx(v9, v13, ASM), _mn(v9, v13, ASM)
+    v10, v14 = _mx(v10, v14, ASM), _mn(v10, v14, ASM)
+    v11, v15 = _mx(v11, v15, ASM), _mn(v11, v15, ASM)
+    v0, v2 = _mx(v0, v2, ASM), _mn(v0, v2, ASM)
+    v1, v3 = _mx(v1, v3, ASM), _mn(v1, v3, ASM)
+    v4, v6 = _mx(v4, v6, ASM), _mn(v4, v6, ASM)
+    v5, v7 = _mx(v5, v7, ASM), _mn(v5, v7, ASM)
+    v8, v10 = _mx(v8, v10, ASM), _mn(v8, v10, ASM)
+    v9, v11 = _mx(v9, v11, ASM), _mn(v9, v11, ASM)
+    v12, v14 = _mx(v12, v14, ASM), _mn(v12, v14, ASM)
+    v13, v15 = _mx(v13, v15, ASM), _mn(v13, v15, ASM)
+    v0, v1 = _mx(v0, v1, ASM), _mn(v0, v1, ASM)
+    v2, v3 = _mx(v2, v3, ASM), _mn(v2, v3, ASM)
+    v4, v5 = _mx(v4, v5, ASM), _mn(v4, v5, ASM)
+    v6, v7 = _mx(v6, v7, ASM), _mn(v6, v7, ASM)
+    v8, v9 = _mx(v8, v9, ASM), _mn(v8, v9, ASM)
+    v10, v11 = _mx(v10, v11, ASM), _mn(v10, v11, ASM)
+    v12, v13 = _mx(v12, v13, ASM), _mn(v12, v13, ASM)
+    v14, v15 = _mx(v14, v15, ASM), _mn(v14, v15, ASM)
     return v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
 
 
 @triton.jit
-def _mth_largest16(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr):
-    """a [BLOCK_T, D] ≥ 0 → its m-th largest per row (1 ≤ m ≤ 16)."""
-    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _split16(tl.reshape(a, [BLOCK_T, D // 16, 16]))
-    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _sort16(
-        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
-    )
-    for _ in tl.static_range(D // 16 - 1):
+def _mth_largest16(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """a [BLOCK_T, D] ≥ 0 → its m-th largest per row (1 ≤ m ≤ 16; other m give an unspecified value). Position p of
+    chunk c is element p·D/16 + c, so a thread's neighbouring chunks sit in one 32-bit register (ASM pairs)."""
+    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _split16(tl.permute(tl.reshape(a, [BLOCK_T, 16, D // 16]), (0, 2, 1)))
+    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _sort16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, ASM)
+    for _ in tl.static_range(D // 16 - 1):  # unrolled; the chunk count halves each time down to one
         if v0.shape[1] > 1:
             a0, b0 = _pair_chunks(v0)
             a1, b1 = _pair_chunks(v1)
@@ -294,38 +316,38 @@ def _mth_largest16(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr):
             a13, b13 = _pair_chunks(v13)
             a14, b14 = _pair_chunks(v14)
             a15, b15 = _pair_chunks(v15)
-            v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _merge16(
-                a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
-                b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15,
-            )  # fmt: skip
-    t = tl.reshape(v0, [BLOCK_T])
-    t = tl.where(m == 2, tl.reshape(v1, [BLOCK_T]), t)
-    t = tl.where(m == 3, tl.reshape(v2, [BLOCK_T]), t)
-    t = tl.where(m == 4, tl.reshape(v3, [BLOCK_T]), t)
-    t = tl.where(m == 5, tl.reshape(v4, [BLOCK_T]), t)
-    t = tl.where(m == 6, tl.reshape(v5, [BLOCK_T]), t)
-    t = tl.where(m == 7, tl.reshape(v6, [BLOCK_T]), t)
-    t = tl.where(m == 8, tl.reshape(v7, [BLOCK_T]), t)
-    t = tl.where(m == 9, tl.reshape(v8, [BLOCK_T]), t)
-    t = tl.where(m == 10, tl.reshape(v9, [BLOCK_T]), t)
-    t = tl.where(m == 11, tl.reshape(v10, [BLOCK_T]), t)
-    t = tl.where(m == 12, tl.reshape(v11, [BLOCK_T]), t)
-    t = tl.where(m == 13, tl.reshape(v12, [BLOCK_T]), t)
-    t = tl.where(m == 14, tl.reshape(v13, [BLOCK_T]), t)
-    t = tl.where(m == 15, tl.reshape(v14, [BLOCK_T]), t)
-    t = tl.where(m == 16, tl.reshape(v15, [BLOCK_T]), t)
+            if v0.shape[1] >= 4:  # two or more chunks per half: packed pairs
+                v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, ASM)
+            else:
+                v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, False)
+    t = tl.reshape(v0, [BLOCK_T]).to(tl.float32)
+    t = tl.where(m == 2, tl.reshape(v1, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 3, tl.reshape(v2, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 4, tl.reshape(v3, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 5, tl.reshape(v4, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 6, tl.reshape(v5, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 7, tl.reshape(v6, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 8, tl.reshape(v7, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 9, tl.reshape(v8, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 10, tl.reshape(v9, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 11, tl.reshape(v10, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 12, tl.reshape(v11, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 13, tl.reshape(v12, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 14, tl.reshape(v13, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 15, tl.reshape(v14, [BLOCK_T]).to(tl.float32), t)
+    t = tl.where(m == 16, tl.reshape(v15, [BLOCK_T]).to(tl.float32), t)
     return t
 
 
 @triton.jit
-def _kth_smallest_peel(x, kk, D: tl.constexpr):
+def _kth_smallest_peel(ax, kk, D: tl.constexpr):
     """The exact k-th smallest |x| per row for any k (the general path): walk from the nearer end of the sorted order
     (largest values for k ≥ D/2, smallest otherwise), removing all copies of the current extreme per step, until the
     k-th position is reached."""
     from_top = kk >= D // 2
     rem = tl.where(from_top, D - 1 - kk, kk)  # sorted positions to skip from that end
     rem = tl.where(kk < 0, 0, rem)
-    cur = tl.where(from_top[:, None], tl.abs(x), -tl.abs(x))  # peel maxima of cur either way
+    cur = tl.where(from_top[:, None], ax, -ax)  # peel maxima of cur either way (ax = |x|)
     tau = tl.zeros_like(kk).to(tl.float32)
     done = kk < -1  # all False
     for _ in range(tl.max(rem, axis=0) + 1):
@@ -368,7 +390,8 @@ def _quantize_pack_kernel(
     ROTATE: tl.constexpr,
     RATIO_TENSOR: tl.constexpr,
     X_DTYPE: tl.constexpr,
-    MAX_M: tl.constexpr,  # 8 or 16: every row has m ≤ MAX_M (only that path is compiled); 0: any m
+    MAX_M: tl.constexpr,
+    NET16: tl.constexpr,  # sort |x| as 16-bit pairs with inline PTX (GPU, bf16/fp16 x)  # 8 or 16: every row has m ≤ MAX_M (only that path is compiled); 0: any m
     REL_FLOOR: tl.constexpr,
     ABS_FLOOR: tl.constexpr,
     C1: tl.constexpr,
@@ -397,13 +420,17 @@ def _quantize_pack_kernel(
     v8 = tl.arange(0, 8)
     c8 = tl.arange(0, D // 8) * 8
     x_ptrs = x_ptr + x_row[None, :, None] + c8[:, None, None] + v8[None, None, :]
-    x = tl.load(x_ptrs, mask=row_ok[None, :, None], other=0.0).to(tl.float32)
-    x = tl.reshape(tl.permute(x, (1, 0, 2)), [BLOCK_T, D])
+    x_in = tl.reshape(tl.permute(tl.load(x_ptrs, mask=row_ok[None, :, None], other=0.0), (1, 0, 2)), [BLOCK_T, D])
 
     if ROTATE:
         rot = tl.load(rot_ptr + h * stride_rh + dims[:, None] * D + dims[None, :]).to(tl.float32)  # [D, D]
-        x = tl.dot(x, rot, input_precision="ieee")
-        x = x.to(X_DTYPE).to(tl.float32)  # the cache stores rotated rows in x's dtype
+        x_in = tl.dot(x_in.to(tl.float32), rot, input_precision="ieee").to(X_DTYPE)  # the cache stores rotated rows in x's dtype
+    # |x| for the order statistic, apart from x (not kept alive next to it through the sorting network): 16-bit with
+    # packed min/max on the GPU, float32 otherwise (min/max are exact either way)
+    if NET16:
+        a = tl.abs(x_in)
+    else:
+        a = tl.abs(x_in).to(tl.float32)
 
     # clip index k = ⌊r·D + 1e-6⌋ clamped to [0, D−1], −1 when r ≤ 0 (float64, as reference.clip_index; D is a power
     # of two, so r·D is exact and a fused multiply-add rounds the same)
@@ -416,19 +443,20 @@ def _quantize_pack_kernel(
     kk = tl.where(row_ok, kk, -1)
     m = D - kk  # τ is the m-th largest |x|
     if MAX_M == 8:  # the launch knows m ≤ 8 for every row (float ratio)
-        tau = _mth_largest8(tl.abs(x), m, BLOCK_T, D)
+        tau = _mth_largest8(a, m, BLOCK_T, D, NET16)
     elif MAX_M == 16:
-        tau = _mth_largest16(tl.abs(x), m, BLOCK_T, D)
+        tau = _mth_largest16(a, m, BLOCK_T, D, NET16)
     else:  # per-row ratios: the block's largest m picks the path
         m_max = tl.max(tl.where(kk < 0, 1, m), axis=0)
         if m_max <= 8:
-            tau = _mth_largest8(tl.abs(x), m, BLOCK_T, D)
+            tau = _mth_largest8(a, m, BLOCK_T, D, NET16)
         elif m_max <= 16:
-            tau = _mth_largest16(tl.abs(x), m, BLOCK_T, D)
+            tau = _mth_largest16(a, m, BLOCK_T, D, NET16)
         else:
-            tau = _kth_smallest_peel(x, kk, D)
-    tau = tl.where(kk < 0, float("inf"), tau)
+            tau = _kth_smallest_peel(tl.abs(x_in).to(tl.float32), kk, D)
+    tau = tl.where(kk < 0, float("inf"), tau.to(tl.float32))
     neg_tau = _negate(tau)
+    x = x_in.to(tl.float32)  # converted only now: not live through the order statistic
     x = tl.minimum(tl.maximum(x, neg_tau[:, None]), tau[:, None])
 
     # asymmetric min-max per group, float16 scale/zero, codes from the rounded values
@@ -448,12 +476,15 @@ def _quantize_pack_kernel(
         q0 = xg * y
         q = tl.fma(tl.fma(q0, _negate(s)[:, :, None], xg), y, q0)
     u = q + z[:, :, None]
-    code = (u >= C1).to(tl.int32) + (u >= C2).to(tl.int32) + (u >= C3).to(tl.int32)  # clamp(⌊u + ½⌋, 0, 3)
+    # clamp(⌊u + ½⌋, 0, 3) as a float: the count of thresholds reached (exact small integers from here on)
+    code = tl.where(u >= C1, 1.0, 0.0) + tl.where(u >= C2, 1.0, 0.0) + tl.where(u >= C3, 1.0, 0.0)
 
-    # quartered pack: byte j holds dims j, j+D/4, j+D/2, j+3D/4 in bits 0/2/4/6
+    # quartered pack: byte j holds dims j, j+D/4, j+D/2, j+3D/4 in bits 0/2/4/6 (float sum, then the integer bits
+    # of 2^23 + byte)
     q4 = tl.reshape(code, [BLOCK_T, 4, D4])
-    shifts = tl.arange(0, 4) * 2
-    packed = tl.sum(q4 << shifts[None, :, None], axis=1).to(tl.uint8)  # [BLOCK_T, D4]
+    weights = tl.exp2((tl.arange(0, 4) * 2).to(tl.float32))
+    byte = tl.sum(q4 * weights[None, :, None], axis=1) + 8388608.0
+    packed = (byte.to(tl.int32, bitcast=True) & 0xFF).to(tl.uint8)  # [BLOCK_T, D4]
 
     out_rows = n.to(tl.int64)  # contiguous outputs
     cols = tl.arange(0, D4)
