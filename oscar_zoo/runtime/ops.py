@@ -152,6 +152,12 @@ def _last_contiguous(t: Tensor, inner: int) -> Tensor:
 # ------------------------------------------------------------------------------------------------- quantize / pack
 
 
+@functools.lru_cache(maxsize=64)
+def _ratio_scalar(ratio: float, device: torch.device) -> Tensor:
+    """A float clip ratio as a 0-dim float64 device tensor, made once (the first call copies it to the device)."""
+    return torch.tensor(ratio, dtype=torch.float64, device=device)
+
+
 def quantize_pack(
     x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, rotation: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -182,7 +188,13 @@ def quantize_pack(
     x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
     x4 = _last_contiguous(x4, 1)
     B, H, T, _ = x4.shape
-    if isinstance(clip_ratio, Tensor):  # the kernel computes the clip index per row (no host op, no extra launch)
+    # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch). A float ratio goes
+    # the same way through a cached device scalar: the kernel specialised for a constant index (MAX_M 8/16, only
+    # that top-k path compiled; benchmarks/quantize_sass.py counts it) ran 4.7–14 ms instead of ≈ 0.34 ms at 1M rows
+    # on the H200 (Triton 3.6), cause not found yet
+    if not isinstance(clip_ratio, Tensor):
+        clip_ratio = _ratio_scalar(float(clip_ratio), x.device)
+    if isinstance(clip_ratio, Tensor):
         ratio = clip_ratio if clip_ratio.device == x.device else clip_ratio.to(x.device)
         ratio = ratio.float() if ratio.dtype == torch.bool else ratio
         try:
