@@ -192,22 +192,15 @@ def quantize_pack(
     # the same way through a cached device scalar: the kernel specialised for a constant index (MAX_M 8/16, only
     # that top-k path compiled; benchmarks/quantize_sass.py counts it) ran 4.7–14 ms instead of ≈ 0.34 ms at 1M rows
     # on the H200 (Triton 3.6), cause not found yet
-    if not isinstance(clip_ratio, Tensor):
-        clip_ratio = _ratio_scalar(float(clip_ratio), x.device)
-    if isinstance(clip_ratio, Tensor):
-        ratio = clip_ratio if clip_ratio.device == x.device else clip_ratio.to(x.device)
-        ratio = ratio.float() if ratio.dtype == torch.bool else ratio
-        try:
-            r3 = ratio.expand(x.shape[:-1]).reshape(x4.shape[:-1])
-        except RuntimeError as err:
-            raise ValueError(
-                f"clip_ratio of shape {tuple(ratio.shape)} does not broadcast to the rows of x {tuple(x.shape[:-1])}"
-            ) from err
-        k_const, r_strides, max_m = -1, tuple(r3.stride()), 0
-    else:
-        r3, k_const, r_strides = x4, int(reference.clip_index(float(clip_ratio), D)), (0, 0, 0)
-        m = 1 if k_const < 0 else D - k_const  # τ is the m-th largest |x|
-        max_m = 8 if m <= 8 else 16 if m <= 16 else 0
+    ratio = clip_ratio if isinstance(clip_ratio, Tensor) else _ratio_scalar(float(clip_ratio), x.device)
+    ratio = ratio if ratio.device == x.device else ratio.to(x.device)
+    ratio = ratio.float() if ratio.dtype == torch.bool else ratio
+    try:
+        r3 = ratio.expand(x.shape[:-1]).reshape(x4.shape[:-1])
+    except RuntimeError as err:
+        raise ValueError(
+            f"clip_ratio of shape {tuple(ratio.shape)} does not broadcast to the rows of x {tuple(x.shape[:-1])}"
+        ) from err
     codes = _alloc((B, H, T, D // layout.CODES_PER_BYTE), layout.CODE_DTYPE, x.device)
     scale_zero = _alloc((B, H, T, D // G, 2), layout.SCALE_DTYPE, x.device)
 
@@ -225,10 +218,10 @@ def quantize_pack(
     grid = (triton.cdiv(T, block_t), B * H) if rotate else (triton.cdiv(B * H * T, block_t),)
     qp._quantize_pack_kernel[grid](
         x4, rot, r3, codes, scale_zero,
-        B * H * T, H, T, k_const,
-        x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r_strides,
-        D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, RATIO_TENSOR=isinstance(clip_ratio, Tensor), X_DTYPE=x_dtype,
-        MAX_M=max_m, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
+        B * H * T, H, T, -1,
+        x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r3.stride(),
+        D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, RATIO_TENSOR=True, X_DTYPE=x_dtype,
+        MAX_M=0, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
         C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2],
         num_warps=warps,
     )  # fmt: skip

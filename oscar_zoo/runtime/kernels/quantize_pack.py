@@ -390,8 +390,8 @@ def _quantize_pack_kernel(
     ROTATE: tl.constexpr,
     RATIO_TENSOR: tl.constexpr,
     X_DTYPE: tl.constexpr,
-    MAX_M: tl.constexpr,
-    NET16: tl.constexpr,  # sort |x| as 16-bit pairs with inline PTX (GPU, bf16/fp16 x)  # 8 or 16: every row has m ≤ MAX_M (only that path is compiled); 0: any m
+    MAX_M: tl.constexpr,  # 8 or 16: every row has m ≤ MAX_M (only that path is compiled; benchmarks/quantize_sass.py); 0: any m (ops)
+    NET16: tl.constexpr,  # sort |x| as 16-bit pairs with inline PTX (GPU, bf16/fp16 x)
     REL_FLOOR: tl.constexpr,
     ABS_FLOOR: tl.constexpr,
     C1: tl.constexpr,
