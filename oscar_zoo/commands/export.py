@@ -35,16 +35,17 @@ def export_command(
 ) -> None:
     """Write `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""
     result = export_oscar_pt(artifacts, out, average_heads, accept_degraded)
+    measure = f"measure the exported form with `oscar-zoo verify {shlex.quote(str(artifacts))} --as-exported`"
     warnings = []
     if result.manifest.centred:
         warnings.append("the artifacts are centred (k_mean/v_mean); the exported .pt files carry no means, so the "
-                        "reference runtime stores uncentred rows with clips searched for centred ones: verify an "
-                        "uncentred calibration (--centring none) before serving this export")
+                        f"reference runtime stores uncentred rows with clips searched for centred ones: {measure}, or "
+                        "verify an uncentred calibration (--centring none), before serving this export")
     if result.averaged:
         warnings.append(f"per-head rotations were averaged per layer and re-orthogonalised (polar decomposition); "
                         f"inter-head agreement mean |diag(R_0ᵀ R_h)|: K {result.k_agreement:.3f}, V "
                         f"{result.v_agreement:.3f} (1.0 = identical heads; low values mean the shared rotation "
-                        "fits some heads poorly: verify before serving)")
+                        f"fits some heads poorly: {measure} before serving)")
     doc = {"format": format.value, "k_rotation": str(result.k_path), "v_rotation": str(result.v_path),
            "averaged_heads": result.averaged, "head_agreement": {"k": result.k_agreement, "v": result.v_agreement}}
     if format == Format.SGLANG:
@@ -55,7 +56,7 @@ def export_command(
         if max(settings.clip_spread) > 1e-6:
             warnings.append(f"clip ratios vary per layer/head (max deviation from the median K "
                             f"{settings.clip_spread[0]:.3f}, V {settings.clip_spread[1]:.3f}); the reference runtime "
-                            "takes one ratio each, the median is used")
+                            f"takes one ratio each, the median is used ({measure})")
         doc.update(env=settings.env, flags=settings.flags, env_file=str(env_path), launch_script=str(sh_path),
                    launch_command=settings.launch_command(model))
     doc["warnings"] = warnings

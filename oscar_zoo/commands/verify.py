@@ -19,6 +19,7 @@ from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings, resolve_bac
 from ..evaluation.needle import (DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleSettings, default_lengths, run_needle)
 from ..evaluation.peers import PEERS, require_installed
 from ..evaluation.report import NeedleReport, Thresholds, VerifyReport
+from ..export.as_exported import as_exported as as_exported_form
 from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, load_model
 from .options import ArtifactsArg, Dataset, Device, Dtype, Json, Revision, Split, TextField
 
@@ -72,10 +73,18 @@ def verify_command(
     = False,
     min_needle_accuracy: Annotated[float, typer.Option(help="Smallest needle accuracy of the artifact relative to "
                                                             "BF16's (exit 3 below).")] = 0.9,
+    as_exported: Annotated[bool, typer.Option("--as-exported", help="Verify the form `oscar-zoo export` deploys "
+                                                                    "to the reference runtime: per-head rotations "
+                                                                    "averaged per layer, means dropped, the median "
+                                                                    "K and V clips. Not with --write.")] = False,
     json_output: Json = False,
 ) -> None:
     """Verify ARTIFACTS: how close INT2 attention with these rotations stays to BF16 (exit 3 below thresholds)."""
     start = time.perf_counter()
+    if as_exported and write:
+        raise InputError("--write stores the artifact's own verification; an --as-exported report describes the "
+                         "exported form, not the artifact, and is not written to the manifest",
+                         "drop --write, and keep the report with --json > FILE")
     for name, value in (("--context", context), ("--sequences", sequences)):
         if value <= 0:
             raise InputError(f"{name} must be positive, got {value}")
@@ -89,6 +98,9 @@ def verify_command(
     needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
                                        min_needle_accuracy, seed) if needle else None
     manifest, rotations = load_artifacts(artifacts)
+    exported = as_exported_form(manifest, rotations) if as_exported else None
+    # what is verified: the artifact, or its exported form (the manifest itself stays the artifact's, for --write)
+    used, used_rotations = (manifest, rotations) if exported is None else (exported.manifest, exported.rotations)
     say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
     name, rev = model, revision
     if name is None:
@@ -102,19 +114,21 @@ def verify_command(
     resolved = resolve_backend(backend, next(loaded.model.parameters()).device)
     texts, source = load_texts(dataset, split=split, text_field=text_field, plays=EVALUATION_PLAYS)
     seqs = make_sequences(loaded.tokenizer, texts, context, sequences, 0, seed, dataset=source)
-    say(f"verifying {artifacts} on {loaded.identity.id}: {sequences}×{context} tokens of {source}, backend {resolved}")
+    say(f"verifying {artifacts}{f' ({exported.describe()})' if exported else ''} on {loaded.identity.id}: {sequences}×{context} tokens of {source}, backend {resolved}")
     settings = VerifySettings(context=context, sequences=sequences, baselines=chosen, backend=resolved,
                               positions_from=score_from, generate_tokens=generate,
                               thresholds=Thresholds(max_ppl_increase=max_ppl_increase, max_kl=max_kl,
                                                     min_top1=min_top1))
     with progress_reporter(enabled=not json_output) as report_progress:
-        report = run_verification(loaded, manifest, rotations, seqs.input_ids, settings, artifacts=str(artifacts),
+        report = run_verification(loaded, used, used_rotations, seqs.input_ids, settings, artifacts=str(artifacts),
                                   dataset=source, progress=report_progress)
         if needle:
-            found = run_needle(loaded, manifest, rotations, _filler(loaded.tokenizer, texts), needle_settings,
+            found = run_needle(loaded, used, used_rotations, _filler(loaded.tokenizer, texts), needle_settings,
                                tuple(b for b in chosen if b in NEEDLE_BASELINES), report_progress)
             report = report.model_copy(update={"needle": found, "passed": report.passed and found.passed,
                                                "failures": report.failures + found.failures})
+    if exported is not None:
+        report = _mark_as_exported(report, exported.describe())
     report = report.model_copy(update={"wall_seconds": round(time.perf_counter() - start, 2)})
     if plot is not None:
         from ..evaluation.plot import write_needle_plot, write_plot
@@ -129,8 +143,20 @@ def verify_command(
     else:
         _print(report, plot, write, artifacts)
     if not report.passed:
-        raise VerificationFailed(f"{artifacts} missed the thresholds: {'; '.join(report.failures)}",
+        what = f"{artifacts}{' as exported' if as_exported else ''}"
+        raise VerificationFailed(f"{what} missed the thresholds: {'; '.join(report.failures)}",
                                  "see the table; do not publish these rotations as verified")
+
+
+def _mark_as_exported(report: VerifyReport, description: str) -> VerifyReport:
+    """The report flagged `as_exported`, its artifact rows (and the needle grid's) labelled with what export changed."""
+    def relabel(methods):
+        return [m.model_copy(update={"label": f"{m.label}; {description}"}) if m.kind == "artifact" else m
+                for m in methods]
+
+    needle = None if report.needle is None else report.needle.model_copy(
+        update={"methods": relabel(report.needle.methods)})
+    return report.model_copy(update={"as_exported": True, "methods": relabel(report.methods), "needle": needle})
 
 
 # the baselines with a cache to decode through: OscarCache rotations, and transformers' QuantizedCache
@@ -190,6 +216,10 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
         table.add_row(SHORT.get(m.name, m.name), f"{m.bits_per_element:.2f}", f"{m.ppl:.2f}", past, f"{m.kl:.4f}",
                       f"{100 * m.top1:.1f}%", err, _generation(m), style="bold" if m.kind == "artifact" else None)
     console.print(table)
+    if report.as_exported:
+        console.print("[bold]as exported[/]: the OSCAR row is the form `oscar-zoo export` deploys to the reference "
+                      "runtime (one rotation per layer, no means, one K and one V clip), not the artifact itself",
+                      highlight=False)
     for m in report.methods:
         bits = (f"K {m.bits_per_element_k:.2f} / V {m.bits_per_element_v:.2f} bits"
                 if m.bits_per_element_k != m.bits_per_element_v else "")

@@ -105,6 +105,9 @@ class VerifyReport(_Frozen):
     versions: dict[str, str]
     created: str
     needle: NeedleReport | None = None  # with --needle
+    # with --as-exported: the artifact's row is its exported form (heads averaged, no means, the median clips;
+    # export/as_exported.py), not the artifact itself; `verify --write` never stores such a report
+    as_exported: bool = False
 
     def method(self, name: str) -> MethodResult:
         return next(m for m in self.methods if m.name == name)

@@ -14,6 +14,7 @@ Frobenius norm), and the agreement between heads (mean |diag(R_0ᵀ R_h)|) is re
 from __future__ import annotations
 
 import io
+import shlex
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -174,6 +175,11 @@ def average_heads(R: torch.Tensor) -> torch.Tensor:
     return (U @ Vh).float()
 
 
+def is_per_head(manifest: Manifest, r: Rotations) -> bool:
+    """True when export must average the heads (`average_heads`): a per-head artifact with more than one KV head."""
+    return manifest.rotation.granularity == Granularity.PER_HEAD and r.k_rotation.shape[1] > 1
+
+
 @dataclass(frozen=True)
 class ExportResult:
     k_path: Path
@@ -192,14 +198,16 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncen
                          "format and the reference runtime have no means, so the exported rotations would be served "
                          "uncentred, with clips searched for centred rows",
                          "pass --accept-degraded to export them anyway (the means are dropped), or calibrate with "
-                         "--centring none for a faithful export")
+                         "--centring none for a faithful export; measure the exported form first with "
+                         f"`oscar-zoo verify {shlex.quote(str(artifacts))} --as-exported`")
     layer_ids = [int(x) for x in r.layer_ids.tolist()]
-    per_head = manifest.rotation.granularity == Granularity.PER_HEAD and r.k_rotation.shape[1] > 1
+    per_head = is_per_head(manifest, r)
     if per_head and not allow_average:
         raise InputError(f"{artifacts} holds per-head rotations ({r.k_rotation.shape[1]} KV heads); the OSCAR .pt "
                          "format has one rotation per layer",
                          "pass --average-heads to average them (quality may drop), or calibrate with "
-                         "--granularity per-layer")
+                         "--granularity per-layer; measure the averaged form first with "
+                         f"`oscar-zoo verify {shlex.quote(str(artifacts))} --as-exported`")
     k_agree, v_agree = head_agreement(r.k_rotation), head_agreement(r.v_rotation)
     k_rot = average_heads(r.k_rotation) if per_head else r.k_rotation[:, 0]
     v_rot = average_heads(r.v_rotation) if per_head else r.v_rotation[:, 0]

@@ -46,7 +46,7 @@ def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tens
         if value % PAGE:
             raise InputError(f"the reference runtime needs {name} window sizes that are multiples of {PAGE}; the "
                              f"manifest has {value}", f"re-calibrate with --{name} {value - value % PAGE or PAGE}")
-    k_ratio, v_ratio = k_clip.median().item(), v_clip.median().item()
+    k_ratio, v_ratio = reference_clip_ratios(k_clip, v_clip)
     env = {
         "SGLANG_ENABLE_MIXED_KV_WINDOWS": "1",
         "SGLANG_MIXED_KV_PREFIX_TOKENS": str(q.sink),
@@ -65,6 +65,13 @@ def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tens
              "--prefill-attention-backend", "fa3", "--decode-attention-backend", "triton"]
     spread = ((k_clip - k_ratio).abs().max().item(), (v_clip - v_ratio).abs().max().item())
     return SglangSettings(env, flags, spread)
+
+
+def reference_clip_ratios(k_clip: torch.Tensor, v_clip: torch.Tensor) -> tuple[float, float]:
+    """The one K and one V clip ratio the reference runtime takes for per (layer, head) clips: their medians
+    (`torch.median`: the lower of the two middle values for an even count), as `sglang.env` writes them (4 significant
+    digits). `verify --as-exported` quantizes with these."""
+    return float(f"{k_clip.median().item():.4g}"), float(f"{v_clip.median().item():.4g}")
 
 
 def _relative(path: Path, base: Path) -> str:

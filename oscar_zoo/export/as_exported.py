@@ -1,0 +1,60 @@
+"""An artifact as `oscar-zoo export` deploys it to the reference runtime, for `oscar-zoo verify --as-exported`.
+
+The reference SGLang runtime takes one rotation per layer, no means, and one clip ratio for all K and one for all V.
+`as_exported` turns loaded artifacts into that form with export's own code: per-head rotations become each layer's
+`average_heads` polar factor, shared by every KV head (the .pt files export writes); k_mean/v_mean are dropped and
+the codec is uncentred (the .pt format has no means); every (layer, head) clip becomes the median K or V ratio that
+`export --format sglang` writes to `sglang.env` (`reference_clip_ratios`). Not modelled: the reference runtime's
+float32 scales (oscar-zoo's cache stores float16 ones), and whatever else differs in its kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..artifacts import Rotations
+from ..manifest import ClipMode, Granularity, Manifest
+from .oscar_pt import average_heads, is_per_head
+from .sglang import reference_clip_ratios
+
+
+@dataclass(frozen=True)
+class ExportedForm:
+    manifest: Manifest  # per-layer, centring "none", fixed clips at the two ratios; otherwise the artifact's
+    rotations: Rotations  # [L, 1, …]: one rotation and clip per layer, no means
+    averaged: bool  # the heads were averaged (a per-head artifact)
+    uncentred: bool  # the artifact's means were dropped (a centred artifact)
+    k_clip: float
+    v_clip: float
+
+    def describe(self) -> str:
+        """What the transform changed, for the report's artifact label."""
+        parts = ["heads averaged per layer (polar factor)" if self.averaged else "one rotation per layer",
+                 "means dropped" if self.uncentred else "no means",
+                 f"one clip K {self.k_clip:g} / V {self.v_clip:g} (medians)"]
+        return "as exported: " + ", ".join(parts)
+
+
+def as_exported(manifest: Manifest, r: Rotations) -> ExportedForm:
+    """`r` (loaded with `manifest`) in the form `export --format oscar-pt|sglang` deploys."""
+    per_head = is_per_head(manifest, r)
+    L = r.k_rotation.shape[0]
+    k_rot = average_heads(r.k_rotation) if per_head else r.k_rotation[:, 0]  # [L, D, D], as export writes them
+    v_rot = average_heads(r.v_rotation) if per_head else r.v_rotation[:, 0]
+    k_ratio, v_ratio = reference_clip_ratios(r.k_clip, r.v_clip)
+    rotations = Rotations(
+        k_rotation=k_rot.unsqueeze(1).contiguous(), v_rotation=v_rot.unsqueeze(1).contiguous(),  # [L, 1, D, D]
+        k_eigenvalues=r.k_eigenvalues.mean(dim=1, keepdim=True),  # informational, as export writes them
+        v_eigenvalues=r.v_eigenvalues.mean(dim=1, keepdim=True),
+        k_clip=torch.full((L, 1), k_ratio), v_clip=torch.full((L, 1), v_ratio),
+        layer_ids=r.layer_ids.clone(), k_mean=None, v_mean=None)
+    exported = manifest.model_copy(update={
+        "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
+        "quant": manifest.quant.model_copy(update={"centring": "none"}),
+        "clip": manifest.clip.model_copy(update={"mode": ClipMode.FIXED, "grid": [], "k_default": k_ratio,
+                                                 "v_default": v_ratio,
+                                                 "objective": "the medians export --format sglang writes"}),
+        "verification": None})
+    return ExportedForm(exported, rotations, per_head, r.k_mean is not None, k_ratio, v_ratio)
