@@ -20,7 +20,6 @@ from . import layout, reference
 LOG2E = 1.4426950408889634
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Launch settings of the decode kernel for one head dim."""
