@@ -11,9 +11,10 @@ from typing import Annotated
 
 import typer
 
+from ..artifacts import read_manifest
 from ..console import console, err_console
 from ..export.oscar_pt import export_oscar_pt
-from ..export.sglang import sglang_settings, write_sglang_files
+from ..export.sglang import check_windows, sglang_settings, write_sglang_files
 from .options import ArtifactsArg, Json
 
 
@@ -34,6 +35,8 @@ def export_command(
     json_output: Json = False,
 ) -> None:
     """Write `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""
+    if format == Format.SGLANG:
+        check_windows(read_manifest(artifacts))  # refused before the .pt files are written
     result = export_oscar_pt(artifacts, out, average_heads, accept_degraded)
     measure = f"measure the exported form with `oscar-zoo verify {shlex.quote(str(artifacts))} --as-exported`"
     warnings = []

@@ -38,14 +38,20 @@ class SglangSettings:
 PATH_VARS = ("SGLANG_OSCAR_K_ROTATION_PATH", "SGLANG_OSCAR_V_ROTATION_PATH")
 
 
-def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tensor, k_path: Path,
-                    v_path: Path, base: Path) -> SglangSettings:
-    """The environment and flags; the rotation paths relative to `base` (the folder `sglang.env` is written to)."""
+def check_windows(manifest: Manifest) -> None:
+    """The reference runtime's page rule for the BF16 windows (refused before anything is written)."""
     q = manifest.quant
     for name, value in (("sink", q.sink), ("recent", q.recent)):
         if value % PAGE:
             raise InputError(f"the reference runtime needs {name} window sizes that are multiples of {PAGE}; the "
                              f"manifest has {value}", f"re-calibrate with --{name} {value - value % PAGE or PAGE}")
+
+
+def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tensor, k_path: Path,
+                    v_path: Path, base: Path) -> SglangSettings:
+    """The environment and flags; the rotation paths relative to `base` (the folder `sglang.env` is written to)."""
+    check_windows(manifest)
+    q = manifest.quant
     k_ratio, v_ratio = reference_clip_ratios(k_clip, v_clip)
     env = {
         "SGLANG_ENABLE_MIXED_KV_WINDOWS": "1",
@@ -63,7 +69,8 @@ def sglang_settings(manifest: Manifest, k_clip: torch.Tensor, v_clip: torch.Tens
     }
     flags = ["--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", str(q.group_size),
              "--prefill-attention-backend", "fa3", "--decode-attention-backend", "triton"]
-    spread = ((k_clip - k_ratio).abs().max().item(), (v_clip - v_ratio).abs().max().item())
+    # spread around the exact median (the 4-digit rounding written above is not a variation between heads)
+    spread = ((k_clip - k_clip.median()).abs().max().item(), (v_clip - v_clip.median()).abs().max().item())
     return SglangSettings(env, flags, spread)
 
 

@@ -151,9 +151,11 @@ def _last_contiguous(t: Tensor, inner: int) -> Tensor:
 # ------------------------------------------------------------------------------------------------- quantize / pack
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=None)
 def _ratio_scalar(ratio: float, device: torch.device) -> Tensor:
-    """A float clip ratio as a 0-dim float64 device tensor, made once (the first call copies it to the device)."""
+    """A float clip ratio as a 0-dim float64 device tensor, made once and kept (a captured CUDA graph may read it). The
+    first call with a ratio copies it to the device, which a CUDA-graph capture does not allow: the runtime's cache
+    passes per-head clip tensors."""
     return torch.tensor(ratio, dtype=torch.float64, device=device)
 
 
@@ -187,6 +189,7 @@ def quantize_pack(
     x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
     x4 = _last_contiguous(x4, 1)
     B, H, T, _ = x4.shape
+    _check(rotation is not None or B * H * T < 2**31, lambda: f"{B * H * T} rows exceed the kernel's int32 row index")
     # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch). A float ratio goes
     # the same way through a cached device scalar: the kernel specialised for a constant index (MAX_M 8/16, only
     # that top-k path compiled; benchmarks/quantize_sass.py counts it) ran 4.7–14 ms instead of ≈ 0.34 ms at 1M rows
@@ -217,9 +220,9 @@ def quantize_pack(
     grid = (triton.cdiv(T, block_t), B * H) if rotate else (triton.cdiv(B * H * T, block_t),)
     qp._quantize_pack_kernel[grid](
         x4, rot, r3, codes, scale_zero,
-        B * H * T, H, T, -1,
+        B * H * T, H, T,
         x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r3.stride(),
-        D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, RATIO_TENSOR=True, X_DTYPE=x_dtype,
+        D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
         MAX_M=0, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
         C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2],
         num_warps=warps,

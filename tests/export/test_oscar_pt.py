@@ -177,6 +177,39 @@ def test_sglang_settings(tmp_path):
         assert torch.load(tmp_path / "sg" / name, weights_only=True)["format_version"] == 1
 
 
+def test_sglang_window_refusal_writes_nothing(tmp_path):
+    """Windows the reference runtime cannot page (sink 60 is not a multiple of 8): exit 2 before the .pt files exist."""
+    from oscar_zoo.artifacts import write_artifacts
+
+    from ..hub.helpers import make_manifest, make_rotations
+
+    manifest = make_manifest(granularity="per-layer", L=L, H_kv=H_KV, D=D)
+    manifest = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={"sink": 60})})
+    write_artifacts(tmp_path / "art", manifest, make_rotations(manifest))
+    code, _, err = run_cli("export", str(tmp_path / "art"), "--format", "sglang", "--out", str(tmp_path / "sg"))
+    assert code == 2 and "multiples of 8" in err and "Traceback" not in err, err
+    assert not (tmp_path / "sg").exists()
+
+
+def test_uniform_clips_with_five_digits_are_not_a_spread(tmp_path):
+    """sglang.env holds 4 significant digits; a uniform 0.96875 is written as 0.9688 and is not 'varying' clips."""
+    import dataclasses
+
+    from oscar_zoo.artifacts import write_artifacts
+
+    from ..hub.helpers import make_manifest, make_rotations
+
+    manifest = make_manifest(granularity="per-layer", L=L, H_kv=H_KV, D=D)
+    rot = dataclasses.replace(make_rotations(manifest), k_clip=torch.full((L, 1), 0.96875))
+    write_artifacts(tmp_path / "art", manifest, rot)
+    code, out, err = run_cli("export", str(tmp_path / "art"), "--format", "sglang", "--out", str(tmp_path / "sg"),
+                             "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["env"]["SGLANG_OSCAR_K_CLIP_RATIO"] == "0.9688"
+    assert not any("vary" in w for w in doc["warnings"]), doc["warnings"]
+
+
 def test_sglang_files_survive_moving_the_export_folder(tmp_path):
     import os
     import shutil

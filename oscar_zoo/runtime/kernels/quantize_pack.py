@@ -1,6 +1,7 @@
 """Fused (optional rotate) → clip → INT2 quantize → quartered pack of K/V rows into the history layout.
 
-Twin of `reference.quantize_pack_ref`, bit for bit when no rotation is given (the demotion path: rows already rotated).
+Twin of `reference.quantize_pack_ref`, bit for bit on finite rows when no rotation is given (the demotion path: rows
+already rotated). A NaN in a row makes the reference's scale/zero NaN; the kernel's min/max skip it.
 
 Layout: one row per thread. A program takes BLOCK_T consecutive rows of the flattened [B·H·T] row space (so an
 8-token demotion of 32×8 heads is 16 programs, not 256 mostly-masked ones) and each thread holds its row's D values
@@ -368,14 +369,13 @@ def _quantize_pack_kernel(
     # pointers
     x_ptr,  # [B, H, T, D] any float dtype (last dim contiguous)
     rot_ptr,  # [H, D, D] or [D, D] float (unused unless ROTATE)
-    r_ptr,  # clip ratio per row, broadcast strides allowed (unused unless RATIO_TENSOR)
+    r_ptr,  # clip ratio per row, broadcast strides allowed
     codes_ptr,  # [B, H, T, D/4] uint8, contiguous
     sz_ptr,  # [B, H, T, D/G, 2] float16, contiguous
     # sizes
     N,  # B·H·T rows
     H,
     T,
-    K_CONST,  # clip index of every row when not RATIO_TENSOR (−1 = no clip)
     # strides
     stride_xb,
     stride_xh,
@@ -389,7 +389,6 @@ def _quantize_pack_kernel(
     G: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr,
-    RATIO_TENSOR: tl.constexpr,
     X_DTYPE: tl.constexpr,
     MAX_M: tl.constexpr,  # 8 or 16: every row has m ≤ MAX_M (only that path is compiled; benchmarks/quantize_sass.py); 0: any m (ops)
     NET16: tl.constexpr,  # sort |x| as 16-bit pairs with inline PTX (GPU, bf16/fp16 x)
@@ -435,15 +434,11 @@ def _quantize_pack_kernel(
 
     # clip index k = ⌊r·D + 1e-6⌋ clamped to [0, D−1], −1 when r ≤ 0 (float64, as reference.clip_index; D is a power
     # of two, so r·D is exact and a fused multiply-add rounds the same)
-    if RATIO_TENSOR:
-        r = tl.load(r_ptr + b * stride_cb + h * stride_ch + t * stride_ct, mask=row_ok, other=0.0).to(tl.float64)
-        kf = tl.minimum(tl.maximum(tl.floor(r * D + 1e-6), 0.0), D - 1.0)
-        kk = tl.where(r > 0, kf.to(tl.int32), -1)
-    else:
-        kk = tl.zeros([BLOCK_T], tl.int32) + K_CONST
-    kk = tl.where(row_ok, kk, -1)
+    r = tl.load(r_ptr + b * stride_cb + h * stride_ch + t * stride_ct, mask=row_ok, other=0.0).to(tl.float64)
+    kf = tl.minimum(tl.maximum(tl.floor(r * D + 1e-6), 0.0), D - 1.0)
+    kk = tl.where(row_ok & (r > 0), kf.to(tl.int32), -1)
     m = D - kk  # τ is the m-th largest |x|
-    if MAX_M == 8:  # the launch knows m ≤ 8 for every row (float ratio)
+    if MAX_M == 8:  # every row has m ≤ 8 (benchmarks/quantize_sass.py's count of one path)
         tau = _mth_largest8(a, m, BLOCK_T, D, NET16)
     elif MAX_M == 16:
         tau = _mth_largest16(a, m, BLOCK_T, D, NET16)
