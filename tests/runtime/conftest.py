@@ -22,6 +22,18 @@ def device(request, monkeypatch):
     return torch.device(request.param)
 
 
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """A list that grows by one at every `ops.tiered_decode_attention` call the attention function makes (the call
+    itself runs unchanged): tests check that decode steps went through the INT2 tiered decode."""
+    from oscar_zoo.runtime import attention
+
+    calls = []
+    real = attention.ops.tiered_decode_attention
+    monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 def _poisoned_alloc(shape, dtype, device):
     """Output buffers filled with garbage (NaN / 0xAB bytes) so that any element a kernel fails to write shows."""
     t = torch.empty(shape, dtype=dtype, device=device)

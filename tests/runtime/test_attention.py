@@ -18,7 +18,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from oscar_zoo.runtime import attention, layout, reference
+from oscar_zoo.runtime import layout, reference
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache
 
@@ -61,13 +61,10 @@ def _kv(B: int, T: int, seed: int = 0):
 # ------------------------------------------------------------------------------------ attention vs dense references
 
 
-def test_quantized_decode_matches_dense_reference(monkeypatch):
+def test_quantized_decode_matches_dense_reference(decode_calls):
     """A decode step (through ops.tiered_decode_attention) equals float64 attention over the sequence as the tiers
     present it (reference.fake_quant_tiers of the rotated K/V), within fp32 noise; and equals
     reference.tiered_decode_attention_ref on the cache tensors."""
-    calls = []
-    real = attention.ops.tiered_decode_attention
-    monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a: calls.append(1) or real(*a))
     B, prompt, steps = 2, 400, 13
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
     k_clip, v_clip = torch.tensor([[0.94, 0.96, 0.9]]), torch.full((1, H_KV), 0.92)
@@ -78,7 +75,7 @@ def test_quantized_decode_matches_dense_reference(monkeypatch):
         key, value = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
     q = torch.randn(B, H_Q, 1, D)
     out, weights = oscar_attention(STUB, q, key, value, None, scaling=SCALE, oscar_cache=cache)
-    assert calls == [1] and weights is None and out.shape == (B, 1, H_Q, D)
+    assert decode_calls == [1] and weights is None and out.shape == (B, 1, H_Q, D)
 
     layer = cache.layers[0]
     chunks = [slice(0, prompt)] + [slice(t, t + 1) for t in range(prompt, prompt + steps)]
@@ -259,13 +256,10 @@ def test_gemma2_scaling_softcap_and_sliding_window_guard():
             model(_prompt(T=120), cache=OscarCache(_identity(2), _identity(2)))
 
 
-def test_smollm2_shaped_generation_uses_int2_decode(monkeypatch):
+def test_smollm2_shaped_generation_uses_int2_decode(decode_calls):
     """A random-weight Llama of SmolLM2-135M's exact layer shape (hidden 576, 9 q / 3 kv heads, head_dim 64, MLP 1536,
     vocab 49152; 4 of its 30 layers), bf16, OSCAR-style rotations U·H·P: a quantized 420-token generate runs every
     decode step through ops.tiered_decode_attention, keeps the tiers as specified and uses less memory than BF16."""
-    calls = []
-    real = attention.ops.tiered_decode_attention
-    monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a: calls.append(1) or real(*a))
     L = 4
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=L,
                       num_attention_heads=H_Q, num_key_value_heads=H_KV, head_dim=D, rope_theta=100000.0,
@@ -280,7 +274,7 @@ def test_smollm2_shaped_generation_uses_int2_decode(monkeypatch):
     cache = OscarCache(Mk, Mv, 0.96, 0.92)
     got = _generate(model, ids, cache, 20)
     assert got.shape == (1, 420) and torch.equal(got[:, :401], expected)  # prefill is exact up to rotation rounding
-    assert len(calls) == L * 19
+    assert len(decode_calls) == L * 19
     layer = cache.layers[L - 1]
     assert (layer.n_sink, layer.n_hist + layer.n_recent) == (64, 419 - 64)
     assert layout.RECENT <= layer.n_recent < layout.RECENT + layout.FLUSH

@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from oscar_zoo.calibration.data import corpus_dir
 from oscar_zoo.models import ensure_demo_model
-from oscar_zoo.runtime import attention, layout, reference
+from oscar_zoo.runtime import layout, reference
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.cache import OscarCache
 
@@ -100,7 +100,7 @@ def _reference_logits(model, ids: torch.Tensor, view: TierView) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("centred", [False, True])
-def test_real_model_decodes_through_int2_like_the_float64_reference(centred, monkeypatch):
+def test_real_model_decodes_through_int2_like_the_float64_reference(centred, monkeypatch, decode_calls):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # reference ops: interpreted kernels would take minutes
     path = ensure_demo_model()
     text = (corpus_dir() / "coriolanus_gut.txt").read_text()[20000:40000]
@@ -119,16 +119,13 @@ def test_real_model_decodes_through_int2_like_the_float64_reference(centred, mon
         g = torch.Generator().manual_seed(3)
         means = dict(k_mean=torch.randn(L, H_KV, D, generator=g) * 2, v_mean=torch.randn(L, H_KV, D, generator=g) / 4)
 
-    calls = []
-    real = attention.ops.tiered_decode_attention
-    monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a: calls.append(1) or real(*a))
     enable_oscar(model)
     cache = OscarCache(k_rot, v_rot, k_clip, v_clip, sink=SINK, recent=RECENT, flush=FLUSH, **means)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=STEPS, do_sample=False, cache=cache,
                              attention_mask=torch.ones_like(ids), output_logits=True, return_dict_in_generate=True)
     got = torch.stack(out.logits, 1)[0].double()  # [STEPS, V]: the prefill's last position, then STEPS−1 decodes
-    assert len(calls) == L * (STEPS - 1)  # every decode step of every layer went through the INT2 tiered decode
+    assert len(decode_calls) == L * (STEPS - 1)  # every decode step of every layer went through the INT2 tiered decode
     for layer in cache.layers:
         assert (layer.n_sink, layer.n_hist) == (SINK, _history_rows(PROMPT + STEPS - 2))
 
