@@ -135,13 +135,14 @@ def main():
     ap.add_argument("--block-n", type=int)
     ap.add_argument("--warps", type=int)
     ap.add_argument("--maxnreg", type=int, help="register cap (0: none)")
+    ap.add_argument("--stages", type=int, help="software-pipeline depth of the INT2 loop")
     ap.add_argument("--group-size", type=int, default=0, help="scale/zero group (0: one per row)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
     cfg = ops.decode_config(D)
     cfg = dataclasses.replace(cfg, rows=args.rows or cfg.rows, block_n=args.block_n or cfg.block_n,
-                              warps=args.warps or cfg.warps,
+                              warps=args.warps or cfg.warps, stages=args.stages or cfg.stages,
                               maxnreg=cfg.maxnreg if args.maxnreg is None else args.maxnreg or None)  # fmt: skip
     ops.DECODE_CONFIGS.update({d: cfg for d in ops.DECODE_CONFIGS})
     import tempfile

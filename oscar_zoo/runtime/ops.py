@@ -28,14 +28,15 @@ class DecodeConfig:
     block_n: int  # INT2 history tokens per tile
     warps: int
     stages: int  # software-pipeline depth of the history loop
-    programs_per_sm: int  # split-K: aim for this many (batch, head group, split) programs per SM
+    programs_per_sm: int  # split-K: at most this many INT2 (batch, head group, split) programs per SM (those resident at once)
     maxnreg: int | None  # register cap (None: the compiler's choice)
 
 
-# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v2"): d = 128 runs best with
-# 64-token tiles, 4 warps and a 128-register cap (uncapped it takes 255 registers and 4 programs fit an SM); d = 64
-# with 32-token tiles, 2 warps and no cap. Larger head dims use the d = 128 settings.
-DECODE_CONFIGS = {64: DecodeConfig(16, 32, 2, 3, 4, None), 128: DecodeConfig(16, 64, 4, 3, 4, 128)}
+# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v2"): since the scale/zero
+# pairs are read as one word (and pipelined, which costs shared memory), both head dims run best with 32-token tiles,
+# 2 warps, no register cap: 255 registers and ≤ 42 KB of shared memory, so 4 programs fit an SM. Larger head dims use
+# the d = 128 settings. programs_per_sm must not exceed what fits (tests/runtime/test_kernel_compiles.py checks).
+DECODE_CONFIGS = {64: DecodeConfig(16, 32, 2, 3, 4, None), 128: DecodeConfig(16, 32, 2, 3, 4, None)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
 DECODE_MAX_HEADS = 8  # multi-head attention: 16 heads per program would need 200 KB of shared memory
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
@@ -146,6 +147,14 @@ def _last_contiguous(t: Tensor, inner: int) -> Tensor:
             return t.contiguous()
         expected *= t.shape[-d]
     return t
+
+
+def _pairs_as_words(sz: Tensor) -> Tensor:
+    """scale/zero [B, H, T, NG, 2] float16 whose (scale, zero) pairs the decode kernel may read as one 32-bit word each:
+    4-byte aligned with even outer strides (a copy only for odd views)."""
+    if sz.data_ptr() % 4 or any(st % 2 for n, st in zip(sz.shape[:-1], sz.stride()[:-1]) if n > 1):
+        return sz.contiguous()
+    return sz
 
 
 # ------------------------------------------------------------------------------------------------- quantize / pack
@@ -264,7 +273,9 @@ def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torc
         _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
     programs = B * -(-H_kv // _heads_per_program(H_kv, group, D))
-    by_programs = -(-_programs_target(device, D) // programs)
+    # rounded down: the programs of one launch fit the SMs at once. Rounding up left a second wave of a few programs
+    # whenever B · head groups does not divide the target (batch 32: 576 programs for 528 slots).
+    by_programs = max(1, _programs_target(device, D) // programs)
     by_tokens = -(-T_cap // (2 * _block_n(device, D)))  # at least two tiles per split
     return max(1, min(by_programs, by_tokens))
 
@@ -301,7 +312,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     if hist:
         ck, szk, cv, szv, hlen = hist
         ck, cv = _last_contiguous(ck, 1), _last_contiguous(cv, 1)
-        szk, szv = _last_contiguous(szk, 2), _last_contiguous(szv, 2)
+        szk, szv = _pairs_as_words(_last_contiguous(szk, 2)), _pairs_as_words(_last_contiguous(szv, 2))
         H_kv, G = ck.shape[1], D // szk.shape[-2]
     else:
         ck = cv = _dummy(dev, layout.CODE_DTYPE)

@@ -154,6 +154,20 @@ def test_group_size_below_head_dim(device):
     _check_against_reference(_query(2, H_kv * group, D, device, 4), clean, dirty, D**-0.5)
 
 
+def test_scale_zero_odd_views(device):
+    """The kernel reads each (scale, zero) float16 pair as one 32-bit word: a view that is not 4-byte aligned and has
+    odd strides (every third float16 of a padded buffer, offset by one) must still give the reference's answer."""
+    H_kv, group, D = 2, 2, 64
+    clean, dirty = _cache([400, 350], H_kv, D, device, seed=33)
+    for name in ("scale_zero_k", "scale_zero_v"):
+        sz = dirty[name]
+        padded = torch.full((*sz.shape[:-1], 3), float("nan"), dtype=sz.dtype, device=sz.device)
+        padded[..., 1:] = sz
+        dirty[name] = padded[..., 1:]
+        assert dirty[name].stride(-2) == 3 and dirty[name].data_ptr() % 4 == 2
+    _check_against_reference(_query(2, H_kv * group, D, device, 5), clean, dirty, D**-0.5, boundary=("hist", 16))
+
+
 def test_all_empty_rows_give_zero(device):
     clean, dirty = _cache([0, 5], 1, 64, device, seed=0)
     o, lse = ops.tiered_decode_attention(_query(2, 2, 64, device, 0), **dirty, sm_scale=0.125)

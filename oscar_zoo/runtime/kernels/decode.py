@@ -66,6 +66,16 @@ def _dequant_quarter(packed, sz_rows, stride_t, tok64, tok_ok, cols, QUARTER: tl
 
 
 @triton.jit
+def _scale_zero(sz_rows, tok, stride_t, tile_ok):
+    """[BLOCK_H, BLOCK_N] fp32 scale and zero of each row's head and token, from one 32-bit load of the float16 pair
+    (scale in the low half; `ops` guarantees 4-byte alignment and even strides)."""
+    w = tl.load(sz_rows[:, None] + (tok * (stride_t // 2))[None, :], mask=tile_ok, other=0)
+    s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return s, z
+
+
+@triton.jit
 def _row_mask(x, rowhead, J: tl.constexpr):
     """x with every row that does not belong to KV head J (of the program) set to zero."""
     return tl.where((rowhead == J)[:, None], x, tl.zeros_like(x))
@@ -132,8 +142,12 @@ def _attend(
         pz_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # Σ p·s·z
         k_head = k_ptr + b64 * stride_kb
         v_head = v_ptr + b64 * stride_vb
+        # per-row (its head's) scale/zero pairs, read as one 32-bit word per token when there is one group per row
         szk_rows = szk_ptr + b64 * stride_szkb + kvh * stride_szkh  # [BLOCK_H]
         szv_rows = szv_ptr + b64 * stride_szvb + kvh * stride_szvh
+        if NG == 1:
+            szk_rows = szk_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+            szv_rows = szv_rows.to(tl.pointer_type(tl.int32), bitcast=True)
     else:
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + b64 * stride_qb + qhead[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -172,9 +186,7 @@ def _attend(
         if INT2:
             if NG == 1:
                 # per-row (its head's) scale and zero of every token
-                sz_off = tok64[None, :] * stride_szkt
-                sk = tl.load(szk_rows[:, None] + sz_off, mask=tile_ok, other=0.0).to(tl.float32)
-                zk = tl.load(szk_rows[:, None] + sz_off + 1, mask=tile_ok, other=0.0).to(tl.float32)
+                sk, zk = _scale_zero(szk_rows, tok, stride_szkt, tile_ok)
                 qk = (qk - 128.0 * qw[:, None] - zk * qsum[:, None]) * sk
         qk = tl.where(tile_ok, qk * qk_scale, float("-inf"))
 
@@ -193,9 +205,7 @@ def _attend(
             acc2 = acc2 * alpha[:, None]
             acc3 = acc3 * alpha[:, None]
             if NG == 1:
-                sz_off = tok64[None, :] * stride_szvt
-                sv = tl.load(szv_rows[:, None] + sz_off, mask=tile_ok, other=0.0).to(tl.float32)
-                zv = tl.load(szv_rows[:, None] + sz_off + 1, mask=tile_ok, other=0.0).to(tl.float32)
+                sv, zv = _scale_zero(szv_rows, tok, stride_szvt, tile_ok)
                 ps = (p * sv).to(DOT_DTYPE)
                 psf = ps.to(tl.float32)
                 psum_t = psum_t * alpha[:, None] + psf
