@@ -32,7 +32,7 @@ class DecodeConfig:
     maxnreg: int | None  # register cap (None: the compiler's choice)
 
 
-# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v2"): since the scale/zero
+# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v2.1"): since the scale/zero
 # pairs are read as one word (and pipelined, which costs shared memory), both head dims run best with 32-token tiles,
 # 2 warps, no register cap: 255 registers and ≤ 42 KB of shared memory, so 4 programs fit an SM. Larger head dims use
 # the d = 128 settings. programs_per_sm must not exceed what fits (tests/runtime/test_kernel_compiles.py checks).
