@@ -106,8 +106,6 @@ def _attend(
     row_ok = (rows < HPP * GROUP) & (h0 + rowhead < H_kv)
     qhead = h0 * GROUP + rows  # the query heads of KV heads h0.. are consecutive
     offs_n = tl.arange(0, BLOCK_N)
-    # per-row bases of the tier (rows of one KV head share theirs); out-of-range heads are clamped, their rows masked
-    kvh = tl.minimum(h0 + rowhead, H_kv - 1).to(tl.int64)
 
     # running sums are kept per (row, token slot) and reduced once after the loop: no cross-thread sums per tile
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -142,12 +140,10 @@ def _attend(
         pz_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # Σ p·s·z
         k_head = k_ptr + b64 * stride_kb
         v_head = v_ptr + b64 * stride_vb
-        # per-row (its head's) scale/zero pairs, read as one 32-bit word per token when there is one group per row
-        szk_rows = szk_ptr + b64 * stride_szkb + kvh * stride_szkh  # [BLOCK_H]
-        szv_rows = szv_ptr + b64 * stride_szvb + kvh * stride_szvh
-        if NG == 1:
-            szk_rows = szk_rows.to(tl.pointer_type(tl.int32), bitcast=True)
-            szv_rows = szv_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        if NG == 1:  # per row, its head's (scale, zero) pairs as 32-bit words; out-of-range heads clamped (rows masked)
+            kvh = tl.minimum(h0 + rowhead, H_kv - 1).to(tl.int64)
+            szk_rows = (szk_ptr + b64 * stride_szkb + kvh * stride_szkh).to(tl.pointer_type(tl.int32), bitcast=True)
+            szv_rows = (szv_ptr + b64 * stride_szvb + kvh * stride_szvh).to(tl.pointer_type(tl.int32), bitcast=True)
     else:
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + b64 * stride_qb + qhead[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
