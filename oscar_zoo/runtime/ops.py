@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 class DecodeConfig:
     """Launch settings of the decode kernel for one head dim."""
 
-    rows: int  # MMA rows per program: KV heads per program = max(1, rows // GQA group), at most DECODE_MAX_HEADS
+    rows: int  # MMA rows per program: KV heads per program = max(1, rows // GQA group), at most DECODE_HEAD_DIMS // D
     block_n: int  # INT2 history tokens per tile
     warps: int
     stages: int  # software-pipeline depth of the history loop
@@ -35,10 +35,12 @@ class DecodeConfig:
 # Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v2.1"): since the scale/zero
 # pairs are read as one word (and pipelined, which costs shared memory), both head dims run best with 32-token tiles,
 # 2 warps, no register cap: 255 registers and ≤ 42 KB of shared memory, so 4 programs fit an SM. Larger head dims use
-# the d = 128 settings. programs_per_sm must not exceed what fits (tests/runtime/test_kernel_compiles.py checks).
+# the d = 128 settings (with fewer heads per program: DECODE_HEAD_DIMS). programs_per_sm must not exceed what fits;
+# tests/runtime/test_kernel_compiles.py checks it for GQA and multi-head shapes at d = 64, 128 and 256.
 DECODE_CONFIGS = {64: DecodeConfig(16, 32, 2, 3, 4, None), 128: DecodeConfig(16, 32, 2, 3, 4, None)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
-DECODE_MAX_HEADS = 8  # multi-head attention: 16 heads per program would need 200 KB of shared memory
+DECODE_HEAD_DIMS = 512  # KV heads × head dim per program at most: ≈ 42 KB of shared memory, so 4 programs fit an SM
+# (multi-head attention at d = 128 with 8 heads per program took 75 KB, 3 per SM; d = 256 with 8, 140 KB, 1 per SM)
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
@@ -98,7 +100,7 @@ def _programs_target(device: torch.device, D: int) -> int:
 
 def _heads_per_program(H_kv: int, group: int, D: int) -> int:
     """KV heads one decode program serves: enough GQA groups to fill the MMA rows."""
-    return max(1, min(H_kv, decode_config(D).rows // group, DECODE_MAX_HEADS))
+    return max(1, min(H_kv, decode_config(D).rows // group, DECODE_HEAD_DIMS // D))
 
 
 def _row_block(rows: int) -> int:
@@ -273,8 +275,9 @@ def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torc
         _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
     programs = B * -(-H_kv // _heads_per_program(H_kv, group, D))
-    # rounded down: the programs of one launch fit the SMs at once. Rounding up left a second wave of a few programs
-    # whenever B · head groups does not divide the target (batch 32: 576 programs for 528 slots).
+    # rounded down: the INT2 programs of one launch fit the SMs at once (the few short BF16-tier programs of the same
+    # grid come on top). Rounding up left a second wave whenever B · head groups does not divide the target (batch 32:
+    # 576 INT2 programs for 528 slots).
     by_programs = max(1, _programs_target(device, D) // programs)
     by_tokens = -(-T_cap // (2 * _block_n(device, D)))  # at least two tiles per split
     return max(1, min(by_programs, by_tokens))

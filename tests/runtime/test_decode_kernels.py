@@ -154,17 +154,19 @@ def test_group_size_below_head_dim(device):
     _check_against_reference(_query(2, H_kv * group, D, device, 4), clean, dirty, D**-0.5)
 
 
-def test_scale_zero_odd_views(device):
-    """The kernel reads each (scale, zero) float16 pair as one 32-bit word: a view that is not 4-byte aligned and has
-    odd strides (every third float16 of a padded buffer, offset by one) must still give the reference's answer."""
+@pytest.mark.parametrize("width, offset", [(3, 0), (4, 1)], ids=["odd-strides", "misaligned"])
+def test_scale_zero_odd_views(device, width, offset):
+    """The kernel reads each (scale, zero) float16 pair as one 32-bit word, so `ops` copies views it cannot read that
+    way: pairs `width` float16 apart (odd: the halved token stride would be wrong) or starting `offset` float16 into
+    the buffer (2 bytes off: a misaligned 32-bit load, which faults on a GPU; the CPU interpreter reads it anyway)."""
     H_kv, group, D = 2, 2, 64
     clean, dirty = _cache([400, 350], H_kv, D, device, seed=33)
     for name in ("scale_zero_k", "scale_zero_v"):
         sz = dirty[name]
-        padded = torch.full((*sz.shape[:-1], 3), float("nan"), dtype=sz.dtype, device=sz.device)
-        padded[..., 1:] = sz
-        dirty[name] = padded[..., 1:]
-        assert dirty[name].stride(-2) == 3 and dirty[name].data_ptr() % 4 == 2
+        padded = torch.full((*sz.shape[:-1], width), float("nan"), dtype=sz.dtype, device=sz.device)
+        padded[..., offset : offset + 2] = sz
+        dirty[name] = padded[..., offset : offset + 2]
+        assert dirty[name].stride(-2) == width and dirty[name].data_ptr() % 4 == 2 * offset
     _check_against_reference(_query(2, H_kv * group, D, device, 5), clean, dirty, D**-0.5, boundary=("hist", 16))
 
 
