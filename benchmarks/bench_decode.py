@@ -128,9 +128,9 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
 
 
 C = ops.DecodeConfig
-SWEEP = [  # ops.DecodeConfig(rows, tile tokens, warps, stages, programs per SM, register cap)
-    C(16, 64, 4, 3, 4, 128), C(16, 64, 4, 3, 3, 128), C(16, 64, 4, 2, 4, 128),
-    C(16, 32, 2, 3, 4, None), C(16, 32, 2, 3, 5, 128), C(16, 32, 2, 2, 4, None),
+SWEEP = [  # ops.DecodeConfig(tile tokens, warps, stages, programs per SM, register cap)
+    C(64, 1, 3, 8, None), C(64, 1, 2, 8, None), C(32, 1, 3, 8, None), C(128, 1, 3, 8, None),
+    C(64, 2, 3, 4, None), C(64, 1, 3, 12, 168),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
               ((9, 3, 64), 8, 32768)]  # fmt: skip

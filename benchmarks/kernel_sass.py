@@ -5,7 +5,7 @@ The number that matters is warp instructions per (token, KV head) of the INT2 lo
 reading one token-head of a d = 128 INT2 row (K and V, 72 B) at the copy bandwidth leaves ≈ 6 issue slots per SM, so
 a loop above that cannot reach the bandwidth floor whatever its memory pipeline does. Shared memory per program is
 printed too (a kernel above 227 KiB does not launch). Usage:
-    PYTHONPATH=. python benchmarks/kernel_sass.py [--shape 32,8,128] [--rows 16] [--block-n 32] [--warps 2] [--stages 3]
+    PYTHONPATH=. python benchmarks/kernel_sass.py [--shape 32,8,128] [--block-n 64] [--warps 1] [--stages 3]
 """
 
 from __future__ import annotations
@@ -131,7 +131,6 @@ def main():
     ap.add_argument("--shape", default="32,8,128", help="H_q,H_kv,D")
     ap.add_argument("--context", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--rows", type=int, help="default: the head dim's DecodeConfig (ops.DECODE_CONFIGS)")
     ap.add_argument("--block-n", type=int)
     ap.add_argument("--warps", type=int)
     ap.add_argument("--maxnreg", type=int, help="register cap (0: none)")
@@ -141,7 +140,7 @@ def main():
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
     cfg = ops.decode_config(D)
-    cfg = dataclasses.replace(cfg, rows=args.rows or cfg.rows, block_n=args.block_n or cfg.block_n,
+    cfg = dataclasses.replace(cfg, block_n=args.block_n or cfg.block_n,
                               warps=args.warps or cfg.warps, stages=args.stages or cfg.stages,
                               maxnreg=cfg.maxnreg if args.maxnreg is None else args.maxnreg or None)  # fmt: skip
     ops.DECODE_CONFIGS.update({d: cfg for d in ops.DECODE_CONFIGS})
@@ -152,14 +151,14 @@ def main():
         found = loops(compiled.asm["cubin"], Path(tmp))
         res = resources(compiled.asm["cubin"], Path(tmp))
     int2 = max(found, key=lambda f: f[0])  # the INT2 loop is the long one
-    per = int2[0] * warps / (kw["BLOCK_N"] * kw["HPP"])
+    per = int2[0] * warps / kw["BLOCK_N"]
     if args.json:
-        print(json.dumps(dict(triton=triton.__version__, shared=compiled.metadata.shared, warps=warps, HPP=kw["HPP"],
-                              BLOCK_H=kw["BLOCK_H"], BLOCK_N=kw["BLOCK_N"], loop_instructions=int2[0],
+        print(json.dumps(dict(triton=triton.__version__, shared=compiled.metadata.shared, warps=warps, GP=kw["GP"],
+                              BLOCK_N=kw["BLOCK_N"], loop_instructions=int2[0],
                               per_token_head=per, ops=dict(int2[1]), **res)))  # fmt: skip
         return
-    print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: {kw['HPP']} KV heads per program, "
-          f"BLOCK_H {kw['BLOCK_H']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B, "
+    print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: one KV head per program, "
+          f"GP {kw['GP']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B, "
           f"{res['registers']} registers/thread, {res['stack']} B stack (spills)/thread")
     print(f"INT2 loop: {int2[0]} instructions per warp per tile → {per:.1f} warp instructions per token-head")
     print("  " + ", ".join(f"{op} {n}" for op, n in int2[1].most_common(12)))

@@ -24,23 +24,18 @@ LOG2E = 1.4426950408889634
 class DecodeConfig:
     """Launch settings of the decode kernel for one head dim."""
 
-    rows: int  # MMA rows per program: KV heads per program = max(1, rows // GQA group), at most DECODE_HEAD_DIMS // D
-    block_n: int  # INT2 history tokens per tile
+    block_n: int  # INT2 history tokens per tile (the MMA rows of the score dot)
     warps: int
     stages: int  # software-pipeline depth of the history loop
-    programs_per_sm: int  # split-K: at most this many INT2 (batch, head group, split) programs per SM (those resident at once)
+    programs_per_sm: int  # split-K: at most this many INT2 (batch, KV head, split) programs per SM (those resident at once)
     maxnreg: int | None  # register cap (None: the compiler's choice)
 
 
-# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v2.1"): since the scale/zero
-# pairs are read as one word (and pipelined, which costs shared memory), both head dims run best with 32-token tiles,
-# 2 warps, no register cap: 255 registers and ≤ 42 KB of shared memory, so 4 programs fit an SM. Larger head dims use
-# the d = 128 settings (with fewer heads per program: DECODE_HEAD_DIMS). programs_per_sm must not exceed what fits;
-# tests/runtime/test_kernel_compiles.py checks it for GQA and multi-head shapes at d = 64, 128 and 256.
-DECODE_CONFIGS = {64: DecodeConfig(16, 32, 2, 3, 4, None), 128: DecodeConfig(16, 32, 2, 3, 4, None)}
+# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"). programs_per_sm must not
+# exceed what fits an SM (registers, shared memory); tests/runtime/test_kernel_compiles.py checks it for GQA and
+# multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
+DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 8, None), 128: DecodeConfig(64, 1, 3, 8, None)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
-DECODE_HEAD_DIMS = 512  # KV heads × head dim per program at most: ≈ 42 KB of shared memory, so 4 programs fit an SM
-# (multi-head attention at d = 128 with 8 heads per program took 75 KB, 3 per SM; d = 256 with 8, 140 KB, 1 per SM)
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
@@ -98,14 +93,9 @@ def _programs_target(device: torch.device, D: int) -> int:
     return decode_config(D).programs_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _heads_per_program(H_kv: int, group: int, D: int) -> int:
-    """KV heads one decode program serves: enough GQA groups to fill the MMA rows."""
-    return max(1, min(H_kv, decode_config(D).rows // group, DECODE_HEAD_DIMS // D))
-
-
-def _row_block(rows: int) -> int:
-    """Rows of the MMA tile: padded to a power of two (≥ 16 for tensor-core dots on the GPU)."""
-    return max(16 if not _interpret() else 1, triton_next_pow2(rows))
+def _group_block(group: int) -> int:
+    """Query heads per program padded to a power of two (the column side of the score dot)."""
+    return triton_next_pow2(group)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -274,7 +264,7 @@ def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torc
     if num_splits is not None:
         _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
-    programs = B * -(-H_kv // _heads_per_program(H_kv, group, D))
+    programs = B * H_kv
     # rounded down: the INT2 programs of one launch fit the SMs at once (the few short BF16-tier programs of the same
     # grid come on top). Rounding up left a second wave whenever B · head groups does not divide the target (batch 32:
     # 576 INT2 programs for 528 slots).
@@ -325,9 +315,8 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         sink = (_dummy(dev, torch.bfloat16), _dummy(dev, torch.bfloat16), hlen)
     sink, recent = sink or recent, recent or sink
     group = H_q // H_kv
-    hpp = _heads_per_program(H_kv, group, D)
     cfg = decode_config(D)
-    grid = (B * -(-H_kv // hpp), s_sink + s_hist + s_recent)
+    grid = (B * H_kv, s_sink + s_hist + s_recent)
     decode._decode_kernel[grid](
         q, sink[0], sink[1], sink[2], ck, szk, cv, szv, hlen, recent[0], recent[1], recent[2], o, lse,
         H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E,
@@ -337,7 +326,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         *_strides(cv, 3), *_strides(szv, 3),
         *_strides(recent[0], 3), *_strides(recent[1], 3),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        D=D, G=G, HPP=hpp, BLOCK_H=_row_block(hpp * group), BLOCK_N=_block_n(dev, D),
+        D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D),
         BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
         STAGES=cfg.stages, num_warps=cfg.warps, maxnreg=cfg.maxnreg,
     )  # fmt: skip
