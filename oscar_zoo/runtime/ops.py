@@ -34,7 +34,7 @@ class DecodeConfig:
 # Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"). programs_per_sm must not
 # exceed what fits an SM (registers, shared memory); tests/runtime/test_kernel_compiles.py checks it for GQA and
 # multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
-DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 8, None), 128: DecodeConfig(64, 1, 3, 8, None)}
+DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168), 128: DecodeConfig(32, 1, 3, 8, None)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)

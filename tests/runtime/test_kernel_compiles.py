@@ -21,8 +21,8 @@ SM90_SM_SHARED = 228 * 1024  # bytes per SM, of which each resident program also
 SM90_REGISTERS = 65536  # per SM, allocated per warp in units of 8 registers per thread
 
 
-@pytest.mark.parametrize("shape, group_size", [("32,8,128", 0), ("9,3,64", 0), ("32,8,128", 32), ("32,32,128", 0),
-                                                ("16,16,256", 0), ("8,4,256", 0)])  # fmt: skip
+@pytest.mark.parametrize("shape, group_size", [("32,8,128", 0), ("9,3,64", 0), ("32,4,64", 0), ("32,8,128", 32),
+                                                ("32,32,128", 0), ("16,16,256", 0), ("8,4,256", 0)])  # fmt: skip
 def test_decode_kernel_compiles_for_sm90(shape, group_size):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--shape", shape,
