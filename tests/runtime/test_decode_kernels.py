@@ -6,7 +6,6 @@ of a plain bf16 PyTorch run of the same math (plus 1e-5 absolute, for cases wher
 token). Every case also checks that the rule is tight enough to matter: dropping the one token at a tile or split
 boundary moves the float64 answer by more than the tolerance."""
 
-import dataclasses
 import math
 
 import pytest
