@@ -82,7 +82,7 @@ def int2_bytes(B, H_q, H_kv, D, L) -> int:
     hist = L - layout.SINK - layout.RECENT
     cache = 2 * B * H_kv * (hist * layout.bytes_per_token(D, D) + (layout.SINK + layout.RECENT) * D * 2)
     cuda = torch.device("cuda")
-    S = (ops._int2_splits(B, H_kv, D, hist, cuda, None) + ops._bf16_splits(layout.SINK, cuda)
+    S = (ops._int2_splits(B, H_kv, H_q // H_kv, D, hist, cuda, None) + ops._bf16_splits(layout.SINK, cuda)
          + ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda))  # the splits tiered_decode_attention launches
     partials = 2 * B * H_q * S * (D + 1) * 4  # written once, read once by the merge
     return cache + partials + B * H_q * D * 2

@@ -98,6 +98,12 @@ def _group_block(group: int) -> int:
     return triton_next_pow2(group)
 
 
+def _warps(group: int, D: int) -> int:
+    """Warps per program: the head dim's setting, and one more warp per 16 query heads of a large GQA group (a group of
+    64 in one warp holds a [64, D] fp32 accumulator per thread-quarter and spills kilobytes)."""
+    return max(decode_config(D).warps, _group_block(group) // 16)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -260,15 +266,15 @@ def _block_n(device: torch.device, D: int | None) -> int:
     return decode_config(D).block_n if D else DECODE_BLOCK_NB
 
 
-def _int2_splits(B: int, H_kv: int, D: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
+def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
     if num_splits is not None:
         _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
     programs = B * H_kv
     # rounded down: the INT2 programs of one launch fit the SMs at once (the few short BF16-tier programs of the same
-    # grid come on top). Rounding up left a second wave whenever B · KV heads does not divide the target (batch 32:
-    # 576 INT2 programs for 528 slots).
-    by_programs = max(1, _programs_target(device, D) // programs)
+    # grid come on top); rounding up left a second wave whenever B · KV heads does not divide the target. Programs
+    # with more warps (large GQA groups) count for as many one-warp slots.
+    by_programs = max(1, _programs_target(device, D) * decode_config(D).warps // _warps(group, D) // programs)
     by_tokens = -(-T_cap // (2 * _block_n(device, D)))  # at least two tiles per split
     return max(1, min(by_programs, by_tokens))
 
@@ -328,7 +334,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D),
         BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=cfg.stages, num_warps=cfg.warps, maxnreg=cfg.maxnreg,
+        STAGES=cfg.stages, num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
     )  # fmt: skip
 
 
@@ -362,7 +368,7 @@ def decode_int2_partial(
     per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`."""
     H_kv, G, hist_len = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     B, H_q, D = q.shape
-    S = _int2_splits(B, H_kv, D, codes_k.shape[2], q.device, num_splits)
+    S = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, num_splits)
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S)
     o = _alloc((B, H_q, S, D), torch.float32, q.device)
@@ -495,7 +501,7 @@ def tiered_decode_attention(
             q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
             recent_k, recent_v, recent_len, sm_scale,
         )  # fmt: skip
-    s_hist = _int2_splits(B, H_kv, D, codes_k.shape[2], q.device, None)
+    s_hist = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None)
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], q.device), _bf16_splits(recent_k.shape[2], q.device)
     S = s_sink + s_hist + s_recent
     o_part = _alloc((B, H_q, S, D), torch.float32, q.device)
