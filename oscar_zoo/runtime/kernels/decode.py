@@ -5,9 +5,10 @@ group (padded to GP, a power of two); it streams one split of one tier: split < 
 S_HIST splits the INT2 history, the rest the BF16 recent tier. The body is one loop (`_attend`) with a compile-time
 tile loader (INT2 codes or BF16 rows), one online-softmax step and one epilogue.
 
-The tokens sit on the MMA rows: scores are computed transposed, [BLOCK_N, GP] = K·qᵀ, so a tile of 64 tokens fills
-four 16-row MMA tiles and the small GQA group only pads the 8-wide column side; q stays a loop-invariant operand, and
-the softmax runs over the token axis. P·V takes pᵀ as the row operand ([GP, BLOCK_N] · [BLOCK_N, D]).
+The tokens sit on the MMA rows: scores are computed transposed, [BLOCK_N, GP] = K·qᵀ, so a tile of BLOCK_N tokens
+fills BLOCK_N / 16 MMA row tiles and the small GQA group only pads the 8-wide column side of the score dot; q stays a
+loop-invariant operand, and the softmax runs over the token axis. P·V takes pᵀ as the row operand ([GP, BLOCK_N] ·
+[BLOCK_N, D]; there the group is padded to the MMA's 16 rows).
 
 INT2 codes become tensor-core operands without conversion instructions. Quarter k of a packed byte, masked in place
 (k < 3: the code times f_k = 4^k, at most 48) or shifted down (k = 3: f_3 = 1), under a 0x43 high byte is the
@@ -88,7 +89,7 @@ def _attend(
 ):  # fmt: skip
     """Online softmax over one split of one tier for KV head h and its GROUP query heads; writes (o, lse) of
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
-    rows; P·V is pᵀᵀ·V with the query heads as rows."""
+    rows; P·V is pᵀ·V with the query heads as rows."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     b64 = b.to(tl.int64)
