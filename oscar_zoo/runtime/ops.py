@@ -100,7 +100,7 @@ def _group_block(group: int) -> int:
 
 def _warps(group: int, D: int) -> int:
     """Warps per program: the head dim's setting, and one more warp per 16 query heads of a large GQA group (a group of
-    64 in one warp holds a [64, D] fp32 accumulator per thread-quarter and spills kilobytes)."""
+    64 kept its [64, D] fp32 accumulator in one warp's registers and spilled 5 KB per thread)."""
     return max(decode_config(D).warps, _group_block(group) // 16)
 
 
