@@ -194,8 +194,8 @@ class GraphBF16Cache(Cache):
 
 
 def bf16_split_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Attention of "bf16graph": decode steps through the runtime's decode kernel over the exact length (its BF16 tier,
-    the merge in the same launch); a prefill chunk (fill=model) through SDPA over the buffer's exact-length view."""
+    """Attention of "bf16graph": decode steps through ops.decode_bf16_partial + merge over the exact length; a
+    prefill chunk (fill=model) through SDPA over the buffer's exact-length view."""
     layer = GraphBF16Layer.LAYERS[module.layer_idx]
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if query.shape[2] != 1:
@@ -205,19 +205,10 @@ def bf16_split_attention(module, query, key, value, attention_mask, scaling=None
         return out.transpose(1, 2).contiguous(), None
     zero = torch.zeros_like(layer.length)
     B, H_kv, T_cap = layer.keys.shape[:3]
-    H_q, D = query.shape[1], query.shape[-1]
-    splits = ops._int2_splits(B, H_kv, H_q // H_kv, D, T_cap, query.device, None)  # the INT2 split rule
-    if not ops._use_kernel(query):  # CPU without the interpreter: the reference path of the same math
-        o, lse = ops.decode_bf16_partial(query[:, :, 0], layer.empty, layer.empty, zero, layer.keys, layer.values,
-                                         layer.length, scale, num_splits=splits)  # fmt: skip
-        return ops.merge_partials(o, lse)[0].to(query.dtype).unsqueeze(1), None
-    # one launch with the merge folded in, as OSCAR's decode (the empty sink tier takes one empty split)
-    o_part = torch.empty(B, H_q, 1 + splits, D, dtype=torch.float32, device=query.device)
-    lse_part = torch.empty(B, H_q, 1 + splits, dtype=torch.float32, device=query.device)
-    o = torch.empty(B, H_q, D, dtype=torch.float32, device=query.device)
-    lse = torch.empty(B, H_q, dtype=torch.float32, device=query.device)
-    ops._launch_decode(query[:, :, 0], o_part, lse_part, scale, sink=(layer.empty, layer.empty, zero),
-                       recent=(layer.keys, layer.values, layer.length), s_sink=1, s_recent=splits, merged=(o, lse))
+    splits = ops._int2_splits(B, H_kv, query.shape[1] // H_kv, query.shape[-1], T_cap, query.device, None)  # the INT2 split rule
+    o, lse = ops.decode_bf16_partial(query[:, :, 0], layer.empty, layer.empty, zero, layer.keys, layer.values,
+                                     layer.length, scale, num_splits=splits)  # fmt: skip
+    o, _ = ops.merge_partials(o, lse)  # [B, H_q, D] fp32
     return o.to(query.dtype).unsqueeze(1), None
 
 

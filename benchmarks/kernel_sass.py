@@ -71,9 +71,8 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
               torch.empty(batch, dtype=torch.int32)),
         recent=(torch.empty(batch, H_kv, layout.RECENT + layout.FLUSH, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
     )  # fmt: skip
-    orig = (ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n, ops._counters)
+    orig = (ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n)
     try:
-        ops._counters = lambda device, n: torch.empty(n, dtype=torch.int32)
         ops._kernels = lambda: (None, type("M", (), {"_decode_kernel": Grab()}), None)
         ops._programs_target = lambda device, D: ops.decode_config(D).programs_per_sm * 132
         ops._dot_dtype = lambda: tl.bfloat16
@@ -83,10 +82,9 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
         S = s_sink + s_hist + s_recent
         o, lse = torch.empty(batch, H_q, S, D), torch.empty(batch, H_q, S)
         ops._launch_decode(q, o, lse, D**-0.5, sink=tiers["sink"], hist=tiers["hist"], recent=tiers["recent"],
-                           s_sink=s_sink, s_hist=s_hist, s_recent=s_recent,
-                           merged=(torch.empty(batch, H_q, D), torch.empty(batch, H_q)))  # fmt: skip
+                           s_sink=s_sink, s_hist=s_hist, s_recent=s_recent)  # fmt: skip
     finally:
-        ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n, ops._counters = orig
+        ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n = orig
     kw = dict(captured["kw"])
     kw["USE_ASM"] = ops.INT2_ASM_UNPACK
     warps, maxnreg = kw.pop("num_warps"), kw.pop("maxnreg")

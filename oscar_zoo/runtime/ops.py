@@ -293,28 +293,14 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
     return torch.zeros(16, dtype=dtype, device=device)
 
 
-_COUNTERS: dict[torch.device, list[Tensor]] = {}
-
-
-def _counters(device: torch.device, n: int) -> Tensor:
-    """int32 zeros, one per (batch, KV head), in which the one-launch decode counts finished splits (the last program
-    merges and sets its counter back to 0). Made once per device and kept, with any smaller earlier ones (a captured
-    CUDA graph may still use them); launches on one device must therefore not run concurrently on two streams."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def _strides(t: Tensor, n: int) -> tuple[int, ...]:
     return tuple(t.stride())[:n] if t.dim() > 1 else (0,) * n
 
 
-def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0, merged=None):
+def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0):
     """The one decode launch: `s_sink` splits over sink = (k, v, len), `s_hist` over hist = (codes_k, sz_k, codes_v,
-    sz_v, len), `s_recent` over recent = (k, v, len), into o [B, H_q, S, D] / lse [B, H_q, S] (S = the sum), and with
-    merged = (out [B, H_q, D], out_lse [B, H_q]) their merge too, in the same launch. An absent tier gets 0 splits and
-    placeholders."""
+    sz_v, len), `s_recent` over recent = (k, v, len), into o [B, H_q, S, D] / lse [B, H_q, S] (S = the sum).
+    An absent tier gets 0 splits and placeholders."""
     decode = _kernels()[1]
     B, H_q, D = q.shape
     dev = q.device
@@ -337,21 +323,18 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     group = H_q // H_kv
     cfg = decode_config(D)
     grid = (B * H_kv, s_sink + s_hist + s_recent)
-    out, out_lse = merged or (o, lse)  # placeholders when not merging
-    counters = _counters(dev, B * H_kv) if merged else lse
     decode._decode_kernel[grid](
         q, sink[0], sink[1], sink[2], ck, szk, cv, szv, hlen, recent[0], recent[1], recent[2], o, lse,
-        out, out_lse, counters,
         H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         *_strides(sink[0], 3), *_strides(sink[1], 3),
         *_strides(ck, 3), *_strides(szk, 3),
         *_strides(cv, 3), *_strides(szv, 3),
         *_strides(recent[0], 3), *_strides(recent[1], 3),
-        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), out_lse.stride(0),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D),
         BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=cfg.stages, FUSE=merged is not None, num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
+        STAGES=cfg.stages, num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
     )  # fmt: skip
 
 
@@ -507,9 +490,8 @@ def tiered_decode_attention(
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`), exact softmax over their
     union. q [B, H_q, D] already rotated by M_K. Returns o fp32 [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
-    One launch: the split-K decode kernel over all three tiers, whose last program per (batch, KV head) merges the
-    partials; lengths are read on the device (no host sync). Not to be run concurrently on two streams of one device
-    (the merge counters are per device)."""
+    Two launches: the split-K decode kernel over all three tiers, then the merge; lengths are read on the device (no
+    host sync)."""
     H_kv, G, hist_len_i = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     sink_len_i, recent_len_i = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
     _check(sink_k.shape[1] == H_kv, lambda: f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
@@ -524,10 +506,10 @@ def tiered_decode_attention(
     S = s_sink + s_hist + s_recent
     o_part = _alloc((B, H_q, S, D), torch.float32, q.device)
     lse_part = _alloc((B, H_q, S), torch.float32, q.device)
-    out = _alloc((B, H_q, D), torch.float32, q.device)
-    out_lse = _alloc((B, H_q), torch.float32, q.device)
     _launch_decode(q, o_part, lse_part, sm_scale, sink=(sink_k, sink_v, sink_len_i),
                    hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len_i),
-                   recent=(recent_k, recent_v, recent_len_i), s_sink=s_sink, s_hist=s_hist, s_recent=s_recent,
-                   merged=(out, out_lse))
-    return out, out_lse
+                   recent=(recent_k, recent_v, recent_len_i), s_sink=s_sink, s_hist=s_hist, s_recent=s_recent)
+    out = _alloc((B * H_q, D), torch.float32, q.device)
+    out_lse = _alloc((B * H_q,), torch.float32, q.device)
+    _launch_merge(o_part.view(B * H_q, S, D), lse_part.view(B * H_q, S), out, out_lse)
+    return out.view(B, H_q, D), out_lse.view(B, H_q)

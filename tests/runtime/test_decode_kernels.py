@@ -140,18 +140,6 @@ def test_gqa_groups(device, group):
                              boundary=("hist", 16))  # fmt: skip
 
 
-def test_one_launch_merge_repeats(device):
-    """The merge runs in the decode launch: the program that finishes a (batch, KV head) last merges its splits and sets
-    the counter back to zero. Calls in a row on different caches (a counter left set would make the next call merge
-    too early, or never: the poisoned outputs would stay) are each right, and every counter ends at zero."""
-    H_kv, group, D = 2, 4, 64
-    for seed, contexts in ((5, [700, 90]), (6, [330, 1000]), (7, [40, 2000])):
-        clean, dirty = _cache(contexts, H_kv, D, device, seed=seed)
-        q = _query(2, H_kv * group, D, device, seed)
-        _check_against_reference(q, clean, dirty, D**-0.5)
-    assert all(int(buf.abs().sum()) == 0 for buf in ops._COUNTERS[q.device])
-
-
 def test_head_dim_128_ragged_batch(device):
     """Ragged batch: one sequence with an empty history, one with only a sink, one long; D = 128."""
     H_kv, group, D = 2, 4, 128

@@ -228,57 +228,21 @@ def _attend(
 
 
 @triton.jit
-def _merge_group(o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, S,
-                 fo_ptr, flse_ptr, stride_fob, stride_foh, stride_flb, b, h, GROUP, D: tl.constexpr):
-    """Exact log-sum-exp merge of the S partials of KV head h's query heads into the final o [D] and lse (the math of
-    `merge.py`). Partials written by other programs are read through L2 (`.cg`): this SM's L1 never held them."""
-    BLOCK_S: tl.constexpr = 2048 // D
-    b64 = b.to(tl.int64)
-    dims = tl.arange(0, D)
-    offs_s = tl.arange(0, BLOCK_S)
-    for g in range(GROUP):
-        qh = h * GROUP + g
-        lse_row = lse_ptr + b64 * stride_lb + qh * stride_lh
-        o_row = o_ptr + b64 * stride_ob + qh * stride_oh
-        m = tl.full([BLOCK_S], float("-inf"), tl.float32)
-        for s0 in range(0, S, BLOCK_S):
-            m = tl.maximum(m, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < S, other=float("-inf"), cache_modifier=".cg"))
-        m_max = tl.max(m, axis=0)
-        nonempty = m_max > float("-inf")
-        m_safe = tl.where(nonempty, m_max, 0.0)
-        w_sum = tl.zeros([BLOCK_S], tl.float32)
-        acc = tl.zeros([BLOCK_S, D], tl.float32)
-        for s0 in range(0, S, BLOCK_S):
-            lse = tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < S, other=float("-inf"), cache_modifier=".cg")
-            live = lse > float("-inf")
-            w = tl.where(live, tl.exp(lse - m_safe), 0.0)
-            o = tl.load(o_row + (s0 + offs_s)[:, None] * stride_os + dims[None, :], mask=live[:, None], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-            w_sum += w
-            acc += w[:, None] * o
-        total = tl.sum(w_sum, axis=0)
-        tl.store(fo_ptr + b64 * stride_fob + qh * stride_foh + dims, tl.sum(acc, axis=0) / tl.where(nonempty, total, 1.0))
-        tl.store(flse_ptr + b64 * stride_flb + qh,
-                 tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), float("-inf")))
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,  # [B, H_q, D]
     sk_ptr, sv_ptr, slen_ptr,  # sink K/V [B, H_kv, SINK_CAP, D] bf16, lengths [B] int32
     ck_ptr, szk_ptr, cv_ptr, szv_ptr, hlen_ptr,  # history codes [B, H_kv, T_cap, D/4] u8, scale/zero [.., D/G, 2] f16
     rk_ptr, rv_ptr, rlen_ptr,  # recent K/V [B, H_kv, RECENT_CAP, D] bf16
     o_ptr, lse_ptr,  # partials [B, H_q, S, D] f32, [B, H_q, S] f32
-    fo_ptr, flse_ptr, cnt_ptr,  # FUSE: merged o [B, H_q, D] f32, lse [B, H_q] f32; int32 [B·H_kv] counters, all zero
     H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale,
     stride_qb, stride_qh,
     stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
     stride_ckb, stride_ckh, stride_ckt, stride_szkb, stride_szkh, stride_szkt,
     stride_cvb, stride_cvh, stride_cvt, stride_szvb, stride_szvh, stride_szvt,
     stride_rkb, stride_rkh, stride_rkt, stride_rvb, stride_rvh, stride_rvt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fob, stride_foh, stride_flb,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr, FUSE: tl.constexpr,
+    BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     b = pid // H_kv
@@ -309,13 +273,3 @@ def _decode_kernel(
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h, GROUP, qk_scale,
                 True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES)
-    if FUSE:
-        # The program that finishes its (batch, KV head) last merges the partials of all its splits, so decode is one
-        # launch. Every thread's partial stores come before the counter's release (the barrier); the last program's
-        # acquire comes before its loads. It resets the counter for the next launch (or graph replay).
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == S_SINK + S_HIST + S_RECENT - 1:
-            _merge_group(o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, S_SINK + S_HIST + S_RECENT,
-                         fo_ptr, flse_ptr, stride_fob, stride_foh, stride_flb, b, h, GROUP, D)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
