@@ -36,6 +36,7 @@ class DecodeConfig:
 # multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
 DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168), 128: DecodeConfig(32, 1, 3, 8, None)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
+DECODE_MIN_TILES = 2  # INT2 history tiles per split at least (short contexts: fewer, longer splits, fewer partials)
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
@@ -275,7 +276,7 @@ def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torc
     # grid come on top); rounding up left a second wave whenever B · KV heads does not divide the target. Programs
     # with more warps (large GQA groups) count for as many one-warp slots.
     by_programs = max(1, _programs_target(device, D) * decode_config(D).warps // _warps(group, D) // programs)
-    by_tokens = -(-T_cap // (2 * _block_n(device, D)))  # at least two tiles per split
+    by_tokens = -(-T_cap // (DECODE_MIN_TILES * _block_n(device, D)))  # at least DECODE_MIN_TILES tiles per split
     return max(1, min(by_programs, by_tokens))
 
 
