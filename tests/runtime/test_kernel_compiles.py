@@ -56,5 +56,7 @@ def test_quantize_kernel_compiles_for_sm90(d, ratio, group_size):
     r = json.loads(proc.stdout.splitlines()[-1])
     assert r["shared"] <= SM90_SHARED
     assert r["ops"].get("HMNMX2", 0) > 0  # the order statistic runs on packed bf16 pairs
-    assert r["ops"].get("SHFL", 0) == 0  # every row reduction stays in its thread
-    assert r["ops"].get("STL", 0) <= (4 if group_size else 0), "register spills (local-memory stores)"
+    # every row reduction stays in its thread: at most the few shuffles of the block's largest-m reduction (the
+    # per-row dispatch); a row spread over lanes, as Triton 3.6 made of the earlier load, took 516
+    assert r["ops"].get("SHFL", 0) <= 8
+    assert r["stack"] <= 32, "register spills beyond a few words (Triton 3.6 spilled 1.4-5 KB per thread before)"

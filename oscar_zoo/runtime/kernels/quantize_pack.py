@@ -365,6 +365,21 @@ def _kth_smallest_peel(ax, kk, D: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(row_ptrs, row_ok, LO: tl.constexpr, N: tl.constexpr):
+    """Dims 8·LO .. 8·(LO + N) of every row, [BLOCK_T, 8·N], as N 16-byte loads per thread, so each thread holds its
+    row: a load of [BLOCK_T, 8] has one thread per row (its fast axis is one vector), and joining such loads only adds
+    register axes. (One [BLOCK_T, D] load is coalesced along D instead, spreading a row over 16 lanes, and every row
+    reduction then needs shuffles: what Triton 3.6 made of the earlier [D/8, BLOCK_T, 8] load.)"""
+    if N == 1:
+        return tl.load(row_ptrs[:, None] + LO * 8 + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        lo = _load_rows(row_ptrs, row_ok, LO, N // 2)
+        hi = _load_rows(row_ptrs, row_ok, LO + N // 2, N // 2)
+        both = tl.permute(tl.join(lo, hi), (0, 2, 1))  # [BLOCK_T, 2, 4·N]: the halves in order
+        return tl.reshape(both, [both.shape[0], 8 * N])
+
+
+@triton.jit
 def _quantize_pack_kernel(
     # pointers
     x_ptr,  # [B, H, T, D] any float dtype (last dim contiguous)
@@ -416,11 +431,7 @@ def _quantize_pack_kernel(
         h = bh % H
     dims = tl.arange(0, D)
     x_row = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + t.to(tl.int64) * stride_xt
-    # [D/8, BLOCK_T, 8]: 16-byte vectors, consecutive rows on consecutive lanes (the coalescer gives each thread a row)
-    v8 = tl.arange(0, 8)
-    c8 = tl.arange(0, D // 8) * 8
-    x_ptrs = x_ptr + x_row[None, :, None] + c8[:, None, None] + v8[None, None, :]
-    x_in = tl.reshape(tl.permute(tl.load(x_ptrs, mask=row_ok[None, :, None], other=0.0), (1, 0, 2)), [BLOCK_T, D])
+    x_in = _load_rows(x_ptr + x_row, row_ok, 0, D // 8)  # [BLOCK_T, D], each row in one thread
 
     if ROTATE:
         rot = tl.load(rot_ptr + h * stride_rh + dims[:, None] * D + dims[None, :]).to(tl.float32)  # [D, D]
