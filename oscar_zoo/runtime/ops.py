@@ -199,9 +199,9 @@ def quantize_pack(
     B, H, T, _ = x4.shape
     _check(rotation is not None or B * H * T < 2**31, lambda: f"{B * H * T} rows exceed the kernel's int32 row index")
     # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch). A float ratio goes
-    # the same way through a cached device scalar: the kernel specialised for a constant index (MAX_M 8/16, only
-    # that top-k path compiled; benchmarks/quantize_sass.py counts it) ran 4.7–14 ms instead of ≈ 0.34 ms at 1M rows
-    # on the H200 (Triton 3.6), cause not found yet
+    # the same way through a cached device scalar: the build specialised for one top-k path (MAX_M 8/16;
+    # benchmarks/quantize_sass.py counts it) measured only 5 % faster on the H200 (benchmarks/RESULTS.md,
+    # "Quantize/pack v2.1"), not worth a recompile per ratio
     ratio = clip_ratio if isinstance(clip_ratio, Tensor) else _ratio_scalar(float(clip_ratio), x.device)
     ratio = ratio if ratio.device == x.device else ratio.to(x.device)
     ratio = ratio.float() if ratio.dtype == torch.bool else ratio
