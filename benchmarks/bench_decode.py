@@ -157,17 +157,20 @@ TILES_ROWS = [((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 16384), ((9, 3, 64), 1, 327
 
 
 def sweep_tiles(gen, copy_bw, values=(2, 4, 8, 16)):
-    """Try `ops.DECODE_MIN_TILES` (history tiles per split at least) on the batch-1 rows, where it sets the split count."""
+    """Try `ops.DECODE_MIN_TILES` (history tiles per split at least; it sets the split count at short contexts) on
+    short-context rows, mostly batch 1."""
     out, default = [], ops.DECODE_MIN_TILES
-    for tiles in values:
-        ops.DECODE_MIN_TILES = tiles
-        for (H_q, H_kv, D), B, L in TILES_ROWS:
-            r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
-            r["min_tiles"] = tiles
-            out.append(r)
-            print(f"tiles {tiles} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us "
-                  f"({r['speedup']:.2f}x)", flush=True)  # fmt: skip
-    ops.DECODE_MIN_TILES = default
+    try:
+        for tiles in values:
+            ops.DECODE_MIN_TILES = tiles
+            for (H_q, H_kv, D), B, L in TILES_ROWS:
+                r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
+                r["min_tiles"] = tiles
+                out.append(r)
+                print(f"tiles {tiles} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us "
+                      f"({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+    finally:
+        ops.DECODE_MIN_TILES = default
     return out
 
 
@@ -175,22 +178,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="headline rows only")
     ap.add_argument("--sweep", action="store_true", help="try launch settings first")
-    ap.add_argument("--sweep-tiles", action="store_true", help="try ops.DECODE_MIN_TILES on batch-1 rows, then stop")
+    ap.add_argument("--sweep-tiles", type=int, nargs="*", metavar="N",
+                    help="try these ops.DECODE_MIN_TILES values (default 2 4 8 16) on short-context rows, then stop")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, torch=torch.__version__,
                   triton=triton.__version__, rows=[])  # fmt: skip
-    if args.sweep_tiles:
-        result["sweep_tiles"] = sweep_tiles(gen, copy_bw)
+    if args.sweep_tiles is not None:
+        result["sweep_tiles"] = sweep_tiles(gen, copy_bw, args.sweep_tiles or (2, 4, 8, 16))
     if args.sweep:
         result["sweep"] = sweep(gen, copy_bw)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
                   ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
-    if args.sweep_tiles:
+    if args.sweep_tiles is not None:
         combos = []
     for (H_q, H_kv, D), B, L in combos:
         r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
@@ -202,6 +206,8 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_decode.json"), "w") as f:
             json.dump(result, f, indent=2)
+    if not result["rows"]:
+        return
     print("\nCUDA-graph replays (eager launches in the last two columns)")
     print("| heads q/kv | d | batch | context | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw | floor µs "
           "| eager OSCAR µs | eager SDPA µs |")

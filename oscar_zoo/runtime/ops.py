@@ -200,7 +200,7 @@ def quantize_pack(
     _check(rotation is not None or B * H * T < 2**31, lambda: f"{B * H * T} rows exceed the kernel's int32 row index")
     # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch). A float ratio goes
     # the same way through a cached device scalar: the build specialised for one top-k path (MAX_M 8/16;
-    # benchmarks/quantize_sass.py counts it) measured only 5 % faster on the H200 (benchmarks/RESULTS.md,
+    # benchmarks/quantize_sass.py counts it) measured only 6–10 % faster on the H200 (benchmarks/RESULTS.md,
     # "Quantize/pack v2.1"), not worth a recompile per ratio
     ratio = clip_ratio if isinstance(clip_ratio, Tensor) else _ratio_scalar(float(clip_ratio), x.device)
     ratio = ratio if ratio.device == x.device else ratio.to(x.device)

@@ -56,7 +56,10 @@ def test_quantize_kernel_compiles_for_sm90(d, ratio, group_size):
     r = json.loads(proc.stdout.splitlines()[-1])
     assert r["shared"] <= SM90_SHARED
     assert r["ops"].get("HMNMX2", 0) > 0  # the order statistic runs on packed bf16 pairs
-    # every row reduction stays in its thread: at most the few shuffles of the block's largest-m reduction (the
-    # per-row dispatch); a row spread over lanes, as Triton 3.6 made of the earlier load, took 516
-    assert r["ops"].get("SHFL", 0) <= 8
-    assert r["stack"] <= 32, "register spills beyond a few words (Triton 3.6 spilled 1.4-5 KB per thread before)"
+    # every row reduction stays in its thread: the per-row dispatch (a ratio tensor) adds only the few shuffles of the
+    # block's largest-m reduction (Triton 3.6: 4), and its build spills 32 B with Triton 3.9 (none with 3.6). This runs
+    # with the installed Triton; what the GPU image's 3.6 made of the earlier row load (516 shuffles, 56 B to 5 KB of
+    # spills) shows only with a 3.6 wheel first on PYTHONPATH (README: kernel_sass.py / quantize_sass.py).
+    dispatch = ratio == "tensor"
+    assert r["ops"].get("SHFL", 0) <= (8 if dispatch else 0)
+    assert r["stack"] <= (32 if dispatch else 0), "register spills"
