@@ -16,7 +16,7 @@ import torch
 
 from ..artifacts import Rotations
 from ..manifest import ClipMode, Granularity, Manifest
-from .oscar_pt import average_heads, is_per_head
+from .oscar_pt import is_per_head, layer_rotations
 from .sglang import reference_clip_ratios
 
 
@@ -41,8 +41,7 @@ def as_exported(manifest: Manifest, r: Rotations) -> ExportedForm:
     """`r` (loaded with `manifest`) in the form `export --format oscar-pt|sglang` deploys."""
     per_head = is_per_head(manifest, r)
     L = r.k_rotation.shape[0]
-    k_rot = average_heads(r.k_rotation) if per_head else r.k_rotation[:, 0]  # [L, D, D], as export writes them
-    v_rot = average_heads(r.v_rotation) if per_head else r.v_rotation[:, 0]
+    k_rot, v_rot = layer_rotations(r, per_head)  # [L, D, D], as export writes them
     k_ratio, v_ratio = reference_clip_ratios(r.k_clip, r.v_clip)
     rotations = Rotations(
         k_rotation=k_rot.unsqueeze(1).contiguous(), v_rotation=v_rot.unsqueeze(1).contiguous(),  # [L, 1, D, D]

@@ -180,6 +180,13 @@ def is_per_head(manifest: Manifest, r: Rotations) -> bool:
     return manifest.rotation.granularity == Granularity.PER_HEAD and r.k_rotation.shape[1] > 1
 
 
+def layer_rotations(r: Rotations, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rotations [L, D, D] as export writes them: each layer's heads averaged (`average_heads`), or its one."""
+    if per_head:
+        return average_heads(r.k_rotation), average_heads(r.v_rotation)
+    return r.k_rotation[:, 0], r.v_rotation[:, 0]
+
+
 @dataclass(frozen=True)
 class ExportResult:
     k_path: Path
@@ -209,8 +216,7 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncen
                          "--granularity per-layer; measure the averaged form first with "
                          f"`oscar-zoo verify {shlex.quote(str(artifacts))} --as-exported`")
     k_agree, v_agree = head_agreement(r.k_rotation), head_agreement(r.v_rotation)
-    k_rot = average_heads(r.k_rotation) if per_head else r.k_rotation[:, 0]
-    v_rot = average_heads(r.v_rotation) if per_head else r.v_rotation[:, 0]
+    k_rot, v_rot = layer_rotations(r, per_head)
     k_eig = r.k_eigenvalues.mean(dim=1)  # per head ascending -> their mean stays ascending (informational only)
     v_eig = r.v_eigenvalues.mean(dim=1)
     out = Path(out)
