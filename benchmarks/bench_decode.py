@@ -174,12 +174,40 @@ def sweep_tiles(gen, copy_bw, values=(2, 4, 8, 16)):
     return out
 
 
+VARIANT_ROWS = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
+                ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
+
+
+def sweep_variants(gen, copy_bw, slacks=(0.0, 8.0)):
+    """Programmatic dependent launch off/on × `DecodeConfig.rescale_slack` values (both head dims), on the headline
+    rows; each variant's rows in one pass, the variants interleaved twice so drift shows."""
+    out, pdl0, cfg0 = [], ops.DECODE_PDL, dict(ops.DECODE_CONFIGS)
+    try:
+        for rep in range(2):
+            for pdl in (False, True):
+                for slack in slacks:
+                    ops.DECODE_PDL = pdl
+                    ops.DECODE_CONFIGS.update({d: dataclasses.replace(c, rescale_slack=slack) for d, c in cfg0.items()})
+                    for (H_q, H_kv, D), B, L in VARIANT_ROWS:
+                        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
+                        r.update(pdl=pdl, rescale_slack=slack, rep=rep)
+                        out.append(r)
+                        print(f"variant pdl={pdl} slack={slack} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, "
+                              f"sdpa {r['sdpa_us']:.1f} us ({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+    finally:
+        ops.DECODE_PDL = pdl0
+        ops.DECODE_CONFIGS.update(cfg0)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="headline rows only")
     ap.add_argument("--sweep", action="store_true", help="try launch settings first")
     ap.add_argument("--sweep-tiles", type=int, nargs="*", metavar="N",
                     help="try these ops.DECODE_MIN_TILES values (default 2 4 8 16) on short-context rows, then stop")
+    ap.add_argument("--sweep-variants", action="store_true",
+                    help="programmatic dependent launch off/on × rescale slack 0/8 on the headline rows, then stop")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -190,11 +218,13 @@ def main():
         result["sweep_tiles"] = sweep_tiles(gen, copy_bw, args.sweep_tiles or (2, 4, 8, 16))
     if args.sweep:
         result["sweep"] = sweep(gen, copy_bw)
+    if args.sweep_variants:
+        result["sweep_variants"] = sweep_variants(gen, copy_bw)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
                   ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
-    if args.sweep_tiles is not None:
+    if args.sweep_tiles is not None or args.sweep_variants:
         combos = []
     for (H_q, H_kv, D), B, L in combos:
         r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)

@@ -88,6 +88,7 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
     kw = dict(captured["kw"])
     kw["USE_ASM"] = ops.INT2_ASM_UNPACK
     warps, maxnreg = kw.pop("num_warps"), kw.pop("maxnreg")
+    kw.pop("launch_pdl")
     fn = decode._decode_kernel
     values = dict(zip([n for n in fn.arg_names if n not in kw], captured["args"]))
     src = _specialise(fn, values, kw)
@@ -135,6 +136,7 @@ def main():
     ap.add_argument("--warps", type=int)
     ap.add_argument("--maxnreg", type=int, help="register cap (0: none)")
     ap.add_argument("--stages", type=int, help="software-pipeline depth of the INT2 loop")
+    ap.add_argument("--slack", type=float, help="DecodeConfig.rescale_slack (0: rescale whenever a maximum grows)")
     ap.add_argument("--group-size", type=int, default=0, help="scale/zero group (0: one per row)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
@@ -142,7 +144,8 @@ def main():
     cfg = ops.decode_config(D)
     cfg = dataclasses.replace(cfg, block_n=args.block_n or cfg.block_n,
                               warps=args.warps or cfg.warps, stages=args.stages or cfg.stages,
-                              maxnreg=cfg.maxnreg if args.maxnreg is None else args.maxnreg or None)  # fmt: skip
+                              maxnreg=cfg.maxnreg if args.maxnreg is None else args.maxnreg or None,
+                              rescale_slack=cfg.rescale_slack if args.slack is None else args.slack)  # fmt: skip
     ops.DECODE_CONFIGS.update({d: cfg for d in ops.DECODE_CONFIGS})
     import tempfile
 

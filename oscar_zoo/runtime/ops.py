@@ -29,17 +29,21 @@ class DecodeConfig:
     stages: int  # software-pipeline depth of the history loop
     programs_per_sm: int  # split-K: at most this many INT2 (batch, KV head, split) programs per SM (those resident at once)
     maxnreg: int | None  # register cap (None: the compiler's choice)
+    # online softmax: 0 rescales the running sums whenever a maximum grows; s > 0 keeps a stale maximum until one grows
+    # by more than s (log2 units), so most tiles skip the rescale (the partial sums stay ≤ 2^s times larger)
+    rescale_slack: float = 0.0
 
 
 # Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"). programs_per_sm must not
 # exceed what fits an SM (registers, shared memory); tests/runtime/test_kernel_compiles.py checks it for GQA and
 # multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
-DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168), 128: DecodeConfig(32, 1, 3, 8, None)}
+DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168, 8.0), 128: DecodeConfig(32, 1, 3, 8, None, 8.0)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
 DECODE_MIN_TILES = 2  # INT2 history tiles per split at least (short contexts: fewer, longer splits, fewer partials)
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
+DECODE_PDL = os.environ.get("OSCAR_PDL", "1") == "1"  # GPU ≥ sm_90: launch the merge (and decode) early, see _pdl
 QUANT_WARPS = 4  # quantize/pack: one row per thread, 32·QUANT_WARPS rows per program (benchmarks/quantize_sass.py)
 
 
@@ -82,6 +86,18 @@ def _dot_dtype():
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _pdl(t: Tensor) -> bool:
+    """Programmatic dependent launch (sm_90+): the decode and merge kernels are launched before the kernel ahead of
+    them ends and wait for it on the device (`griddepcontrol.wait` before their first load), which hides a launch gap
+    per kernel; CUDA graphs keep the dependency."""
+    return DECODE_PDL and t.is_cuda and _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
 
 
 def decode_config(D: int) -> DecodeConfig:
@@ -335,7 +351,8 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D),
         BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=cfg.stages, num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
+        STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=_pdl(q), num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
+        launch_pdl=_pdl(q),
     )  # fmt: skip
 
 
@@ -470,7 +487,8 @@ def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor) -> None:
         o3, l2, out, out_lse,
         S,
         o3.stride(0), o3.stride(1), l2.stride(0), out.stride(0),
-        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, 4096 // block_d)), num_warps=4,
+        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, 4096 // block_d)), PDL=_pdl(o3), num_warps=4,
+        launch_pdl=_pdl(o3),
     )  # fmt: skip
 
 

@@ -6,6 +6,7 @@ of a plain bf16 PyTorch run of the same math (plus 1e-5 absolute, for cases wher
 token). Every case also checks that the rule is tight enough to matter: dropping the one token at a tile or split
 boundary moves the float64 answer by more than the tolerance."""
 
+import dataclasses
 import math
 
 import pytest
@@ -24,10 +25,10 @@ def _tier_lengths(L: int) -> tuple[int, int, int]:
     return sink, hist, rest - hist
 
 
-def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths=None):
+def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths=None, key_ramp=None):
     """A random three-tier cache for per-batch contexts (or explicit per-batch (sink, history, recent) `lengths`);
     memory past each length holds garbage (NaN for the kernel, finite for the reference, whose masked einsum would
-    turn 0·NaN into NaN)."""
+    turn 0·NaN into NaN). `key_ramp` = (first, last) scales the history keys linearly over the token axis."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lengths or [_tier_lengths(L) for L in contexts], dtype=torch.int32)  # [B, 3]
     B = lens.shape[0]
@@ -39,7 +40,10 @@ def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths
 
     sink_k, sink_v = (rand(B, H_kv, SINK_CAP, D) * scale).bfloat16(), rand(B, H_kv, SINK_CAP, D).bfloat16()
     rec_k, rec_v = (rand(B, H_kv, RECENT_CAP, D) * scale).bfloat16(), rand(B, H_kv, RECENT_CAP, D).bfloat16()
-    ck, szk = reference.quantize_pack_ref(rand(B, H_kv, T_cap, D) * scale, 0.96, group_size)
+    hist_k = rand(B, H_kv, T_cap, D) * scale
+    if key_ramp is not None:
+        hist_k = hist_k * torch.linspace(*key_ramp, T_cap)[:, None]
+    ck, szk = reference.quantize_pack_ref(hist_k, 0.96, group_size)
     cv, szv = reference.quantize_pack_ref(rand(B, H_kv, T_cap, D), 0.92, group_size)
     clean = dict(sink_k=sink_k, sink_v=sink_v, sink_len=lens[:, 0], codes_k=ck, scale_zero_k=szk, codes_v=cv,
                  scale_zero_v=szv, hist_len=lens[:, 1], recent_k=rec_k, recent_v=rec_v, recent_len=lens[:, 2])  # fmt: skip
@@ -138,6 +142,22 @@ def test_gqa_groups(device, group):
     clean, dirty = _cache([500], H_kv, D, device, seed=group)
     _check_against_reference(_query(1, H_kv * group, D, device, group), clean, dirty, D**-0.5,
                              boundary=("hist", 16))  # fmt: skip
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_lazy_rescale_growing_scores(device, monkeypatch, D):
+    """`DecodeConfig.rescale_slack` = 8 (a stale running maximum in the INT2 loop until a head's grows by more than 8
+    in log2 units): history keys whose scale ramps from 0.1 to 4 over the tokens make the maximum grow in small steps
+    over many tiles (kept stale) and in steps above the slack (rescaled), and make the history's last tokens dominate
+    the softmax; a running sum (l, Σp·s, Σp·s·z, an accumulator) left unrescaled, or a maximum never stored, breaks
+    the rule by far (checked by editing each out). No dropped-token check: logits this large make the bf16 run, and
+    so the tolerance, coarse."""
+    for d, c in dict(ops.DECODE_CONFIGS).items():
+        monkeypatch.setitem(ops.DECODE_CONFIGS, d, dataclasses.replace(c, rescale_slack=8.0))
+    H_kv, group = 2, 4
+    clean, dirty = _cache([1100, 700], H_kv, D, device, seed=D, key_ramp=(0.1, 4.0))
+    q = _query(2, H_kv * group, D, device, D)
+    _check_against_reference(q, clean, dirty, D**-0.5)
 
 
 def test_head_dim_128_ragged_batch(device):

@@ -38,15 +38,18 @@ def test_merge_equals_full_softmax_for_any_split(device, D):
 
 def test_merge_matches_reference_with_empty_and_all_empty(device):
     g = torch.Generator().manual_seed(0)
-    B, H, S, D = 2, 3, 37, 64  # S > the kernel's split block: several chunks
+    B, H, S, D = 2, 3, 300, 64  # S > the kernel's split block (256 here): two chunks, the online step between them
     o = torch.randn(B, H, S, D, generator=g)
     lse = torch.randn(B, H, S, generator=g) * 5
     empty = torch.rand(B, H, S, generator=g) < 0.4
+    empty[0, 0, 260] = False
+    lse[0, 0, 260] = 40.0  # the largest partial in the second chunk: the first chunk's sums are rescaled
     lse[empty] = -math.inf
     o[empty] = 0.0
     lse[1, 2] = -math.inf  # an all-empty row
     o[1, 2] = 0.0
-    m, m_lse = ops.merge_partials(o.to(device), lse.to(device))
+    garbage = o.masked_fill(torch.isinf(lse)[..., None], float("nan"))  # empty partials' o is never read
+    m, m_lse = ops.merge_partials(garbage.to(device), lse.to(device))
     r, r_lse = reference.merge_partials_ref(o, lse)
     assert m.shape == (B, H, D) and m_lse.shape == (B, H)
     torch.testing.assert_close(m.cpu(), r, atol=1e-5, rtol=1e-5)

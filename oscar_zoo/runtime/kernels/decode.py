@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -85,7 +86,7 @@ def _attend(
     o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split,
     b, h, GROUP, qk_scale,
     INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr, SLACK: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of one tier for KV head h and its GROUP query heads; writes (o, lse) of
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
@@ -173,11 +174,28 @@ def _attend(
 
         # ---- online softmax step (over the token axis)
         m_new = tl.maximum(m_i, tl.max(sT, axis=0))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
+        if SLACK > 0:  # INT2 only (a BF16 split is one tile: nothing to rescale)
+            # lazy rescale: keep a stale maximum until some head's grows past it by more than SLACK (log2 units), so
+            # most tiles skip the rescale; p ≤ 2^SLACK meanwhile (exact in fp32 sums, same relative bf16 rounding)
+            if tl.max((m_new > m_i + SLACK).to(tl.int32), axis=0) > 0:
+                m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+                alpha = tl.exp2(m_i - m_safe)
+                l_t = l_t * alpha[None, :]
+                psum_t = psum_t * alpha[None, :]
+                pz_t = pz_t * alpha[None, :]
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_new
+            alpha = tl.full([GP], 1.0, tl.float32)
+            m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
+        else:
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_safe)
+            m_i = m_new
         p = tl.exp2(sT - m_safe[None, :])  # [BLOCK_N, GP]
         l_t = l_t * alpha[None, :] + p
-        m_i = m_new
 
         # ---- P·V: [GP, BLOCK_N] · [BLOCK_N, dims]
         if INT2:
@@ -243,7 +261,13 @@ def _decode_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
+    SLACK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        # programmatic dependent launch: wait for the kernel before (it may have written q or the cache), then let
+        # the merge launch and wait on this grid while it runs (no launch gap between the two)
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     b = pid // H_kv
     h = pid % H_kv
@@ -264,7 +288,7 @@ def _decode_kernel(
                 len_ptr, tl.where(in_sink, s, s - S_SINK - S_HIST), tl.where(in_sink, S_SINK, S_RECENT),
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h, GROUP, qk_scale,
-                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1)
+                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0)
     else:
         _attend(q_ptr, stride_qb, stride_qh,
                 ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt,
@@ -272,4 +296,4 @@ def _decode_kernel(
                 hlen_ptr, s - S_SINK, S_HIST,
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h, GROUP, qk_scale,
-                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES)
+                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK)

@@ -2,13 +2,14 @@
 
 Grid (output row = batch · query head, slice of D): enough programs to keep the GPU's memory pipes busy when there are
 few rows and many splits (batch 1 at long context), and big [splits × dims] tiles so each program has few dependent
-loads in flight. Partials with lse = −inf contribute nothing.
+loads in flight (one round trip when the splits fit one tile). Partials with lse = −inf contribute nothing.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -19,31 +20,35 @@ def _merge_kernel(
     out_lse_ptr,  # [N] float32
     S,
     stride_on, stride_os, stride_ln, stride_outn,
-    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_wait()  # launched early (programmatic dependent launch): the partials are complete only after this
     n = tl.program_id(0).to(tl.int64)
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
     lse_row = lse_ptr + n * stride_ln
 
-    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        m = tl.maximum(m, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < S, other=float("-inf")))
-    m_max = tl.max(m, axis=0)
-    nonempty = m_max > float("-inf")
-    m_safe = tl.where(nonempty, m_max, 0.0)
-
+    # one pass, online over chunks of BLOCK_S partials (usually one chunk): a chunk's lse and o loads are issued
+    # together, with no dependence between them (o is masked after the load, so garbage in empty partials is dropped)
+    m = tl.full([], float("-inf"), tl.float32)
     w_sum = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     for s0 in range(0, S, BLOCK_S):
         s_ok = s0 + offs_s < S
         lse = tl.load(lse_row + s0 + offs_s, mask=s_ok, other=float("-inf"))
-        live = lse > float("-inf")
-        w = tl.where(live, tl.exp(lse - m_safe), 0.0)
-        o = tl.load(o_ptr + n * stride_on + (s0 + offs_s)[:, None] * stride_os + dims[None, :], mask=live[:, None],
+        o = tl.load(o_ptr + n * stride_on + (s0 + offs_s)[:, None] * stride_os + dims[None, :], mask=s_ok[:, None],
                     other=0.0)  # fmt: skip
-        w_sum += w
-        acc += w[:, None] * o
+        live = lse > float("-inf")
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - m_safe)  # 0 while m = −inf
+        w = tl.where(live, tl.exp(lse - m_safe), 0.0)
+        w_sum = w_sum * alpha + w
+        acc = acc * alpha + w[:, None] * tl.where(live[:, None], o, 0.0)
+        m = m_new
+    nonempty = m > float("-inf")
+    m_safe = tl.where(nonempty, m, 0.0)
     total = tl.sum(w_sum, axis=0)
     out = tl.sum(acc, axis=0) / tl.where(nonempty, total, 1.0)
     tl.store(out_ptr + n * stride_outn + dims, out)
