@@ -223,7 +223,7 @@ def main():
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
-                  ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
+                  ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
     if args.sweep_tiles is not None or args.sweep_variants:
         combos = []
     for (H_q, H_kv, D), B, L in combos:

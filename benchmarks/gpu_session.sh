@@ -8,6 +8,7 @@
 #   transformers' QuantizedCache INT2 rows at $CONTEXTS (default "32768 100000"), batches 1 and 8
 # variants: the decode, merge, quantize and attention GPU tests, then bench_decode.py --sweep-variants (programmatic
 #   dependent launch off/on × rescale slack 0/8)
+# decode: the decode-kernel and static-step GPU tests, then the headline decode rows (bench_decode.py --quick)
 # kernels: tests + the decode-kernel launch-setting sweep and headline rows (bench_decode.py --sweep --quick) and the
 #   quantize/pack rows: the first thing to run after a kernel change
 set -uo pipefail
@@ -22,6 +23,12 @@ if [ "$mode" = peers ]; then
   python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-32768 100000} --batches 1 8 \
     --kinds oscar bf16graph hf-quanto-int2 hf-hqq-int2 --budget-contexts --phases 100000:1 \
     2>&1 | tee "$OUT/bench_generate_peers.log" | tail -30
+  exit 0
+fi
+if [ "$mode" = decode ]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_decode_kernels.py tests/runtime/test_static_step.py \
+    2>&1 | tee "$OUT/test_gpu.log" | tail -3
+  python3 benchmarks/bench_decode.py --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
   exit 0
 fi
 if [ "$mode" = variants ]; then

@@ -2,8 +2,9 @@
 
 Grid (batch × KV heads, S_SINK + S_HIST + S_RECENT). A program serves one KV head and the GROUP query heads of its GQA
 group (padded to GP, a power of two); it streams one split of one tier: split < S_SINK reads the BF16 sink, the next
-S_HIST splits the INT2 history, the rest the BF16 recent tier. The body is one loop (`_attend`) with a compile-time
-tile loader (INT2 codes or BF16 rows), one online-softmax step and one epilogue.
+S_HIST splits the INT2 history, the rest the BF16 recent tier. One body (`_attend`) serves both: a tile is INT2 codes
+(`_int2_tile`; a split's whole tiles run unmasked and software-pipelined, its last partial tile masked) or BF16 rows
+(a BF16 split is one masked tile), with one online-softmax step (`_softmax_step`) and one epilogue.
 
 The tokens sit on the MMA rows: scores are computed transposed, [BLOCK_N, GP] = K·qᵀ, so a tile of BLOCK_N tokens
 fills BLOCK_N / 16 MMA row tiles and the small GQA group only pads the 8-wide column side of the score dot; q stays a
@@ -68,13 +69,112 @@ def _dequant_quarter(packed, sz_rows, stride_t, tok64, tok_ok, cols, QUARTER: tl
 
 
 @triton.jit
-def _scale_zero(sz_row, tok, stride_t, tok_ok):
+def _scale_zero(sz_row, tok, stride_t, tok_ok, MASKED: tl.constexpr):
     """[BLOCK_N] fp32 scale and zero of each token, from one 32-bit load of its float16 pair (scale in the low half;
     `ops` guarantees 4-byte alignment and even strides)."""
-    w = tl.load(sz_row + tok * (stride_t // 2), mask=tok_ok, other=0)
+    if MASKED:
+        w = tl.load(sz_row + tok * (stride_t // 2), mask=tok_ok, other=0)
+    else:
+        w = tl.load(sz_row + tok * (stride_t // 2))
     s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return s, z
+
+
+@triton.jit
+def _softmax_step(sT, m_i, SLACK: tl.constexpr):
+    """One online-softmax step over a tile's scores sT [BLOCK_N, GP] (log2 units, −inf where masked): the tile's
+    probabilities p, the factor alpha [GP] that rescales the running sums, the new running maximum, and (SLACK > 0)
+    whether any maximum moved. SLACK = 0 moves the maximum whenever a head's grows; SLACK > 0 keeps a stale one until
+    some head's grows past it by more than SLACK, so most tiles have alpha = 1 and skip the accumulator rescale
+    (p ≤ 2^SLACK meanwhile: exact in the fp32 sums, the same relative bf16 rounding)."""
+    m_tile = tl.maximum(m_i, tl.max(sT, axis=0))
+    if SLACK > 0:
+        moved = tl.max((m_tile > m_i + SLACK).to(tl.int32), axis=0)
+        m_new = tl.where(moved > 0, m_tile, m_i)
+    else:
+        moved = 1
+        m_new = m_tile
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(sT - m_safe[None, :])
+    return p, alpha, m_new, moved
+
+
+@triton.jit
+def _int2_tile(
+    n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, szk_row, szv_row, stride_szkt, stride_szvt,
+    q0, q1, q2, q3, qw, qsum, qk_scale,
+    m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
+    D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+    SLACK: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
+    MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked."""
+    tok = n0 + offs_n
+    tok_ok = tok < end
+    tok64 = tok.to(tl.int64)
+    k_ptrs = k_rows + tok64[:, None] * stride_kt + cols[None, :]
+    v_ptrs = v_rows + tok64[:, None] * stride_vt + cols[None, :]
+    if MASKED:
+        kb = tl.load(k_ptrs, mask=tok_ok[:, None], other=0)
+    else:
+        kb = tl.load(k_ptrs)
+    # ---- scores, transposed: [BLOCK_N, GP]
+    if NG == 1:
+        sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM), q0)
+        sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM), q1, sT)
+        sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM), q2, sT)
+        sT = tl.dot(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM), q3, sT)
+        sk, zk = _scale_zero(szk_row, tok, stride_szkt, tok_ok, MASKED)
+        sT = (sT - 128.0 * qw[None, :] - zk[:, None] * qsum[None, :]) * sk[:, None]
+    else:
+        sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 0, D4, G, DOT_DTYPE), q0)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 1, D4, G, DOT_DTYPE), q1, sT)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 2, D4, G, DOT_DTYPE), q2, sT)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 3, D4, G, DOT_DTYPE), q3, sT)
+    if MASKED:
+        sT = tl.where(tok_ok[:, None], sT * qk_scale, float("-inf"))
+    else:
+        sT = sT * qk_scale
+
+    p, alpha, m_i, moved = _softmax_step(sT, m_i, SLACK)
+    l_t = l_t * alpha[None, :] + p
+    if SLACK > 0:
+        if moved > 0:  # rare: the accumulators are rescaled only when a maximum moved
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+    else:
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+
+    # ---- P·V: [GP, BLOCK_N] · [BLOCK_N, D/4] per quarter
+    if MASKED:
+        vb = tl.load(v_ptrs, mask=tok_ok[:, None], other=0)
+    else:
+        vb = tl.load(v_ptrs)
+    if NG == 1:
+        sv, zv = _scale_zero(szv_row, tok, stride_szvt, tok_ok, MASKED)
+        ps = (p * sv[:, None]).to(DOT_DTYPE)
+        psf = ps.to(tl.float32)
+        psum_t = psum_t * alpha[None, :] + psf
+        pz_t = pz_t * alpha[None, :] + psf * zv[:, None]
+        pt = tl.trans(ps)
+        acc0 = tl.dot(pt, _biased_codes(vb, 0, DOT_DTYPE, USE_ASM), acc0)
+        acc1 = tl.dot(pt, _biased_codes(vb, 1, DOT_DTYPE, USE_ASM), acc1)
+        acc2 = tl.dot(pt, _biased_codes(vb, 2, DOT_DTYPE, USE_ASM), acc2)
+        acc3 = tl.dot(pt, _biased_codes(vb, 3, DOT_DTYPE, USE_ASM), acc3)
+    else:
+        pt = tl.trans(p.to(DOT_DTYPE))
+        acc0 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 0, D4, G, DOT_DTYPE), acc0)
+        acc1 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 1, D4, G, DOT_DTYPE), acc1)
+        acc2 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 2, D4, G, DOT_DTYPE), acc2)
+        acc3 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 3, D4, G, DOT_DTYPE), acc3)
+    return m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -131,6 +231,8 @@ def _attend(
             szk_row = (szk_ptr + b64 * stride_szkb + h64 * stride_szkh).to(tl.pointer_type(tl.int32), bitcast=True)
             szv_row = (szv_ptr + b64 * stride_szvb + h64 * stride_szvh).to(tl.pointer_type(tl.int32), bitcast=True)
         else:
+            qsum = tl.zeros([GP], tl.float32)  # unused: each element is dequantized before its dot
+            qw = qsum
             szk_row = szk_ptr + b64 * stride_szkb + h64 * stride_szkh
             szv_row = szv_ptr + b64 * stride_szvb + h64 * stride_szvh
         q0 = q0.to(DOT_DTYPE)
@@ -148,76 +250,29 @@ def _attend(
         q = tl.load(q_cols + dims[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
         acc = tl.zeros([GP, D], tl.float32)
 
-    for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
-        tok = n0 + offs_n
-        tok_ok = tok < end
-        tok64 = tok.to(tl.int64)
-        # ---- scores, transposed: [BLOCK_N, GP]
-        if INT2:
-            kb = tl.load(k_rows + tok64[:, None] * stride_kt + cols[None, :], mask=tok_ok[:, None], other=0)
-            if NG == 1:
-                sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM), q0)
-                sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM), q1, sT)
-                sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM), q2, sT)
-                sT = tl.dot(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM), q3, sT)
-                sk, zk = _scale_zero(szk_row, tok, stride_szkt, tok_ok)
-                sT = (sT - 128.0 * qw[None, :] - zk[:, None] * qsum[None, :]) * sk[:, None]
-            else:
-                sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 0, D4, G, DOT_DTYPE), q0)
-                sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 1, D4, G, DOT_DTYPE), q1, sT)
-                sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 2, D4, G, DOT_DTYPE), q2, sT)
-                sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 3, D4, G, DOT_DTYPE), q3, sT)
-        else:
+    if INT2:
+        # the split's whole tiles unmasked and software-pipelined, then its last, partial tile (if any) masked
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
+            m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
+                n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, szk_row, szv_row, stride_szkt, stride_szvt,
+                q0, q1, q2, q3, qw, qsum, qk_scale, m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
+                D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False)
+        if full_end < end:
+            m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
+                full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, szk_row, szv_row, stride_szkt,
+                stride_szvt, q0, q1, q2, q3, qw, qsum, qk_scale, m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
+                D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True)
+    else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
+            tok = n0 + offs_n
+            tok_ok = tok < end
+            tok64 = tok.to(tl.int64)
             kt = tl.load(k_rows + tok64[:, None] * stride_kt + dims[None, :], mask=tok_ok[:, None], other=0.0)
             sT = tl.dot(kt.to(tl.float32).to(DOT_DTYPE), q)
-        sT = tl.where(tok_ok[:, None], sT * qk_scale, float("-inf"))
-
-        # ---- online softmax step (over the token axis)
-        m_new = tl.maximum(m_i, tl.max(sT, axis=0))
-        if SLACK > 0:  # INT2 only (a BF16 split is one tile: nothing to rescale)
-            # lazy rescale: keep a stale maximum until some head's grows past it by more than SLACK (log2 units), so
-            # most tiles skip the rescale; p ≤ 2^SLACK meanwhile (exact in fp32 sums, same relative bf16 rounding)
-            if tl.max((m_new > m_i + SLACK).to(tl.int32), axis=0) > 0:
-                m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-                alpha = tl.exp2(m_i - m_safe)
-                l_t = l_t * alpha[None, :]
-                psum_t = psum_t * alpha[None, :]
-                pz_t = pz_t * alpha[None, :]
-                acc0 = acc0 * alpha[:, None]
-                acc1 = acc1 * alpha[:, None]
-                acc2 = acc2 * alpha[:, None]
-                acc3 = acc3 * alpha[:, None]
-                m_i = m_new
-            alpha = tl.full([GP], 1.0, tl.float32)
-            m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
-        else:
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp2(m_i - m_safe)
-            m_i = m_new
-        p = tl.exp2(sT - m_safe[None, :])  # [BLOCK_N, GP]
-        l_t = l_t * alpha[None, :] + p
-
-        # ---- P·V: [GP, BLOCK_N] · [BLOCK_N, dims]
-        if INT2:
-            vb = tl.load(v_rows + tok64[:, None] * stride_vt + cols[None, :], mask=tok_ok[:, None], other=0)
-            if NG == 1:
-                sv, zv = _scale_zero(szv_row, tok, stride_szvt, tok_ok)
-                ps = (p * sv[:, None]).to(DOT_DTYPE)
-                psf = ps.to(tl.float32)
-                psum_t = psum_t * alpha[None, :] + psf
-                pz_t = pz_t * alpha[None, :] + psf * zv[:, None]
-                pt = tl.trans(ps)
-                acc0 = tl.dot(pt, _biased_codes(vb, 0, DOT_DTYPE, USE_ASM), acc0 * alpha[:, None])
-                acc1 = tl.dot(pt, _biased_codes(vb, 1, DOT_DTYPE, USE_ASM), acc1 * alpha[:, None])
-                acc2 = tl.dot(pt, _biased_codes(vb, 2, DOT_DTYPE, USE_ASM), acc2 * alpha[:, None])
-                acc3 = tl.dot(pt, _biased_codes(vb, 3, DOT_DTYPE, USE_ASM), acc3 * alpha[:, None])
-            else:
-                pt = tl.trans(p.to(DOT_DTYPE))
-                acc0 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 0, D4, G, DOT_DTYPE), acc0 * alpha[:, None])
-                acc1 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 1, D4, G, DOT_DTYPE), acc1 * alpha[:, None])
-                acc2 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 2, D4, G, DOT_DTYPE), acc2 * alpha[:, None])
-                acc3 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 3, D4, G, DOT_DTYPE), acc3 * alpha[:, None])
-        else:
+            sT = tl.where(tok_ok[:, None], sT * qk_scale, float("-inf"))
+            p, alpha, m_i, moved = _softmax_step(sT, m_i, 0.0)
+            l_t = l_t * alpha[None, :] + p
             vt = tl.load(v_rows + tok64[:, None] * stride_vt + dims[None, :], mask=tok_ok[:, None], other=0.0)
             acc = tl.dot(tl.trans(p.to(DOT_DTYPE)), vt.to(tl.float32).to(DOT_DTYPE), acc * alpha[:, None])
 
