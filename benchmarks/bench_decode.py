@@ -200,6 +200,29 @@ def sweep_variants(gen, copy_bw, slacks=(0.0, 8.0)):
     return out
 
 
+MERGE_ROWS = [((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((32, 8, 128), 1, 4096),
+              ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768)]
+
+
+def sweep_merge(gen, copy_bw, values):
+    """Try `ops.MERGE_TILE` (elements per merge step: how many splits one step takes) on the headline rows, the values
+    interleaved twice so drift shows."""
+    out, default = [], ops.MERGE_TILE
+    try:
+        for rep in range(2):
+            for tile in values:
+                ops.MERGE_TILE = tile
+                for (H_q, H_kv, D), B, L in MERGE_ROWS:
+                    r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
+                    r.update(merge_tile=tile, rep=rep)
+                    out.append(r)
+                    print(f"merge tile {tile} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, "
+                          f"sdpa {r['sdpa_us']:.1f} us ({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+    finally:
+        ops.MERGE_TILE = default
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="headline rows only")
@@ -208,6 +231,8 @@ def main():
                     help="try these ops.DECODE_MIN_TILES values (default 2 4 8 16) on short-context rows, then stop")
     ap.add_argument("--sweep-variants", action="store_true",
                     help="programmatic dependent launch off/on × rescale slack 0/8 on the headline rows, then stop")
+    ap.add_argument("--sweep-merge", type=int, nargs="+", metavar="N",
+                    help="try these ops.MERGE_TILE values on the headline rows, then stop")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -220,11 +245,13 @@ def main():
         result["sweep"] = sweep(gen, copy_bw)
     if args.sweep_variants:
         result["sweep_variants"] = sweep_variants(gen, copy_bw)
+    if args.sweep_merge:
+        result["sweep_merge"] = sweep_merge(gen, copy_bw, args.sweep_merge)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
                   ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
-    if args.sweep_tiles is not None or args.sweep_variants:
+    if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge:
         combos = []
     for (H_q, H_kv, D), B, L in combos:
         r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)

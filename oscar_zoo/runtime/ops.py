@@ -41,6 +41,7 @@ DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168, 8.0), 128: DecodeConfig(32
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
 DECODE_MIN_TILES = 2  # INT2 history tiles per split at least (short contexts: fewer, longer splits, fewer partials)
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
+MERGE_TILE = 8192  # [splits × dims] elements a merge program loads per step (more splits take more dependent steps)
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
 DECODE_PDL = os.environ.get("OSCAR_PDL", "1") == "1"  # GPU ≥ sm_90: launch the merge (and decode) early, see _pdl
@@ -480,14 +481,14 @@ def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
 def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor) -> None:
     merge = _kernels()[2]
     N, S, D = o3.shape
-    # split D (slices of ≥ 16 floats) until there are ~MERGE_PROGRAMS programs; tiles of ~4K elements
+    # split D (slices of ≥ 16 floats) until there are ~MERGE_PROGRAMS programs; tiles of ~MERGE_TILE elements
     parts = max(1, min(D // 16, triton_next_pow2(-(-MERGE_PROGRAMS // N))))
     block_d = D // parts
     merge._merge_kernel[(N, parts)](
         o3, l2, out, out_lse,
         S,
         o3.stride(0), o3.stride(1), l2.stride(0), out.stride(0),
-        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, 4096 // block_d)), PDL=_pdl(o3), num_warps=4,
+        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, MERGE_TILE // block_d)), PDL=_pdl(o3), num_warps=4,
         launch_pdl=_pdl(o3),
     )  # fmt: skip
 

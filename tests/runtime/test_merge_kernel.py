@@ -38,12 +38,15 @@ def test_merge_equals_full_softmax_for_any_split(device, D):
 
 def test_merge_matches_reference_with_empty_and_all_empty(device):
     g = torch.Generator().manual_seed(0)
-    B, H, S, D = 2, 3, 300, 64  # S > the kernel's split block (256 here): two chunks, the online step between them
+    # S a little above the kernel's split block (MERGE_TILE // 16 splits with 6 rows of D = 64, 16 dims per program):
+    # two chunks, the online step between them
+    B, H, D = 2, 3, 64
+    S = ops.MERGE_TILE // 16 + 44
     o = torch.randn(B, H, S, D, generator=g)
     lse = torch.randn(B, H, S, generator=g) * 5
     empty = torch.rand(B, H, S, generator=g) < 0.4
-    empty[0, 0, 260] = False
-    lse[0, 0, 260] = 40.0  # the largest partial in the second chunk: the first chunk's sums are rescaled
+    empty[0, 0, S - 40] = False
+    lse[0, 0, S - 40] = 40.0  # the largest partial in the second chunk: the first chunk's sums are rescaled
     lse[empty] = -math.inf
     o[empty] = 0.0
     lse[1, 2] = -math.inf  # an all-empty row
