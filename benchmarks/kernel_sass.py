@@ -109,21 +109,29 @@ def resources(cubin: bytes, tmp: Path) -> dict:
     return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)), stack=int(re.search(r"STACK:(\d+)", out).group(1)))
 
 
-def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter]]:
-    """(instruction count, opcode counts) of every backward-branch loop in the SASS."""
+def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter, int]]:
+    """(instruction count, opcode counts, skippable instructions) of every loop in the SASS: the range up to a
+    conditional backward branch (an unconditional one returns from a block the compiler placed out of line, e.g. the
+    lazy softmax's rescale, and is not a loop). Skippable: instructions inside the loop that a forward branch can jump
+    over, e.g. that rarely taken rescale."""
     sass = _cuobjdump(cubin, tmp, "-sass")
     ins = []
     for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
         if m:
-            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    found = []
-    for addr, op, rest in ins:
+            ins.append((int(m.group(1), 16), m.group(3), m.group(4), m.group(2) is not None and "PT" not in m.group(2)))
+    branches = []
+    for addr, op, rest, predicated in ins:
         target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target and int(target.group(1), 16) < addr:
-            lo = int(target.group(1), 16)
-            body = [o.split(".")[0] for a, o, _ in ins if lo <= a <= addr]
-            found.append((len(body), Counter(body)))
+        if target:
+            branches.append((addr, int(target.group(1), 16), predicated))
+    found = []
+    for hi, lo, predicated in branches:
+        if lo >= hi or not predicated:
+            continue
+        body = [o.split(".")[0] for a, o, _, _ in ins if lo <= a <= hi]
+        skip = {a for src, dst, _ in branches if lo <= src < dst <= hi for a, _, _, _ in ins if src < a < dst}
+        found.append((len(body), Counter(body), len(skip)))
     return found
 
 
@@ -154,16 +162,17 @@ def main():
         found = loops(compiled.asm["cubin"], Path(tmp))
         res = resources(compiled.asm["cubin"], Path(tmp))
     int2 = max(found, key=lambda f: f[0])  # the INT2 loop is the long one
-    per = int2[0] * warps / kw["BLOCK_N"]
+    per = (int2[0] - int2[2]) * warps / kw["BLOCK_N"]  # the common path: without the skippable rescale
     if args.json:
         print(json.dumps(dict(triton=triton.__version__, shared=compiled.metadata.shared, warps=warps, GP=kw["GP"],
-                              BLOCK_N=kw["BLOCK_N"], loop_instructions=int2[0],
+                              BLOCK_N=kw["BLOCK_N"], loop_instructions=int2[0], skippable=int2[2],
                               per_token_head=per, ops=dict(int2[1]), **res)))  # fmt: skip
         return
     print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: one KV head per program, "
           f"GP {kw['GP']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B, "
           f"{res['registers']} registers/thread, {res['stack']} B stack (spills)/thread")
-    print(f"INT2 loop: {int2[0]} instructions per warp per tile → {per:.1f} warp instructions per token-head")
+    print(f"INT2 loop: {int2[0]} instructions per warp per tile, {int2[2]} of them skippable (the lazy rescale) → "
+          f"{per:.1f} warp instructions per token-head on the common path")
     print("  " + ", ".join(f"{op} {n}" for op, n in int2[1].most_common(12)))
 
 
