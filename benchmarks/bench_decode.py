@@ -174,8 +174,8 @@ def sweep_tiles(gen, copy_bw, values=(2, 4, 8, 16)):
     return out
 
 
-VARIANT_ROWS = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
-                ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
+QUICK_ROWS = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
+              ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
 
 
 def sweep_variants(gen, copy_bw, slacks=(0.0, 8.0)):
@@ -188,7 +188,7 @@ def sweep_variants(gen, copy_bw, slacks=(0.0, 8.0)):
                 for slack in slacks:
                     ops.DECODE_PDL = pdl
                     ops.DECODE_CONFIGS.update({d: dataclasses.replace(c, rescale_slack=slack) for d, c in cfg0.items()})
-                    for (H_q, H_kv, D), B, L in VARIANT_ROWS:
+                    for (H_q, H_kv, D), B, L in QUICK_ROWS:
                         r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
                         r.update(pdl=pdl, rescale_slack=slack, rep=rep)
                         out.append(r)
@@ -200,10 +200,6 @@ def sweep_variants(gen, copy_bw, slacks=(0.0, 8.0)):
     return out
 
 
-MERGE_ROWS = [((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((32, 8, 128), 1, 4096),
-              ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768)]
-
-
 def sweep_merge(gen, copy_bw, values):
     """Try `ops.MERGE_TILE` (elements per merge step: how many splits one step takes) on the headline rows, the values
     interleaved twice so drift shows."""
@@ -212,7 +208,7 @@ def sweep_merge(gen, copy_bw, values):
         for rep in range(2):
             for tile in values:
                 ops.MERGE_TILE = tile
-                for (H_q, H_kv, D), B, L in MERGE_ROWS:
+                for (H_q, H_kv, D), B, L in QUICK_ROWS:
                     r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
                     r.update(merge_tile=tile, rep=rep)
                     out.append(r)
@@ -249,8 +245,7 @@ def main():
         result["sweep_merge"] = sweep_merge(gen, copy_bw, args.sweep_merge)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
-        combos = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
-                  ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
+        combos = QUICK_ROWS
     if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge:
         combos = []
     for (H_q, H_kv, D), B, L in combos:

@@ -87,6 +87,7 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
         ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n = orig
     kw = dict(captured["kw"])
     kw["USE_ASM"] = ops.INT2_ASM_UNPACK
+    kw["PDL"] = ops.DECODE_PDL  # as an sm_90 launch has it (the CPU stand-in tensors made `ops` pass False)
     warps, maxnreg = kw.pop("num_warps"), kw.pop("maxnreg")
     kw.pop("launch_pdl")
     fn = decode._decode_kernel
@@ -110,28 +111,72 @@ def resources(cubin: bytes, tmp: Path) -> dict:
 
 
 def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter, int]]:
-    """(instruction count, opcode counts, skippable instructions) of every loop in the SASS: the range up to a
-    conditional backward branch (an unconditional one returns from a block the compiler placed out of line, e.g. the
-    lazy softmax's rescale, and is not a loop). Skippable: instructions inside the loop that a forward branch can jump
-    over, e.g. that rarely taken rescale."""
+    """(instruction count, opcode counts, skippable instructions) of every loop in the SASS. A loop is a strongly
+    connected set of basic blocks (so a block the compiler placed out of line, e.g. the lazy softmax's rescale, counts
+    with its loop, and a back-edge that only returns from such a block is not a loop of its own). Skippable: the
+    loop's instructions in blocks that some trip around the loop can avoid (they do not dominate every back-edge),
+    e.g. that rarely taken rescale; the rest is the common path."""
     sass = _cuobjdump(cubin, tmp, "-sass")
-    ins = []
+    ins = []  # (address, opcode, operands, predicated)
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(3), m.group(4), m.group(2) is not None and "PT" not in m.group(2)))
-    branches = []
-    for addr, op, rest, predicated in ins:
-        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target:
-            branches.append((addr, int(target.group(1), 16), predicated))
-    found = []
-    for hi, lo, predicated in branches:
-        if lo >= hi or not predicated:
+    index = {a: i for i, (a, *_) in enumerate(ins)}
+    target = {}
+    for i, (_, op, rest, _) in enumerate(ins):
+        t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) in index:
+            target[i] = index[int(t.group(1), 16)]
+    ends = {i for i, (_, op, _, _) in enumerate(ins) if op.startswith(("BRA", "EXIT", "RET"))}
+    leaders = sorted({0} | set(target.values()) | {i + 1 for i in ends if i + 1 < len(ins)})
+    blocks = [(lo, hi) for lo, hi in zip(leaders, leaders[1:] + [len(ins)])]  # [lo, hi) instruction indices
+    block_of = {lo: k for k, (lo, _) in enumerate(blocks)}
+    succ = []
+    for lo, hi in blocks:
+        last, nxt = hi - 1, {block_of[hi]} if hi < len(ins) else set()
+        op, pred = ins[last][1], ins[last][3]
+        if last in target:
+            succ.append({block_of[target[last]]} | (nxt if pred else set()))
+        elif op.startswith(("EXIT", "RET")) and not pred:
+            succ.append(set())
+        else:
+            succ.append(nxt)
+
+    def reach(k):
+        seen, todo = set(), [k]
+        while todo:
+            for n in succ[todo.pop()]:
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return seen
+
+    reaches = [reach(k) for k in range(len(blocks))]
+    found, done = [], set()
+    for k in range(len(blocks)):
+        if k in done or k not in reaches[k]:
             continue
-        body = [o.split(".")[0] for a, o, _, _ in ins if lo <= a <= hi]
-        skip = {a for src, dst, _ in branches if lo <= src < dst <= hi for a, _, _, _ in ins if src < a < dst}
-        found.append((len(body), Counter(body), len(skip)))
+        scc = {j for j in reaches[k] if k in reaches[j]}
+        done |= scc
+        if len(scc) == 1 and blocks[k][1] - blocks[k][0] == 1:
+            continue  # the trailing `BRA self` after EXIT
+        header = min(scc, key=lambda j: (not any(j in succ[i] for i in range(len(blocks)) if i not in scc), j))
+        dom = {j: set(scc) for j in scc}  # dominators inside the loop, from its header
+        dom[header] = {header}
+        changed = True
+        while changed:
+            changed = False
+            for j in scc - {header}:
+                preds = [i for i in scc if j in succ[i]]
+                new = {j} | set.intersection(*(dom[i] for i in preds)) if preds else {j}
+                if new != dom[j]:
+                    dom[j], changed = new, True
+        latches = [j for j in scc if header in succ[j]]
+        common = set.intersection(*(dom[j] for j in latches))
+        body = [ins[i][1].split(".")[0] for j in scc for i in range(*blocks[j])]
+        skip = sum(blocks[j][1] - blocks[j][0] for j in scc - common)
+        found.append((len(body), Counter(body), skip))
     return found
 
 
@@ -161,7 +206,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         found = loops(compiled.asm["cubin"], Path(tmp))
         res = resources(compiled.asm["cubin"], Path(tmp))
-    int2 = max(found, key=lambda f: f[0])  # the INT2 loop is the long one
+    # the INT2 loop: the one with the byte-permute unpack (the BF16 tiers' loop has none; at d = 256 it is the longer)
+    int2 = max(found, key=lambda f: (f[1].get("PRMT", 0), f[1].get("HMMA", 0) > 0, f[0]))
     per = (int2[0] - int2[2]) * warps / kw["BLOCK_N"]  # the common path: without the skippable rescale
     if args.json:
         print(json.dumps(dict(triton=triton.__version__, shared=compiled.metadata.shared, warps=warps, GP=kw["GP"],

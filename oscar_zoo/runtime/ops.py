@@ -34,7 +34,8 @@ class DecodeConfig:
     rescale_slack: float = 0.0
 
 
-# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"). programs_per_sm must not
+# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"; rescale_slack with
+# `--sweep-variants`, "Decode kernel v3.1"). programs_per_sm must not
 # exceed what fits an SM (registers, shared memory); tests/runtime/test_kernel_compiles.py checks it for GQA and
 # multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
 DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168, 8.0), 128: DecodeConfig(32, 1, 3, 8, None, 8.0)}
@@ -98,7 +99,9 @@ def _pdl(t: Tensor) -> bool:
     """Programmatic dependent launch (sm_90+): the decode and merge kernels are launched before the kernel ahead of
     them ends and wait for it on the device (`griddepcontrol.wait` before their first load), which hides a launch gap
     per kernel; CUDA graphs keep the dependency."""
-    return DECODE_PDL and t.is_cuda and _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+    if not (DECODE_PDL and t.is_cuda) or _interpret() or torch.version.hip is not None:
+        return False
+    return _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
 
 
 def decode_config(D: int) -> DecodeConfig:
@@ -339,7 +342,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         sink = (_dummy(dev, torch.bfloat16), _dummy(dev, torch.bfloat16), hlen)
     sink, recent = sink or recent, recent or sink
     group = H_q // H_kv
-    cfg = decode_config(D)
+    cfg, pdl = decode_config(D), _pdl(q)
     grid = (B * H_kv, s_sink + s_hist + s_recent)
     decode._decode_kernel[grid](
         q, sink[0], sink[1], sink[2], ck, szk, cv, szv, hlen, recent[0], recent[1], recent[2], o, lse,
@@ -352,8 +355,8 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D),
         BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=_pdl(q), num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
-        launch_pdl=_pdl(q),
+        STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=pdl, num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -483,13 +486,13 @@ def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor) -> None:
     N, S, D = o3.shape
     # split D (slices of ≥ 16 floats) until there are ~MERGE_PROGRAMS programs; tiles of ~MERGE_TILE elements
     parts = max(1, min(D // 16, triton_next_pow2(-(-MERGE_PROGRAMS // N))))
-    block_d = D // parts
+    block_d, pdl = D // parts, _pdl(o3)
     merge._merge_kernel[(N, parts)](
         o3, l2, out, out_lse,
         S,
         o3.stride(0), o3.stride(1), l2.stride(0), out.stride(0),
-        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, MERGE_TILE // block_d)), PDL=_pdl(o3), num_warps=4,
-        launch_pdl=_pdl(o3),
+        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, MERGE_TILE // block_d)), PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -144,18 +144,19 @@ def test_gqa_groups(device, group):
                              boundary=("hist", 16))  # fmt: skip
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_lazy_rescale_growing_scores(device, monkeypatch, D):
-    """`DecodeConfig.rescale_slack` = 8 (a stale running maximum in the INT2 loop until a head's grows by more than 8
-    in log2 units): history keys whose scale ramps from 0.1 to 4 over the tokens make the maximum grow in small steps
-    over many tiles (kept stale) and in steps above the slack (rescaled), and make the history's last tokens dominate
-    the softmax; a running sum (l, Σp·s, Σp·s·z, an accumulator) left unrescaled, or a maximum never stored, breaks
-    the rule by far (checked by editing each out). No dropped-token check: logits this large make the bf16 run, and
-    so the tolerance, coarse."""
+@pytest.mark.parametrize("D, slack, group_size", [(64, 8.0, 0), (128, 8.0, 0), (64, 8.0, 32), (64, 0.0, 0), (128, 0.0, 0)])
+def test_growing_scores_rescale(device, monkeypatch, D, slack, group_size):
+    """The online softmax's rescale under a maximum that keeps growing, with `DecodeConfig.rescale_slack` = 8 (a stale
+    running maximum in the INT2 loop until a head's grows by more than 8 in log2 units; the default) and 0 (rescale
+    whenever it grows): history keys whose scale ramps from 0.1 to 4 over the tokens make the maximum grow in small
+    steps over many tiles (kept stale with slack) and in steps above the slack (rescaled), and make the history's last
+    tokens dominate the softmax; a running sum (l, Σp·s, Σp·s·z, an accumulator) left unrescaled, or a maximum never
+    stored, breaks the rule by far (checked by editing each out). No dropped-token check: logits this large make the
+    bf16 run, and so the tolerance, coarse."""
     for d, c in dict(ops.DECODE_CONFIGS).items():
-        monkeypatch.setitem(ops.DECODE_CONFIGS, d, dataclasses.replace(c, rescale_slack=8.0))
+        monkeypatch.setitem(ops.DECODE_CONFIGS, d, dataclasses.replace(c, rescale_slack=slack))
     H_kv, group = 2, 4
-    clean, dirty = _cache([1100, 700], H_kv, D, device, seed=D, key_ramp=(0.1, 4.0))
+    clean, dirty = _cache([1100, 700], H_kv, D, device, seed=D, group_size=group_size, key_ramp=(0.1, 4.0))
     q = _query(2, H_kv * group, D, device, D)
     _check_against_reference(q, clean, dirty, D**-0.5)
 
