@@ -152,6 +152,16 @@ def sweep(gen, copy_bw):
     return out
 
 
+def _bench_rows(rows, label: str, setting: dict, gen, copy_bw, out: list) -> None:
+    """Time `rows` under the setting in force, tagging each result with `setting` and printing it after `label`."""
+    for (H_q, H_kv, D), B, L in rows:
+        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
+        r.update(setting)
+        out.append(r)
+        print(f"{label} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us "
+              f"({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+
+
 TILES_ROWS = [((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 16384), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000),
               ((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 32768), ((32, 8, 128), 1, 100_000), ((9, 3, 64), 8, 4096)]
 
@@ -163,12 +173,7 @@ def sweep_tiles(gen, copy_bw, values=(2, 4, 8, 16)):
     try:
         for tiles in values:
             ops.DECODE_MIN_TILES = tiles
-            for (H_q, H_kv, D), B, L in TILES_ROWS:
-                r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
-                r["min_tiles"] = tiles
-                out.append(r)
-                print(f"tiles {tiles} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us "
-                      f"({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+            _bench_rows(TILES_ROWS, f"tiles {tiles}", dict(min_tiles=tiles), gen, copy_bw, out)
     finally:
         ops.DECODE_MIN_TILES = default
     return out
@@ -188,12 +193,8 @@ def sweep_variants(gen, copy_bw, slacks=(0.0, 8.0)):
                 for slack in slacks:
                     ops.DECODE_PDL = pdl
                     ops.DECODE_CONFIGS.update({d: dataclasses.replace(c, rescale_slack=slack) for d, c in cfg0.items()})
-                    for (H_q, H_kv, D), B, L in QUICK_ROWS:
-                        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
-                        r.update(pdl=pdl, rescale_slack=slack, rep=rep)
-                        out.append(r)
-                        print(f"variant pdl={pdl} slack={slack} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, "
-                              f"sdpa {r['sdpa_us']:.1f} us ({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+                    setting = dict(pdl=pdl, rescale_slack=slack, rep=rep)
+                    _bench_rows(QUICK_ROWS, f"variant pdl={pdl} slack={slack}", setting, gen, copy_bw, out)
     finally:
         ops.DECODE_PDL = pdl0
         ops.DECODE_CONFIGS.update(cfg0)
@@ -208,12 +209,7 @@ def sweep_merge(gen, copy_bw, values):
         for rep in range(2):
             for tile in values:
                 ops.MERGE_TILE = tile
-                for (H_q, H_kv, D), B, L in QUICK_ROWS:
-                    r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
-                    r.update(merge_tile=tile, rep=rep)
-                    out.append(r)
-                    print(f"merge tile {tile} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, "
-                          f"sdpa {r['sdpa_us']:.1f} us ({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+                _bench_rows(QUICK_ROWS, f"merge tile {tile}", dict(merge_tile=tile, rep=rep), gen, copy_bw, out)
     finally:
         ops.MERGE_TILE = default
     return out
