@@ -35,7 +35,7 @@ def test_decode_kernel_compiles_for_sm90(shape, group_size):
     assert r["shared"] <= SM90_SHARED
     assert r["GP"] == ops.triton_next_pow2(H_q // H_kv)
     assert r["ops"]["HMMA"] > 0  # the token loop runs on tensor cores
-    assert r["ops"].get("PRMT", 0) > 0  # the INT2 loop was found (its codes unpacked by byte permutes)
+    assert r["ops"].get("PRMT", 0) > 0 or not ops.INT2_ASM_UNPACK  # the INT2 loop was found (byte-permute unpack)
     assert r["registers"] <= (ops.decode_config(D).maxnreg or 255)
     cfg = ops.decode_config(D)  # the split rule assumes programs_per_sm one-warp slots are resident on an SM at once
     by_regs = SM90_REGISTERS // (-(-r["registers"] // 8) * 8 * 32 * r["warps"])
