@@ -136,22 +136,6 @@ SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 12
               ((9, 3, 64), 8, 32768)]  # fmt: skip
 
 
-def sweep(gen, copy_bw):
-    """Try launch settings of the decode kernel on the headline rows (each setting for every head dim)."""
-    out = []
-    defaults = dict(ops.DECODE_CONFIGS)
-    for cfg in SWEEP:
-        ops.DECODE_CONFIGS.update({d: cfg for d in defaults})
-        for (H_q, H_kv, D), B, L in SWEEP_ROWS:
-            r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
-            r.update(dataclasses.asdict(cfg))
-            out.append(r)
-            print(f"sweep {cfg} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us ({r['oscar_bw_frac']:.0%} bw, "
-                  f"{r['speedup']:.2f}x SDPA)", flush=True)  # fmt: skip
-    ops.DECODE_CONFIGS.update(defaults)
-    return out
-
-
 def _bench_rows(rows, label: str, setting: dict, gen, copy_bw, out: list) -> None:
     """Time `rows` under the setting in force, tagging each result with `setting` and printing it after `label`."""
     for (H_q, H_kv, D), B, L in rows:
@@ -160,6 +144,18 @@ def _bench_rows(rows, label: str, setting: dict, gen, copy_bw, out: list) -> Non
         out.append(r)
         print(f"{label} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us "
               f"({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+
+
+def sweep(gen, copy_bw):
+    """Try launch settings of the decode kernel on the headline rows (each setting for every head dim)."""
+    out, defaults = [], dict(ops.DECODE_CONFIGS)
+    try:
+        for cfg in SWEEP:
+            ops.DECODE_CONFIGS.update({d: cfg for d in defaults})
+            _bench_rows(SWEEP_ROWS, f"sweep {cfg}", dataclasses.asdict(cfg), gen, copy_bw, out)
+    finally:
+        ops.DECODE_CONFIGS.update(defaults)
+    return out
 
 
 TILES_ROWS = [((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 16384), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000),

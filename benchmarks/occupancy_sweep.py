@@ -17,14 +17,13 @@ ROWS = {128: [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 12
 def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = bd.copy_bandwidth()
-    default = dict(ops.DECODE_CONFIGS)
-    for D, configs in CANDIDATES.items():
-        for cfg in configs:
-            ops.DECODE_CONFIGS[D] = cfg
-            for (H_q, H_kv, d), B, L in ROWS[D]:
-                r = bd.bench_row(H_q, H_kv, d, B, L, gen, bw)
-                print(f"{cfg} {H_q}/{H_kv} d={d} B={B} L={L}: {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us "
-                      f"({r['speedup']:.2f}x, {r['oscar_bw_frac']:.0%} bw)", flush=True)  # fmt: skip
+    default, out = dict(ops.DECODE_CONFIGS), []
+    try:
+        for D, configs in CANDIDATES.items():
+            for cfg in configs:
+                ops.DECODE_CONFIGS[D] = cfg
+                bd._bench_rows(ROWS[D], str(cfg), {}, gen, bw, out)
+    finally:
         ops.DECODE_CONFIGS.update(default)
 
 

@@ -31,14 +31,14 @@ class DecodeConfig:
     maxnreg: int | None  # register cap (None: the compiler's choice)
     # online softmax: 0 rescales the running sums whenever a maximum grows; s > 0 keeps a stale maximum until one grows
     # by more than s (log2 units), so most tiles skip the rescale (the partial sums stay ≤ 2^s times larger)
-    rescale_slack: float = 0.0
+    rescale_slack: float = 8.0
 
 
 # Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"; rescale_slack with
 # `--sweep-variants`, "Decode kernel v3.1"). programs_per_sm must not
 # exceed what fits an SM (registers, shared memory); tests/runtime/test_kernel_compiles.py checks it for GQA and
 # multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
-DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168, 8.0), 128: DecodeConfig(32, 1, 3, 8, None, 8.0)}
+DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168), 128: DecodeConfig(32, 1, 3, 8, None)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
 DECODE_MIN_TILES = 2  # INT2 history tiles per split at least (short contexts: fewer, longer splits, fewer partials)
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs

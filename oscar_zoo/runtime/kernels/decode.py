@@ -40,14 +40,9 @@ UNPACK_ASM_3 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03
 def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
     """uint8 packed bytes → 128 + code·4^k (k < 3) or 128 + code (k = 3) of one quarter, exact in bfloat16."""
     if USE_ASM:
-        if QUARTER == 0:
-            out = tl.inline_asm_elementwise(UNPACK_ASM_0, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
-        elif QUARTER == 1:
-            out = tl.inline_asm_elementwise(UNPACK_ASM_1, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
-        elif QUARTER == 2:
-            out = tl.inline_asm_elementwise(UNPACK_ASM_2, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
-        else:
-            out = tl.inline_asm_elementwise(UNPACK_ASM_3, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
+        asm: tl.constexpr = (UNPACK_ASM_0 if QUARTER == 0 else UNPACK_ASM_1 if QUARTER == 1 else
+                             UNPACK_ASM_2 if QUARTER == 2 else UNPACK_ASM_3)  # fmt: skip
+        out = tl.inline_asm_elementwise(asm, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
         if QUARTER == 3:
             c = (packed >> 6) & 3
