@@ -360,10 +360,13 @@ def decode(model, cache: Cache, tokens: Tensor, steps: int, graph: bool = False)
     return torch.cat(out, dim=1)
 
 
-def kernel_times(model, cache: Cache, tokens: Tensor, steps: int, graph: bool = False) -> tuple[float | None, int, list]:
+def kernel_times(
+    model, cache: Cache, tokens: Tensor, steps: int, graph: bool = False
+) -> tuple[float | None, int, list, list]:
     """Kernels of `steps` decode steps (torch.profiler; eager, or graph replays): the sum of their device times per
     step (eager: what the step would cost with no host overhead and no gaps between kernels), kernels per step, and
-    the ten costliest kernels as (name, ms per step, launches per step)."""
+    every kernel as (name, ms per step, launches per step), costliest first, and the first 200 kernels in launch order
+    as (name, µs)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -373,9 +376,12 @@ def kernel_times(model, cache: Cache, tokens: Tensor, steps: int, graph: bool = 
         _sync(tokens.device)
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in kernels)
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]
-    top = [(e.key[:80], e.self_device_time_total / 1e3 / steps, e.count / steps) for e in top]
-    return (total_us / 1e3 / steps if total_us else None), sum(e.count for e in kernels) // steps, top
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)
+    top = [(e.key[:120], e.self_device_time_total / 1e3 / steps, e.count / steps) for e in top]
+    # the first kernels of the profile in launch order (the first step's embedding and first layers), for attribution
+    order = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    first = [(e.name[:120], round(e.time_range.elapsed_us(), 2)) for e in order[:200]]
+    return (total_us / 1e3 / steps if total_us else None), sum(e.count for e in kernels) // steps, top, first
 
 
 # --------------------------------------------------------------------------------------------- phase timing
@@ -432,13 +438,15 @@ def patched(targets):
 
 
 def phase_targets(timer: PhaseTimer, kind: str):
-    """The pieces of a decode step to time. OSCAR: the tiered attention kernels, the rotations (q, new k/v, output),
-    the cache filing (recent-tier write, every 8th step the demotion: clip → INT2 → pack). BF16: sdpa and the cache
+    """The pieces of a decode step to time. OSCAR: the tiered attention kernels, the rotations (q, and the output when
+    o_proj does not un-rotate), the cache filing (the new k/v rotated, centred and written to the recent tier, every
+    8th step the demotion: clip → INT2 → pack). BF16: sdpa and the cache
     update (DynamicCache: a cat that copies the whole layer cache every step)."""
     if kind == "oscar":
         return [
             (ops, "tiered_decode_attention", timer.wrap("attention kernels", ops.tiered_decode_attention)),
             (reference, "rotate", timer.wrap("rotation", reference.rotate)),
+            (ops, "rotate_rows", timer.wrap("rotation", ops.rotate_rows)),
             (cache_mod.OscarLayer, "write_token", timer.wrap("cache write + demotion", cache_mod.OscarLayer.write_token)),
         ]
     from transformers.integrations import sdpa_attention
@@ -539,9 +547,9 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
         row["peak_over_model_bytes"] = row["peak_bytes"] - base
     if graph:
         row["replays"] = model._oscar_graphs.replays
-        kernel_ms, kernel_count, top = kernel_times(model, cache, tokens, layout.FLUSH)
-        row.update(kernel_ms_per_step=kernel_ms, kernels_per_step=kernel_count, top_kernels=top)
-        kernel_ms, kernel_count, top = kernel_times(model, cache, tokens, layout.FLUSH, graph=True)
+        kernel_ms, kernel_count, top, first = kernel_times(model, cache, tokens, layout.FLUSH)
+        row.update(kernel_ms_per_step=kernel_ms, kernels_per_step=kernel_count, top_kernels=top, first_kernels=first)
+        kernel_ms, kernel_count, top, _ = kernel_times(model, cache, tokens, layout.FLUSH, graph=True)
         row.update(graph_kernel_ms_per_step=kernel_ms, graph_kernels_per_step=kernel_count, graph_top_kernels=top)
     if phases:
         timer = PhaseTimer(dev)

@@ -99,9 +99,15 @@ def oscar_attention(
     # logits of a query by the same q·μ_K·M_K (softmax ignores it), and the output of centred values lacks exactly
     # μ_V·M_V (the weights sum to 1): `_unrotate` adds it back, in M_V space, before M_Vᵀ or o_proj.
     if n == 1 and layer.quantize and softcap is None:
-        q_rot = reference.rotate(query.float(), Mk_q)[:, :, 0]  # [B, H_q, D] q·M_K, kept fp32 for the kernel
-        o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale)  # [B, H_q, D] fp32, M_V space
-        return _unrotate(o.unsqueeze(2), Mvt_q, query.dtype, mu_v), None
+        # three launches: q·M_K (fp32, each query head by its KV head's M_K), the tiered decode + merge (the merge
+        # adds μ_V·M_V back and rounds to the model's dtype when nothing follows), and o·M_Vᵀ unless o_proj does it
+        rot = layer.rotation
+        q_rot = ops.rotate_rows(query[:, :, 0], rot.k, None, out_dtype=torch.float32)  # [B, H_q, D]
+        out_dtype = query.dtype if Mvt_q is None else torch.float32
+        o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale, v_mean=mu_v, out_dtype=out_dtype)
+        if Mvt_q is not None:
+            o = ops.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
+        return o.unsqueeze(1), None  # [B, 1, H_q, D]
     q_rot = reference.rotate(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
     if n == 1:  # BF16 history (test switch) or softcap: the tiers densely, the new token included
         k, v = layer.dense_kv(query.dtype)

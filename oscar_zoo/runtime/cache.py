@@ -188,19 +188,30 @@ class OscarLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
-        rot = self.rotation
-        k_rot = reference.rotate_centred(key_states, rot.k, rot.k_mean)  # [B, H_kv, n, D] k·M_K − μ_K·M_K
-        v_rot = reference.rotate_centred(value_states, None if self.v_folded else rot.v, rot.v_mean)  # v·M_V − μ_V·M_V
-        n, past_len = k_rot.shape[2], self.get_seq_length()
-        past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
-        k_tier, v_tier = k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE)
+        n, past_len = key_states.shape[2], self.get_seq_length()
+        past = None
         if self.is_static_step(n):
-            self.write_token(k_tier, v_tier, self.demotes_next())
+            k_rot, v_rot = self.write_token(key_states, value_states, self.demotes_next())
             self.advance_host()
         else:
-            self._append(k_tier, v_tier, multi=n > 1)
+            k_rot, v_rot = self._rotate(key_states, value_states)
+            past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
+            self._append(k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE), multi=n > 1)
         self.pending = Pending(k_rot, past, past_len)
         return k_rot, v_rot
+
+    def _rotate(self, key: Tensor, value: Tensor, write: bool = False) -> tuple[Tensor, Tensor]:
+        """k·M_K − μ_K·M_K and v·M_V − μ_V·M_V [B, H_kv, n, D] in the input dtype (`reference.rotate_centred`). One
+        token goes through `ops.rotate_rows` (one launch each, the same rows whether or not the step is static);
+        `write` also files it at recent slot `recent_len` (read on the device; the batch shares one length)."""
+        rot = self.rotation
+        m_v = None if self.v_folded else rot.v
+        if key.shape[2] != 1:
+            return reference.rotate_centred(key, rot.k, rot.k_mean), reference.rotate_centred(value, m_v, rot.v_mean)
+        slot = self.recent_len if write else None
+        k = ops.rotate_rows(key[:, :, 0], rot.k, rot.k_mean, dest=self.recent_k if write else None, slot=slot)
+        v = ops.rotate_rows(value[:, :, 0], m_v, rot.v_mean, dest=self.recent_v if write else None, slot=slot)
+        return k.unsqueeze(2), v.unsqueeze(2)
 
     def bind_value_fold(self, fold: str | None) -> None:
         """Told by the attention module before each call: the fingerprint of the M_V folded into its weights (None:
@@ -236,15 +247,19 @@ class OscarLayer(CacheLayerMixin):
     def demotes_next(self) -> bool:
         return self.n_recent + 1 >= self.recent + self.flush
 
-    def write_token(self, k: Tensor, v: Tensor, demote: bool) -> None:
-        """The static decode write (device work only): k, v [B, H, 1, D] go to recent slot `recent_len`; with `demote`
-        the oldest `flush` recent rows are quantized onto the history at row `hist_len` and the window shifts down."""
-        slot = self.recent_len[:1].long()  # [1], on the device; the batch shares one length
-        self.recent_k.index_copy_(2, slot, k)
-        self.recent_v.index_copy_(2, slot, v)
+    def write_token(self, key: Tensor, value: Tensor, demote: bool) -> tuple[Tensor, Tensor]:
+        """The static decode write (device work only): the new key and value [B, H, 1, D] are rotated, centred and
+        written to recent slot `recent_len` (one launch each); with `demote` the oldest `flush` recent rows are
+        quantized onto the history at row `hist_len` and the window shifts down. Returns the rotated rows."""
+        k, v = self._rotate(key, value, write=True)
         self.recent_len.add_(1)
-        if not demote:
-            return
+        if demote:
+            self._demote()
+        return k, v
+
+    def _demote(self) -> None:
+        """The oldest `flush` recent rows quantized (clip → INT2 → pack) onto the history at row `hist_len`; the recent
+        window shifts down by `flush`."""
         F, W = self.flush, self.recent
         self._ensure_history(self.n_hist + F)  # eager only: a captured step has its capacity reserved beforehand
         rows = self.hist_len[:1].long() + torch.arange(F, device=self.device)  # [F] history rows written

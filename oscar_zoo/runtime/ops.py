@@ -73,9 +73,9 @@ def _use_kernel(t: Tensor) -> bool:
 
 
 def _kernels():
-    from .kernels import decode, merge, quantize_pack
+    from .kernels import decode, merge, quantize_pack, rotate
 
-    return quantize_pack, decode, merge
+    return quantize_pack, decode, merge, rotate
 
 
 def _dot_dtype():
@@ -257,6 +257,70 @@ def quantize_pack(
     )  # fmt: skip
     out_shape = tuple(x.shape[:-1])
     return codes.reshape(*out_shape, D // 4), scale_zero.reshape(*out_shape, D // G, 2)
+
+
+# ---------------------------------------------------------------------------------------- rotate / centre / file
+
+ROTATE_BLOCK_B = 16  # rows (batch entries) of one head per program: the M side of the float32 dot (≥ 16)
+ROTATE_BLOCK_E = 32  # output columns per program: M is read once per row block, in [D, ROTATE_BLOCK_E] pieces
+
+
+def rotate_rows(
+    x: Tensor,
+    M: Tensor | None,
+    mean_rot: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    dest: Tensor | None = None,
+    slot: Tensor | None = None,
+) -> Tensor:
+    """x [B, H, D] → x·M − μ·M per head, float32 math rounded once to `out_dtype` (default x's), in one launch; same
+    contract as `reference.rotate_rows_ref` (M [H_M, D, D] or [D, D] and mean_rot [H_μ, D] serve H / H_M and H / H_μ
+    consecutive heads; either may be None). With `dest` [B, H, T, D] and `slot` (an integer tensor, read on the
+    device) the rows are also written to dest[:, :, slot[0]] in dest's dtype. With neither M nor mean_rot and
+    out_dtype = x's dtype the result is x itself (only the write runs)."""
+    _check_tensor("x", x, 3)
+    _check(x.is_floating_point(), lambda: f"x must be floating point, got {x.dtype}")
+    B, H, D = x.shape
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if M is not None:
+        _check(isinstance(M, Tensor) and M.dim() in (2, 3) and M.shape[-2:] == (D, D),
+               lambda: f"M must be [H_M, {D}, {D}] or [{D}, {D}], got {tuple(getattr(M, 'shape', ()))}")  # fmt: skip
+        M = M.reshape(-1, D, D)
+        _check(H % M.shape[0] == 0, lambda: f"M has {M.shape[0]} heads, which does not divide the {H} heads of x")
+        _check(M.device == x.device, lambda: f"M is on {M.device}, x on {x.device}")
+    if mean_rot is not None:
+        _check(isinstance(mean_rot, Tensor) and mean_rot.dim() == 2 and mean_rot.shape[1] == D
+               and H % mean_rot.shape[0] == 0,
+               lambda: f"mean_rot must be [H_mu, {D}] with H_mu dividing {H}, got {tuple(mean_rot.shape)}")  # fmt: skip
+        _check(mean_rot.device == x.device, lambda: f"mean_rot is on {mean_rot.device}, x on {x.device}")
+    if dest is not None:
+        _check_tensor("dest", dest, 4)
+        _check(dest.shape[:2] == (B, H) and dest.shape[3] == D and dest.device == x.device,
+               lambda: f"dest must be [{B}, {H}, T, {D}] on {x.device}, got {tuple(dest.shape)} on {dest.device}")
+        _check(isinstance(slot, Tensor) and slot.numel() >= 1 and not slot.is_floating_point()
+               and slot.device == x.device, "slot must be an integer tensor on x's device")  # fmt: skip
+    identity = M is None and mean_rot is None and out_dtype == x.dtype
+    if not (_use_kernel(x) and layout.is_power_of_two(D) and D >= 16 and B > 0):
+        y = x if identity else reference.rotate_rows_ref(x, M, mean_rot, out_dtype)
+        if dest is not None:
+            dest.index_copy_(2, slot.reshape(-1)[:1].long(), y.to(dest.dtype).unsqueeze(2))
+        return y
+    x = _last_contiguous(x, 1)
+    out = x if identity else _alloc((B, H, D), out_dtype, x.device)
+    mean = mean_rot.contiguous() if mean_rot is not None else out  # placeholders where a pointer is unused
+    rot = _kernels()[3]
+    block_e = min(D, ROTATE_BLOCK_E)
+    grid = (H, D // block_e, -(-B // ROTATE_BLOCK_B))
+    rot._rotate_rows_kernel[grid](
+        x, M if M is not None else out, mean, out, dest if dest is not None else out,
+        slot if slot is not None else x,
+        B, H // (M.shape[0] if M is not None else 1), H // (mean_rot.shape[0] if mean_rot is not None else 1),
+        x.stride(0), x.stride(1), *(M.stride() if M is not None else (0, 0, 0)), mean.stride(0),
+        out.stride(0), out.stride(1), *(dest.stride()[:3] if dest is not None else (0, 0, 0)),
+        D=D, BLOCK_B=ROTATE_BLOCK_B, BLOCK_E=block_e, ROTATE=M is not None, CENTRE=mean_rot is not None,
+        STORE_OUT=not identity, WRITE=dest is not None, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- decode attention
@@ -481,18 +545,20 @@ def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     return out.reshape(*lead, D), out_lse.reshape(lead)
 
 
-def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor) -> None:
+def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor, mean: Tensor | None = None, H_q: int = 1) -> None:
+    """Merge [N, S, D] partials into out [N, D] (its dtype: float32, or the model's, rounded once) and out_lse [N];
+    `mean` [H_mu, D] float32 is added to row n (query head n % H_q, served by head (n % H_q) // (H_q / H_mu))."""
     merge = _kernels()[2]
     N, S, D = o3.shape
     # split D (slices of ≥ 16 floats) until there are ~MERGE_PROGRAMS programs; tiles of ~MERGE_TILE elements
     parts = max(1, min(D // 16, triton_next_pow2(-(-MERGE_PROGRAMS // N))))
     block_d, pdl = D // parts, _pdl(o3)
     merge._merge_kernel[(N, parts)](
-        o3, l2, out, out_lse,
-        S,
-        o3.stride(0), o3.stride(1), l2.stride(0), out.stride(0),
-        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, MERGE_TILE // block_d)), PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        o3, l2, out, out_lse, mean if mean is not None else out_lse,
+        S, H_q, H_q // (mean.shape[0] if mean is not None else 1),
+        o3.stride(0), o3.stride(1), l2.stride(0), out.stride(0), mean.stride(0) if mean is not None else 0,
+        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, MERGE_TILE // block_d)), PDL=pdl,
+        MEAN=mean is not None, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -510,20 +576,27 @@ def tiered_decode_attention(
     recent_v: Tensor,
     recent_len: Tensor,
     sm_scale: float,
+    v_mean: Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`), exact softmax over their
-    union. q [B, H_q, D] already rotated by M_K. Returns o fp32 [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
+    union. q [B, H_q, D] already rotated by M_K. Returns o [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
     Two launches: the split-K decode kernel over all three tiers, then the merge; lengths are read on the device (no
-    host sync)."""
+    host sync). The merge also finishes the output: `v_mean` [H_q, D] or [1, D] (the centred codec's μ_V·M_V per query
+    head, `reference.add_value_mean`) is added in float32, and o is rounded once to `out_dtype`."""
     H_kv, G, hist_len_i = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     sink_len_i, recent_len_i = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
     _check(sink_k.shape[1] == H_kv, lambda: f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
     B, H_q, D = q.shape
+    if v_mean is not None:
+        _check(isinstance(v_mean, Tensor) and v_mean.shape in ((H_q, D), (1, D)) and v_mean.device == q.device,
+               lambda: f"v_mean must be [{H_q}, {D}] or [1, {D}] on {q.device}, got {tuple(v_mean.shape)}")  # fmt: skip
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
-        return reference.tiered_decode_attention_ref(
+        o, lse = reference.tiered_decode_attention_ref(
             q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
             recent_k, recent_v, recent_len, sm_scale,
         )  # fmt: skip
+        return reference.add_value_mean(o.unsqueeze(2), v_mean)[:, :, 0].to(out_dtype), lse
     s_hist = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None)
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], q.device), _bf16_splits(recent_k.shape[2], q.device)
     S = s_sink + s_hist + s_recent
@@ -532,7 +605,8 @@ def tiered_decode_attention(
     _launch_decode(q, o_part, lse_part, sm_scale, sink=(sink_k, sink_v, sink_len_i),
                    hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len_i),
                    recent=(recent_k, recent_v, recent_len_i), s_sink=s_sink, s_hist=s_hist, s_recent=s_recent)
-    out = _alloc((B * H_q, D), torch.float32, q.device)
+    out = _alloc((B * H_q, D), out_dtype, q.device)
     out_lse = _alloc((B * H_q,), torch.float32, q.device)
-    _launch_merge(o_part.view(B * H_q, S, D), lse_part.view(B * H_q, S), out, out_lse)
+    mean = v_mean.float().contiguous() if v_mean is not None else None
+    _launch_merge(o_part.view(B * H_q, S, D), lse_part.view(B * H_q, S), out, out_lse, mean, H_q)
     return out.view(B, H_q, D), out_lse.view(B, H_q)

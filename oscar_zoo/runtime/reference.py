@@ -104,6 +104,19 @@ def rotate_centred(x: Tensor, M: Tensor | None, mean_rot: Tensor | None) -> Tens
     return (xr - mean_rot.float().unsqueeze(-2)).to(x.dtype)
 
 
+def rotate_rows_ref(x: Tensor, M: Tensor | None, mean_rot: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """One row per (batch, head), the decode step's form of `rotate_centred`: x [B, H, D] → x·M − μ·M in fp32, rounded
+    once to `out_dtype`. M [H_M, D, D] (or [D, D]; None: x is rotated already) and mean_rot [H_μ, D] (None: uncentred)
+    serve H / H_M and H / H_μ consecutive heads each (the GQA convention: query head j uses KV head j // g). The same
+    float32 products as `rotate_centred` of those rows."""
+    H = x.shape[1]
+    if M is not None and M.dim() == 3 and M.shape[0] not in (1, H):
+        M = M.repeat_interleave(H // M.shape[0], dim=0)
+    if mean_rot is not None and mean_rot.shape[0] not in (1, H):
+        mean_rot = mean_rot.repeat_interleave(H // mean_rot.shape[0], dim=0)
+    return rotate_centred(x.float().unsqueeze(2), M, mean_rot)[:, :, 0].to(out_dtype)
+
+
 def add_value_mean(o: Tensor, v_mean_rot_q: Tensor | None) -> Tensor:
     """Attention output of centred values back to the uncentred one, in M_V space: o [B, H_q, n, D] + μ_V·M_V of each
     query head's KV head (`v_mean_rot_q` [H_q, D] or [1, D]; None: o as is). Exact because the attention weights of a

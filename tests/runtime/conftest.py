@@ -30,7 +30,7 @@ def decode_calls(monkeypatch):
 
     calls = []
     real = attention.ops.tiered_decode_attention
-    monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(attention.ops, "tiered_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 

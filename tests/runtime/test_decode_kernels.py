@@ -115,6 +115,26 @@ def _query(B, H_q, D, device, seed):
     return torch.randn(B, H_q, D, generator=torch.Generator().manual_seed(seed)).bfloat16().to(device)
 
 
+@pytest.mark.parametrize("per_head", [True, False])
+def test_merge_epilogue_adds_the_value_mean_and_rounds_once(device, per_head):
+    """The decode step's epilogue in the merge: μ_V·M_V of each query head's row (per query head, or one shared) is
+    added in float32 and the output rounded once to bf16: exactly the float32 output plus the mean, rounded to
+    nearest even, and within the 2×-bf16 rule (plus half an ulp) of float64."""
+    H_kv, group, D = 2, 3, 64
+    clean, dirty = _cache([700, 400], H_kv, D, device, seed=5)
+    q = _query(2, H_kv * group, D, device, 5)
+    mean = torch.randn(H_kv * group if per_head else 1, D, generator=torch.Generator().manual_seed(6))
+    o32, _ = ops.tiered_decode_attention(q, **dirty, sm_scale=0.125)
+    o16, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=0.125, v_mean=mean.to(device), out_dtype=torch.bfloat16)
+    assert o16.dtype == torch.bfloat16 and o16.shape == q.shape
+    assert torch.equal(o16.cpu(), (o32.cpu() + mean).bfloat16())
+    o_ref, _ = _attention(q, clean, 0.125, torch.float64)
+    o_bf, _ = _attention(q, clean, 0.125, torch.bfloat16)
+    want = o_ref + mean.double()
+    tol = 2 * (o_bf - o_ref).abs().max() + 1e-5 + 2.0**-9 * want.abs()
+    assert ((o16.cpu().double() - want).abs() <= tol).all()
+
+
 @pytest.mark.parametrize("L", [1, 63, 64, 320, 321, 327, 328, 700])
 def test_tier_boundaries(device, L):
     H_kv, group, D = 2, 3, 64

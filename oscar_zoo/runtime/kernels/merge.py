@@ -2,7 +2,9 @@
 
 Grid (output row = batch · query head, slice of D): enough programs to keep the GPU's memory pipes busy when there are
 few rows and many splits (batch 1 at long context), and big [splits × dims] tiles so each program has few dependent
-loads in flight (one round trip when the splits fit one tile). Partials with lse = −inf contribute nothing.
+loads in flight (one round trip when the splits fit one tile). Partials with lse = −inf contribute nothing. The
+decode step's epilogue rides along: the centred codec's value offset is added and the output rounded once to the
+model's dtype, so no kernel follows the merge.
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from .rounding import round_to
+
 
 @triton.jit
 def _merge_kernel(
     o_ptr,  # [N, S, D] float32 partial outputs (normalised)
     lse_ptr,  # [N, S] float32
-    out_ptr,  # [N, D] float32
+    out_ptr,  # [N, D] float32, or the model's dtype (then rounded once, after the mean is added)
     out_lse_ptr,  # [N] float32
-    S,
-    stride_on, stride_os, stride_ln, stride_outn,
-    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    mean_ptr,  # [H_mu, D] float32 added to row n's output (its query head n % H_Q), when MEAN
+    S, H_Q, HEADS_PER_MEAN,
+    stride_on, stride_os, stride_ln, stride_outn, stride_meanh,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr, MEAN: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_wait()  # launched early (programmatic dependent launch): the partials are complete only after this
@@ -51,6 +56,8 @@ def _merge_kernel(
     m_safe = tl.where(nonempty, m, 0.0)
     total = tl.sum(w_sum, axis=0)
     out = tl.sum(acc, axis=0) / tl.where(nonempty, total, 1.0)
-    tl.store(out_ptr + n * stride_outn + dims, out)
+    if MEAN:  # the centred codec's value offset μ_V·M_V of this row's query head
+        out = out + tl.load(mean_ptr + ((n % H_Q) // HEADS_PER_MEAN) * stride_meanh + dims)
+    tl.store(out_ptr + n * stride_outn + dims, round_to(out, out_ptr.dtype.element_ty))
     if tl.program_id(1) == 0:
         tl.store(out_lse_ptr + n, tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), float("-inf")))

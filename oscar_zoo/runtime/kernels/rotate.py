@@ -1,0 +1,54 @@
+"""One row per (batch, head) rotated, centred and filed, in one launch: the per-token work of a decode step.
+
+    y[b, h] = x[b, h]·M[h // (H / H_M)] − μ[h // (H / H_μ)]      (float32 math; M absent: y = x − μ)
+
+stored in the output's dtype and, optionally, also at row `slot[0]` of a tier buffer dest [B, H, T, D] (the slot is
+read on the device, so a CUDA graph can hold the launch). The decode step uses it three times: the new key and value
+(rotated, centred, written to the recent tier), the query (rotated by its KV head's M_K, kept float32) and, when the
+value rotation is not folded into the weights, the attention output (by M_Vᵀ, a transposed view: M is read through
+its strides).
+
+Grid (H, D / BLOCK_E, ⌈B / BLOCK_B⌉): a program multiplies BLOCK_B rows of one head by a [D, BLOCK_E] column block of
+that head's M (a float32 dot in IEEE precision: no TF32 rounding), so M is read once per row block.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .rounding import round_to
+
+
+@triton.jit
+def _rotate_rows_kernel(
+    x_ptr, m_ptr, mean_ptr, out_ptr, dest_ptr, slot_ptr,
+    B, HEADS_PER_M, HEADS_PER_MEAN,
+    stride_xb, stride_xh, stride_mh, stride_mr, stride_mc, stride_meanh, stride_ob, stride_oh,
+    stride_db, stride_dh, stride_dt,
+    D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+    ROTATE: tl.constexpr, CENTRE: tl.constexpr, STORE_OUT: tl.constexpr, WRITE: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rows = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_ok = rows[:, None] < B
+    rows64 = rows.to(tl.int64)
+    x_rows = x_ptr + rows64[:, None] * stride_xb + h * stride_xh
+    if ROTATE:
+        dims = tl.arange(0, D)
+        x = tl.load(x_rows + dims[None, :], mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_B, D]
+        m_head = m_ptr + (h // HEADS_PER_M).to(tl.int64) * stride_mh
+        m = tl.load(m_head + dims[:, None] * stride_mr + cols[None, :] * stride_mc).to(tl.float32)  # [D, BLOCK_E]
+        y = tl.dot(x, m, input_precision="ieee")
+    else:
+        y = tl.load(x_rows + cols[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    if CENTRE:
+        y = y - tl.load(mean_ptr + (h // HEADS_PER_MEAN) * stride_meanh + cols)[None, :].to(tl.float32)
+    if STORE_OUT:
+        out = out_ptr + rows64[:, None] * stride_ob + h * stride_oh + cols[None, :]
+        tl.store(out, round_to(y, out_ptr.dtype.element_ty), mask=row_ok)
+    if WRITE:
+        slot = tl.load(slot_ptr).to(tl.int64)
+        dest = dest_ptr + rows64[:, None] * stride_db + h * stride_dh + slot * stride_dt + cols[None, :]
+        tl.store(dest, round_to(y, dest_ptr.dtype.element_ty), mask=row_ok)
