@@ -261,8 +261,8 @@ def quantize_pack(
 
 # ---------------------------------------------------------------------------------------- rotate / centre / file
 
-ROTATE_BLOCK_B = 16  # rows (batch entries) of one head per program: the M side of the float32 dot (≥ 16)
-ROTATE_BLOCK_E = 32  # output columns per program: M is read once per row block, in [D, ROTATE_BLOCK_E] pieces
+ROTATE_ROWS = 8  # rows (batch entries) of one head a program serves with the block of M it loaded
+ROTATE_BLOCK_E = 32  # output columns per program: M is read in [D, ROTATE_BLOCK_E] blocks, once per ROTATE_ROWS rows
 
 
 def rotate_rows(
@@ -310,14 +310,14 @@ def rotate_rows(
     mean = mean_rot.contiguous() if mean_rot is not None else out  # placeholders where a pointer is unused
     rot = _kernels()[3]
     block_e = min(D, ROTATE_BLOCK_E)
-    grid = (H, D // block_e, -(-B // ROTATE_BLOCK_B))
+    grid = (H, D // block_e, -(-B // ROTATE_ROWS))
     rot._rotate_rows_kernel[grid](
         x, M if M is not None else out, mean, out, dest if dest is not None else out,
         slot if slot is not None else x,
         B, H // (M.shape[0] if M is not None else 1), H // (mean_rot.shape[0] if mean_rot is not None else 1),
         x.stride(0), x.stride(1), *(M.stride() if M is not None else (0, 0, 0)), mean.stride(0),
         out.stride(0), out.stride(1), *(dest.stride()[:3] if dest is not None else (0, 0, 0)),
-        D=D, BLOCK_B=ROTATE_BLOCK_B, BLOCK_E=block_e, ROTATE=M is not None, CENTRE=mean_rot is not None,
+        D=D, ROWS=ROTATE_ROWS, BLOCK_E=block_e, ROTATE=M is not None, CENTRE=mean_rot is not None,
         STORE_OUT=not identity, WRITE=dest is not None, num_warps=4,
     )  # fmt: skip
     return out

@@ -26,7 +26,7 @@ def _bound(x64, M64, y64, out_dtype):
                                                   (17, 2, 1, torch.bfloat16)])  # fmt: skip
 def test_rotate_rows_against_float64(device, D, B, H, H_M, out_dtype):
     """q (float32 out, query heads sharing their KV head's M), k (bf16 out, one M per head), and a batch over one
-    row block (17 rows: the second block is one row, masked)."""
+    program (17 rows: three programs per head and column block, the last with one row)."""
     g = torch.Generator().manual_seed(D + B)
     x = torch.randn(B, H, D, generator=g).to(torch.bfloat16)
     M = _orthogonal(H_M, D, g)

@@ -8,8 +8,9 @@ read on the device, so a CUDA graph can hold the launch). The decode step uses i
 value rotation is not folded into the weights, the attention output (by M_Vᵀ, a transposed view: M is read through
 its strides).
 
-Grid (H, D / BLOCK_E, ⌈B / BLOCK_B⌉): a program multiplies BLOCK_B rows of one head by a [D, BLOCK_E] column block of
-that head's M (a float32 dot in IEEE precision: no TF32 rounding), so M is read once per row block.
+Grid (H, D / BLOCK_E, ⌈B / ROWS⌉): a program loads one [D, BLOCK_E] column block of its head's M once and serves up
+to ROWS rows with it, each as float32 products summed over D (no tensor-core dot: a decode step has a few rows, and an
+MMA would pad them to 16 and round through TF32).
 """
 
 from __future__ import annotations
@@ -26,29 +27,30 @@ def _rotate_rows_kernel(
     B, HEADS_PER_M, HEADS_PER_MEAN,
     stride_xb, stride_xh, stride_mh, stride_mr, stride_mc, stride_meanh, stride_ob, stride_oh,
     stride_db, stride_dh, stride_dt,
-    D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
     ROTATE: tl.constexpr, CENTRE: tl.constexpr, STORE_OUT: tl.constexpr, WRITE: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    rows = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_ok = rows[:, None] < B
-    rows64 = rows.to(tl.int64)
-    x_rows = x_ptr + rows64[:, None] * stride_xb + h * stride_xh
+    dims = tl.arange(0, D)
     if ROTATE:
-        dims = tl.arange(0, D)
-        x = tl.load(x_rows + dims[None, :], mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_B, D]
         m_head = m_ptr + (h // HEADS_PER_M).to(tl.int64) * stride_mh
         m = tl.load(m_head + dims[:, None] * stride_mr + cols[None, :] * stride_mc).to(tl.float32)  # [D, BLOCK_E]
-        y = tl.dot(x, m, input_precision="ieee")
-    else:
-        y = tl.load(x_rows + cols[None, :], mask=row_ok, other=0.0).to(tl.float32)
     if CENTRE:
-        y = y - tl.load(mean_ptr + (h // HEADS_PER_MEAN) * stride_meanh + cols)[None, :].to(tl.float32)
-    if STORE_OUT:
-        out = out_ptr + rows64[:, None] * stride_ob + h * stride_oh + cols[None, :]
-        tl.store(out, round_to(y, out_ptr.dtype.element_ty), mask=row_ok)
+        mu = tl.load(mean_ptr + (h // HEADS_PER_MEAN) * stride_meanh + cols).to(tl.float32)
     if WRITE:
         slot = tl.load(slot_ptr).to(tl.int64)
-        dest = dest_ptr + rows64[:, None] * stride_db + h * stride_dh + slot * stride_dt + cols[None, :]
-        tl.store(dest, round_to(y, dest_ptr.dtype.element_ty), mask=row_ok)
+    row0 = tl.program_id(2) * ROWS
+    for b in range(row0, tl.minimum(row0 + ROWS, B)):
+        x_row = x_ptr + b * stride_xb + h * stride_xh
+        if ROTATE:
+            y = tl.sum(tl.load(x_row + dims).to(tl.float32)[:, None] * m, axis=0)  # [BLOCK_E]
+        else:
+            y = tl.load(x_row + cols).to(tl.float32)
+        if CENTRE:
+            y = y - mu
+        if STORE_OUT:
+            tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, round_to(y, out_ptr.dtype.element_ty))
+        if WRITE:
+            dest = dest_ptr + b * stride_db + h * stride_dh + slot * stride_dt + cols
+            tl.store(dest, round_to(y, dest_ptr.dtype.element_ty))
