@@ -97,7 +97,8 @@ def oscar_attention(
         Mvt_q = None
     # Centred tiers (docs/format.md §6a): every key of the cache and of the chunk is k·M_K − μ_K·M_K, which shifts all
     # logits of a query by the same q·μ_K·M_K (softmax ignores it), and the output of centred values lacks exactly
-    # μ_V·M_V (the weights sum to 1): `_unrotate` adds it back, in M_V space, before M_Vᵀ or o_proj.
+    # μ_V·M_V (the weights sum to 1): `_unrotate` (or, on the decode path, the merge) adds it back, in M_V space, before
+    # M_Vᵀ or o_proj.
     if n == 1 and layer.quantize and softcap is None:
         # three launches: q·M_K (fp32, each query head by its KV head's M_K), the tiered decode + merge (the merge
         # adds μ_V·M_V back and rounds to the model's dtype when nothing follows), and o·M_Vᵀ unless o_proj does it
