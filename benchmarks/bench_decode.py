@@ -68,7 +68,8 @@ def int2_cache(B, H_kv, D, L, gen):
         sink_len=torch.full((B,), sink, dtype=torch.int32, device=dev),
         codes_k=torch.randint(0, 256, (B, H_kv, hist, D // 4), dtype=torch.uint8, device=dev, generator=gen),
         scale_zero_k=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
-        codes_v=torch.randint(0, 256, (B, H_kv, hist, D // 4), dtype=torch.uint8, device=dev, generator=gen),
+        codes_v=torch.randint(0, 256, (B, H_kv, D // 4, hist), dtype=torch.uint8, device=dev, generator=gen).transpose(2, 3),
+        # (token-major, as the cache stores V's codes: layout.history_codes)
         scale_zero_v=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
         hist_len=torch.full((B,), hist, dtype=torch.int32, device=dev),
         recent_k=torch.randn(B, H_kv, recent + layout.FLUSH, D, device=dev, dtype=torch.bfloat16, generator=gen),
@@ -128,9 +129,9 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
 
 
 C = ops.DecodeConfig
-SWEEP = [  # ops.DecodeConfig(tile tokens, warps, stages, programs per SM, register cap)
-    C(64, 1, 3, 8, None), C(64, 1, 2, 8, None), C(32, 1, 3, 8, None), C(128, 1, 3, 8, None),
-    C(64, 2, 3, 4, None), C(64, 1, 3, 12, 168),
+SWEEP = [  # ops.DECODE_CONFIGS candidates (tile tokens, warps, stages, programs per SM, register cap), each for both dims
+    C(32, 1, 3, 8, None), C(32, 1, 3, 9, None), C(64, 1, 3, 8, None), C(64, 1, 3, 12, 168), C(64, 1, 3, 12, None),
+    C(32, 1, 3, 12, 168),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
               ((9, 3, 64), 8, 32768)]  # fmt: skip

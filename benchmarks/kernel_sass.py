@@ -66,8 +66,9 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
     q = torch.empty(batch, H_q, D, dtype=torch.bfloat16)
     tiers = dict(
         sink=(torch.empty(batch, H_kv, layout.SINK, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
-        hist=(torch.empty(batch, H_kv, hist, D // 4, dtype=torch.uint8), torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
-              torch.empty(batch, H_kv, hist, D // 4, dtype=torch.uint8), torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
+        hist=(layout.history_codes(batch, H_kv, hist, D, "cpu"), torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
+              layout.history_codes(batch, H_kv, hist, D, "cpu", tokens_contiguous=True),
+              torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
               torch.empty(batch, dtype=torch.int32)),
         recent=(torch.empty(batch, H_kv, layout.RECENT + layout.FLUSH, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
     )  # fmt: skip

@@ -119,10 +119,9 @@ class OscarLayer(CacheLayerMixin):
         self.sink_v = torch.zeros(B, H, self.sink, D, **bf16)
         self.recent_k = torch.zeros(B, H, self.recent + self.flush, D, **bf16)
         self.recent_v = torch.zeros(B, H, self.recent + self.flush, D, **bf16)
-        if self.quantize:  # INT2 codes [B, H, T_cap, D/4] + float16 scale/zero [B, H, T_cap, D/G, 2]
-            codes = dict(dtype=layout.CODE_DTYPE, device=self.device)
-            self.hist_k = torch.zeros(B, H, HISTORY_CHUNK, layout.packed_dim(D), **codes)
-            self.hist_v = torch.zeros(B, H, HISTORY_CHUNK, layout.packed_dim(D), **codes)
+        if self.quantize:  # INT2 codes [B, H, T_cap, D/4] (V's token-major) + float16 scale/zero [B, H, T_cap, D/G, 2]
+            self.hist_k = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device)
+            self.hist_v = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, tokens_contiguous=True)
             self.sz_k = torch.zeros(B, H, HISTORY_CHUNK, D // G, 2, dtype=layout.SCALE_DTYPE, device=self.device)
             self.sz_v = torch.zeros(B, H, HISTORY_CHUNK, D // G, 2, dtype=layout.SCALE_DTYPE, device=self.device)
         else:  # test switch: history kept in BF16 [B, H, T_cap, D], no scale/zero
@@ -153,10 +152,17 @@ class OscarLayer(CacheLayerMixin):
             old = getattr(self, name)
             if old is None:
                 continue
-            new = torch.zeros(old.shape[:2] + (new_cap,) + old.shape[3:], dtype=old.dtype, device=old.device)
+            new = self._like(name, old, new_cap)
             new[:, :, : self.n_hist] = old[:, :, : self.n_hist]
             setattr(self, name, new)
         self.storage_version = next(_STORAGE_IDS)
+
+    def _like(self, name: str, t: Tensor, T_cap: int) -> Tensor:
+        """Zeroed storage for tier `name` shaped as t with T_cap tokens, in the tier's layout (V's codes token-major)."""
+        if self.quantize and name == "hist_v":
+            D = t.shape[3] * layout.CODES_PER_BYTE
+            return layout.history_codes(t.shape[0], t.shape[1], T_cap, D, t.device, tokens_contiguous=True)
+        return torch.zeros(t.shape[:2] + (T_cap,) + t.shape[3:], dtype=t.dtype, device=t.device)
 
     def reserve(self, tokens: int) -> None:
         """Grow the INT2 history now so that a context of `tokens` needs no reallocation later (no re-capture)."""
@@ -372,7 +378,10 @@ class OscarLayer(CacheLayerMixin):
             return
         for name in self._STORAGE:
             if getattr(self, name) is not None:
-                setattr(self, name, fn(getattr(self, name)))
+                new = fn(getattr(self, name))
+                if name == "hist_v" and self.quantize:  # keep the token-major layout the decode kernel reads fast
+                    new = self._like(name, new, new.shape[2]).copy_(new)
+                setattr(self, name, new)
         self.batch_size = self.sink_k.shape[0]
         self._new_lengths()
 

@@ -6,7 +6,8 @@ kernels and the cache all read one definition. Shape letters: B batch, T tokens,
 Storage of one layer's cache (K and V alike), chosen for the decode kernels: every (batch, KV head) owns a contiguous
 run of tokens, so a tile of BLOCK_T tokens is one coalesced read of BLOCK_T·D/4 bytes.
     sink        bfloat16 [B, H_kv, SINK, D]            first SINK positions, full precision
-    codes       uint8    [B, H_kv, T_cap, D/4]         INT2 history, "quartered" packing (see `pack_codes`)
+    codes       uint8    [B, H_kv, T_cap, D/4]         INT2 history, "quartered" packing (see `pack_codes`);
+                                                       V's codes are stored token-major (`history_codes`)
     scale_zero  float16  [B, H_kv, T_cap, D/G, 2]      per group: (scale, zero), interleaved
     recent      bfloat16 [B, H_kv, RECENT+FLUSH, D]    last RECENT..RECENT+FLUSH-1 positions, full precision
 plus int32 [B] lengths per tier. All tiers hold *rotated* keys/values (k·M_K, v·M_V).
@@ -71,6 +72,16 @@ def resolve_group_size(head_dim: int, group_size: int = 0) -> int:
 def packed_dim(head_dim: int) -> int:
     """Bytes per packed row of `head_dim` INT2 codes."""
     return head_dim // CODES_PER_BYTE
+
+
+def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_contiguous: bool = False) -> torch.Tensor:
+    """A zeroed INT2 history [B, H, T_cap, D/4]. tokens_contiguous (the cache's V codes): stored as [B, H, D/4, T_cap]
+    and returned as its transposed view, so each packed column of consecutive tokens is contiguous. The decode kernel
+    contracts P·V over tokens with the codes as the tensor-core operand whose reduction axis is then contiguous in
+    memory, as K's is (bytes of consecutive dims): no byte gathers. Readers index the view; only strides differ."""
+    if tokens_contiguous:
+        return torch.zeros(B, H, packed_dim(head_dim), T_cap, dtype=CODE_DTYPE, device=device).transpose(2, 3)
+    return torch.zeros(B, H, T_cap, packed_dim(head_dim), dtype=CODE_DTYPE, device=device)
 
 
 def bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT) -> float:

@@ -395,7 +395,8 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     recent = tuple(_last_contiguous(t, 1) for t in recent[:2]) + (recent[2],) if recent else None
     if hist:
         ck, szk, cv, szv, hlen = hist
-        ck, cv = _last_contiguous(ck, 1), _last_contiguous(cv, 1)
+        ck = _last_contiguous(ck, 1)
+        cv = cv if 1 in cv.stride()[2:] else cv.contiguous()  # token-major (the cache's) or dims-major
         szk, szv = _pairs_as_words(_last_contiguous(szk, 2)), _pairs_as_words(_last_contiguous(szv, 2))
         H_kv, G = ck.shape[1], D // szk.shape[-2]
     else:
@@ -414,7 +415,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         q.stride(0), q.stride(1),
         *_strides(sink[0], 3), *_strides(sink[1], 3),
         *_strides(ck, 3), *_strides(szk, 3),
-        *_strides(cv, 3), *_strides(szv, 3),
+        *_strides(cv, 4), *_strides(szv, 3),
         *_strides(recent[0], 3), *_strides(recent[1], 3),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D),

@@ -25,10 +25,12 @@ def _tier_lengths(L: int) -> tuple[int, int, int]:
     return sink, hist, rest - hist
 
 
-def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths=None, key_ramp=None):
+def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths=None, key_ramp=None,
+           v_token_major=True):
     """A random three-tier cache for per-batch contexts (or explicit per-batch (sink, history, recent) `lengths`);
     memory past each length holds garbage (NaN for the kernel, finite for the reference, whose masked einsum would
-    turn 0·NaN into NaN). `key_ramp` = (first, last) scales the history keys linearly over the token axis."""
+    turn 0·NaN into NaN). `key_ramp` = (first, last) scales the history keys linearly over the token axis.
+    V's codes are token-major as the cache stores them (`layout.history_codes`) unless `v_token_major` is False."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lengths or [_tier_lengths(L) for L in contexts], dtype=torch.int32)  # [B, 3]
     B = lens.shape[0]
@@ -45,6 +47,8 @@ def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths
         hist_k = hist_k * torch.linspace(*key_ramp, T_cap)[:, None]
     ck, szk = reference.quantize_pack_ref(hist_k, 0.96, group_size)
     cv, szv = reference.quantize_pack_ref(rand(B, H_kv, T_cap, D), 0.92, group_size)
+    if v_token_major:
+        cv = layout.history_codes(B, H_kv, T_cap, D, "cpu", tokens_contiguous=True).copy_(cv)
     clean = dict(sink_k=sink_k, sink_v=sink_v, sink_len=lens[:, 0], codes_k=ck, scale_zero_k=szk, codes_v=cv,
                  scale_zero_v=szv, hist_len=lens[:, 1], recent_k=rec_k, recent_v=rec_v, recent_len=lens[:, 2])  # fmt: skip
     dirty = {k: v.clone() for k, v in clean.items()}
@@ -150,6 +154,17 @@ def test_history_tile_boundaries(device, hist):
     clean, dirty = _cache(None, H_kv, D, device, seed=hist, lengths=[(64, hist, 0), (3, hist // 2 + 1, 7)])
     q = _query(2, H_kv * group, D, device, hist)
     _check_against_reference(q, clean, dirty, D**-0.5, boundary=("hist", min(hist - 1, 16)))
+
+
+@pytest.mark.parametrize("D, group_size", [(64, 0), (128, 0), (64, 16)])
+def test_value_codes_in_either_layout(device, D, group_size):
+    """The cache stores V's codes token-major; dims-major codes (a caller's own contiguous tensor) take the same
+    kernel with other strides. Both give the reference's answer, and the layouts really differ."""
+    token, _ = _cache(None, 2, D, device, seed=D, lengths=[(64, 45, 3)], group_size=group_size)
+    dims, dirty = _cache(None, 2, D, device, seed=D, lengths=[(64, 45, 3)], group_size=group_size, v_token_major=False)
+    assert token["codes_v"].stride(2) == 1 and dims["codes_v"].stride(3) == 1
+    assert torch.equal(token["codes_v"], dims["codes_v"])
+    _check_against_reference(_query(1, 8, D, device, D), dims, dirty, D**-0.5, boundary=("hist", 16))
 
 
 @pytest.mark.parametrize("group", [1, 3, 4, 5, 8, 32])

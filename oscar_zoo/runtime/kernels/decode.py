@@ -8,8 +8,10 @@ S_HIST splits the INT2 history, the rest the BF16 recent tier. One body (`_atten
 
 The tokens sit on the MMA rows: scores are computed transposed, [BLOCK_N, GP] = K·qᵀ, so a tile of BLOCK_N tokens
 fills BLOCK_N / 16 MMA row tiles and the small GQA group only pads the 8-wide column side of the score dot; q stays a
-loop-invariant operand, and the softmax runs over the token axis. P·V takes pᵀ as the row operand ([GP, BLOCK_N] ·
-[BLOCK_N, D]; there the group is padded to the MMA's 16 rows).
+loop-invariant operand, and the softmax runs over the token axis. P·V is computed transposed too, oᵀ [D, GP] =
+Vᵀ·p: the dims fill the MMA rows and the tokens are the contraction axis. The cache stores V's codes token-major
+(`layout.history_codes`), so a quarter of Vᵀ is read, like a quarter of K, as bytes contiguous along the contraction
+axis: one matrix load per operand fragment, no byte gathers (any other strides are correct, only slower).
 
 INT2 codes become tensor-core operands without conversion instructions. Quarter k of a packed byte, masked in place
 (k < 3: the code times f_k = 4^k, at most 48) or shifted down (k = 3: f_3 = 1), under a 0x43 high byte is the
@@ -53,12 +55,13 @@ def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_AS
 
 
 @triton.jit
-def _dequant_quarter(packed, sz_rows, stride_t, tok64, tok_ok, cols, QUARTER: tl.constexpr, D4: tl.constexpr,
+def _dequant_quarter(packed, sz_rows, tok_off, tok_ok, cols, QUARTER: tl.constexpr, D4: tl.constexpr,
                      G: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One quarter of a packed tile dequantized with its per-group scale/zero (G < D): [BLOCK_N, D/4] in DOT_DTYPE."""
-    sz_ptrs = sz_rows + tok64[:, None] * stride_t + (((QUARTER * D4 + cols) // G) * 2)[None, :]
-    s = tl.load(sz_ptrs, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-    z = tl.load(sz_ptrs + 1, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+    """One quarter of a packed tile dequantized with its per-group scale/zero (G < D), in DOT_DTYPE. The tile is
+    [BLOCK_N, D/4] (K) or [D/4, BLOCK_N] (V); tok_off (token · scale stride), tok_ok and cols broadcast to it."""
+    sz_ptrs = sz_rows + tok_off + ((QUARTER * D4 + cols) // G) * 2
+    s = tl.load(sz_ptrs, mask=tok_ok, other=0.0).to(tl.float32)
+    z = tl.load(sz_ptrs + 1, mask=tok_ok, other=0.0).to(tl.float32)
     c = ((packed >> (2 * QUARTER)) & 3).to(tl.float32)
     return ((c - z) * s).to(DOT_DTYPE)
 
@@ -98,8 +101,8 @@ def _softmax_step(sT, m_i, SLACK: tl.constexpr):
 
 @triton.jit
 def _int2_tile(
-    n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, szk_row, szv_row, stride_szkt, stride_szvt,
-    q0, q1, q2, q3, qw, qsum, qk_scale,
+    n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
+    stride_szvt, q0, q1, q2, q3, qw, qsum, qk_scale,
     m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
     D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
     SLACK: tl.constexpr, MASKED: tl.constexpr,
@@ -110,7 +113,7 @@ def _int2_tile(
     tok_ok = tok < end
     tok64 = tok.to(tl.int64)
     k_ptrs = k_rows + tok64[:, None] * stride_kt + cols[None, :]
-    v_ptrs = v_rows + tok64[:, None] * stride_vt + cols[None, :]
+    v_ptrs = v_rows + cols[:, None] * stride_vd + tok64[None, :] * stride_vt  # Vᵀ: [D/4, BLOCK_N]
     if MASKED:
         kb = tl.load(k_ptrs, mask=tok_ok[:, None], other=0)
     else:
@@ -124,10 +127,11 @@ def _int2_tile(
         sk, zk = _scale_zero(szk_row, tok, stride_szkt, tok_ok, MASKED)
         sT = (sT - 128.0 * qw[None, :] - zk[:, None] * qsum[None, :]) * sk[:, None]
     else:
-        sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 0, D4, G, DOT_DTYPE), q0)
-        sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 1, D4, G, DOT_DTYPE), q1, sT)
-        sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 2, D4, G, DOT_DTYPE), q2, sT)
-        sT = tl.dot(_dequant_quarter(kb, szk_row, stride_szkt, tok64, tok_ok, cols, 3, D4, G, DOT_DTYPE), q3, sT)
+        k_off, k_ok, k_cols = tok64[:, None] * stride_szkt, tok_ok[:, None], cols[None, :]
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 0, D4, G, DOT_DTYPE), q0)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 1, D4, G, DOT_DTYPE), q1, sT)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 2, D4, G, DOT_DTYPE), q2, sT)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 3, D4, G, DOT_DTYPE), q3, sT)
     if MASKED:
         sT = tl.where(tok_ok[:, None], sT * qk_scale, float("-inf"))
     else:
@@ -137,19 +141,20 @@ def _int2_tile(
     l_t = l_t * alpha[None, :] + p
     if SLACK > 0:
         if moved > 0:  # rare: the accumulators are rescaled only when a maximum moved
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
+            acc0 = acc0 * alpha[None, :]
+            acc1 = acc1 * alpha[None, :]
+            acc2 = acc2 * alpha[None, :]
+            acc3 = acc3 * alpha[None, :]
     else:
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
-        acc2 = acc2 * alpha[:, None]
-        acc3 = acc3 * alpha[:, None]
+        acc0 = acc0 * alpha[None, :]
+        acc1 = acc1 * alpha[None, :]
+        acc2 = acc2 * alpha[None, :]
+        acc3 = acc3 * alpha[None, :]
 
-    # ---- P·V: [GP, BLOCK_N] · [BLOCK_N, D/4] per quarter
+    # ---- P·V transposed: [D/4, BLOCK_N] · [BLOCK_N, GP] per quarter (the tokens are the contraction axis, and the
+    # cache stores V's codes token-major, so a quarter's operand is read like K's: no byte gathers)
     if MASKED:
-        vb = tl.load(v_ptrs, mask=tok_ok[:, None], other=0)
+        vb = tl.load(v_ptrs, mask=tok_ok[None, :], other=0)
     else:
         vb = tl.load(v_ptrs)
     if NG == 1:
@@ -158,24 +163,24 @@ def _int2_tile(
         psf = ps.to(tl.float32)
         psum_t = psum_t * alpha[None, :] + psf
         pz_t = pz_t * alpha[None, :] + psf * zv[:, None]
-        pt = tl.trans(ps)
-        acc0 = tl.dot(pt, _biased_codes(vb, 0, DOT_DTYPE, USE_ASM), acc0)
-        acc1 = tl.dot(pt, _biased_codes(vb, 1, DOT_DTYPE, USE_ASM), acc1)
-        acc2 = tl.dot(pt, _biased_codes(vb, 2, DOT_DTYPE, USE_ASM), acc2)
-        acc3 = tl.dot(pt, _biased_codes(vb, 3, DOT_DTYPE, USE_ASM), acc3)
+        acc0 = tl.dot(_biased_codes(vb, 0, DOT_DTYPE, USE_ASM), ps, acc0)
+        acc1 = tl.dot(_biased_codes(vb, 1, DOT_DTYPE, USE_ASM), ps, acc1)
+        acc2 = tl.dot(_biased_codes(vb, 2, DOT_DTYPE, USE_ASM), ps, acc2)
+        acc3 = tl.dot(_biased_codes(vb, 3, DOT_DTYPE, USE_ASM), ps, acc3)
     else:
-        pt = tl.trans(p.to(DOT_DTYPE))
-        acc0 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 0, D4, G, DOT_DTYPE), acc0)
-        acc1 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 1, D4, G, DOT_DTYPE), acc1)
-        acc2 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 2, D4, G, DOT_DTYPE), acc2)
-        acc3 = tl.dot(pt, _dequant_quarter(vb, szv_row, stride_szvt, tok64, tok_ok, cols, 3, D4, G, DOT_DTYPE), acc3)
+        pb = p.to(DOT_DTYPE)
+        v_off, v_ok, v_cols = tok64[None, :] * stride_szvt, tok_ok[None, :], cols[:, None]
+        acc0 = tl.dot(_dequant_quarter(vb, szv_row, v_off, v_ok, v_cols, 0, D4, G, DOT_DTYPE), pb, acc0)
+        acc1 = tl.dot(_dequant_quarter(vb, szv_row, v_off, v_ok, v_cols, 1, D4, G, DOT_DTYPE), pb, acc1)
+        acc2 = tl.dot(_dequant_quarter(vb, szv_row, v_off, v_ok, v_cols, 2, D4, G, DOT_DTYPE), pb, acc2)
+        acc3 = tl.dot(_dequant_quarter(vb, szv_row, v_off, v_ok, v_cols, 3, D4, G, DOT_DTYPE), pb, acc3)
     return m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3
 
 
 @triton.jit
 def _attend(
     q_ptr, stride_qb, stride_qh,
-    k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd,
     szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt,
     len_ptr, split, S,
     o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split,
@@ -185,7 +190,7 @@ def _attend(
 ):  # fmt: skip
     """Online softmax over one split of one tier for KV head h and its GROUP query heads; writes (o, lse) of
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
-    rows; P·V is pᵀ·V with the query heads as rows."""
+    rows; P·V is Vᵀ·p (oᵀ, dims on the rows) over INT2 codes, pᵀ·V over BF16 rows."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     b64 = b.to(tl.int64)
@@ -234,10 +239,10 @@ def _attend(
         q1 = q1.to(DOT_DTYPE)
         q2 = q2.to(DOT_DTYPE)
         q3 = q3.to(DOT_DTYPE)
-        acc0 = tl.zeros([GP, D4], tl.float32)
-        acc1 = tl.zeros([GP, D4], tl.float32)
-        acc2 = tl.zeros([GP, D4], tl.float32)
-        acc3 = tl.zeros([GP, D4], tl.float32)
+        acc0 = tl.zeros([D4, GP], tl.float32)  # oᵀ per quarter
+        acc1 = tl.zeros([D4, GP], tl.float32)
+        acc2 = tl.zeros([D4, GP], tl.float32)
+        acc3 = tl.zeros([D4, GP], tl.float32)
         psum_t = tl.zeros([BLOCK_N, GP], tl.float32)  # Σ p·s of the bf16 values the P·V dots see
         pz_t = tl.zeros([BLOCK_N, GP], tl.float32)  # Σ p·s·z
     else:
@@ -250,12 +255,13 @@ def _attend(
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
-                n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, szk_row, szv_row, stride_szkt, stride_szvt,
+                n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
+                stride_szvt,
                 q0, q1, q2, q3, qw, qsum, qk_scale, m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
                 D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False)
         if full_end < end:
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
-                full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, szk_row, szv_row, stride_szkt,
+                full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
                 stride_szvt, q0, q1, q2, q3, qw, qsum, qk_scale, m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
                 D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True)
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
@@ -276,22 +282,23 @@ def _attend(
     nonempty = l_i > 0
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) / LOG2E, float("-inf"))
-    o_rows = o_ptr + b64 * stride_ob + qhead[:, None] * stride_oh + out_split * stride_os
+    o_base = o_ptr + b64 * stride_ob + out_split * stride_os
     if INT2:
         if NG == 1:
-            psum = tl.sum(psum_t, axis=0)[:, None]
-            pz = tl.sum(pz_t, axis=0)[:, None]
+            psum = tl.sum(psum_t, axis=0)[None, :]
+            pz = tl.sum(pz_t, axis=0)[None, :]
             # undo the +128 bias and the 4^k code factor per quarter, then the zero point
             acc0 = acc0 - 128.0 * psum - pz
             acc1 = (acc1 - 128.0 * psum) * 0.25 - pz
             acc2 = (acc2 - 128.0 * psum) * 0.0625 - pz
             acc3 = acc3 - 128.0 * psum - pz
-        tl.store(o_rows + 0 * D4 + cols[None, :], acc0 * inv_l[:, None], mask=g_ok[:, None])
-        tl.store(o_rows + 1 * D4 + cols[None, :], acc1 * inv_l[:, None], mask=g_ok[:, None])
-        tl.store(o_rows + 2 * D4 + cols[None, :], acc2 * inv_l[:, None], mask=g_ok[:, None])
-        tl.store(o_rows + 3 * D4 + cols[None, :], acc3 * inv_l[:, None], mask=g_ok[:, None])
+        o_cols = o_base + qhead[None, :] * stride_oh  # oᵀ: [dims, GP]
+        tl.store(o_cols + (0 * D4 + cols)[:, None], acc0 * inv_l[None, :], mask=g_ok[None, :])
+        tl.store(o_cols + (1 * D4 + cols)[:, None], acc1 * inv_l[None, :], mask=g_ok[None, :])
+        tl.store(o_cols + (2 * D4 + cols)[:, None], acc2 * inv_l[None, :], mask=g_ok[None, :])
+        tl.store(o_cols + (3 * D4 + cols)[:, None], acc3 * inv_l[None, :], mask=g_ok[None, :])
     else:
-        tl.store(o_rows + dims[None, :], acc * inv_l[:, None], mask=g_ok[:, None])
+        tl.store(o_base + qhead[:, None] * stride_oh + dims[None, :], acc * inv_l[:, None], mask=g_ok[:, None])
     tl.store(lse_ptr + b64 * stride_lb + qhead * stride_lh + out_split, lse, mask=g_ok)
 
 
@@ -299,14 +306,15 @@ def _attend(
 def _decode_kernel(
     q_ptr,  # [B, H_q, D]
     sk_ptr, sv_ptr, slen_ptr,  # sink K/V [B, H_kv, SINK_CAP, D] bf16, lengths [B] int32
-    ck_ptr, szk_ptr, cv_ptr, szv_ptr, hlen_ptr,  # history codes [B, H_kv, T_cap, D/4] u8, scale/zero [.., D/G, 2] f16
+    ck_ptr, szk_ptr, cv_ptr, szv_ptr, hlen_ptr,  # history codes [B, H_kv, T_cap, D/4] u8 (V's any strides, fastest
+    # token-major), scale/zero [.., D/G, 2] f16
     rk_ptr, rv_ptr, rlen_ptr,  # recent K/V [B, H_kv, RECENT_CAP, D] bf16
     o_ptr, lse_ptr,  # partials [B, H_q, S, D] f32, [B, H_q, S] f32
     H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale,
     stride_qb, stride_qh,
     stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
     stride_ckb, stride_ckh, stride_ckt, stride_szkb, stride_szkh, stride_szkt,
-    stride_cvb, stride_cvh, stride_cvt, stride_szvb, stride_szvh, stride_szvt,
+    stride_cvb, stride_cvh, stride_cvt, stride_cvd, stride_szvb, stride_szvh, stride_szvt,
     stride_rkb, stride_rkh, stride_rkt, stride_rvb, stride_rvh, stride_rvt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -333,7 +341,7 @@ def _decode_kernel(
                 k_ptr, v_ptr,
                 tl.where(in_sink, stride_skb + zero64, stride_rkb), tl.where(in_sink, stride_skh + zero64, stride_rkh),
                 tl.where(in_sink, stride_skt + zero64, stride_rkt), tl.where(in_sink, stride_svb + zero64, stride_rvb),
-                tl.where(in_sink, stride_svh + zero64, stride_rvh), tl.where(in_sink, stride_svt + zero64, stride_rvt),
+                tl.where(in_sink, stride_svh + zero64, stride_rvh), tl.where(in_sink, stride_svt + zero64, stride_rvt), 1,
                 q_ptr, q_ptr, 0, 0, 0, 0, 0, 0,
                 len_ptr, tl.where(in_sink, s, s - S_SINK - S_HIST), tl.where(in_sink, S_SINK, S_RECENT),
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
@@ -341,7 +349,7 @@ def _decode_kernel(
                 False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0)
     else:
         _attend(q_ptr, stride_qb, stride_qh,
-                ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt,
+                ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd,
                 szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt,
                 hlen_ptr, s - S_SINK, S_HIST,
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
