@@ -77,7 +77,7 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
         ops._kernels = lambda: (None, type("M", (), {"_decode_kernel": Grab()}), None)
         ops._programs_target = lambda device, D: ops.decode_config(D).programs_per_sm * 132
         ops._dot_dtype = lambda: tl.bfloat16
-        ops._block_n = lambda device, D: ops.decode_config(D).block_n if D else ops.DECODE_BLOCK_NB
+        ops._block_n = lambda device, D, G=None: ops.gpu_block_n(D, G)
         s_hist = ops._int2_splits(batch, H_kv, H_q // H_kv, D, hist, cuda, None)
         s_sink, s_recent = ops._bf16_splits(layout.SINK, cuda), ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda)
         S = s_sink + s_hist + s_recent

@@ -35,10 +35,10 @@ class DecodeConfig:
 
 
 # Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"; rescale_slack with
-# `--sweep-variants`, "Decode kernel v3.1"). programs_per_sm must not
+# `--sweep-variants`, "Decode kernel v3.1"; d = 128's 64-token tile in "Decode kernel v4"). programs_per_sm must not
 # exceed what fits an SM (registers, shared memory); tests/runtime/test_kernel_compiles.py checks it for GQA and
 # multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
-DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168), 128: DecodeConfig(32, 1, 3, 8, None)}
+DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168), 128: DecodeConfig(64, 1, 3, 8, None)}
 DECODE_BLOCK_NB = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
 DECODE_MIN_TILES = 2  # INT2 history tiles per split at least (short contexts: fewer, longer splits, fewer partials)
 MERGE_PROGRAMS = 512  # the merge splits head dims until it has about this many programs
@@ -344,11 +344,20 @@ def _check_kv(name: str, t: Tensor, q: Tensor, last: tuple[int, ...], dtype: tor
     return H_kv
 
 
-def _block_n(device: torch.device, D: int | None) -> int:
-    """Tokens per tile: of the INT2 history for head dim D, of the BF16 tiers for D = None."""
+def _block_n(device: torch.device, D: int | None, G: int | None = None) -> int:
+    """Tokens per tile: of the INT2 history for head dim D (scale groups of G dims), of the BF16 tiers for D = None."""
     if device.type != "cuda":
         return 16  # interpreter: small tiles, many of them
-    return decode_config(D).block_n if D else DECODE_BLOCK_NB
+    return gpu_block_n(D, G)
+
+
+def gpu_block_n(D: int | None, G: int | None = None) -> int:
+    if not D:
+        return DECODE_BLOCK_NB
+    # per-group scales (G < D) dequantize every element before its dot: more live registers, and 64-token tiles at
+    # d = 128 spill (tests/runtime/test_kernel_compiles.py), so those tiles stay at 32 tokens
+    n = decode_config(D).block_n
+    return min(n, 32) if G is not None and G < D else n
 
 
 def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
@@ -418,7 +427,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         *_strides(cv, 4), *_strides(szv, 3),
         *_strides(recent[0], 3), *_strides(recent[1], 3),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D),
+        D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D, G),
         BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
         STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=pdl, num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
         launch_pdl=pdl,
