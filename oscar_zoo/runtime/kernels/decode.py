@@ -13,12 +13,20 @@ Vᵀ·p: the dims fill the MMA rows and the tokens are the contraction axis. The
 (`layout.history_codes`), so a quarter of Vᵀ is read, like a quarter of K, as bytes contiguous along the contraction
 axis: one matrix load per operand fragment, no byte gathers (any other strides are correct, only slower).
 
-INT2 codes become tensor-core operands without conversion instructions. Quarter k of a packed byte, masked in place
-(k < 3: the code times f_k = 4^k, at most 48) or shifted down (k = 3: f_3 = 1), under a 0x43 high byte is the
-bfloat16 128 + c·f_k, exact. With q_k the quarter-k part of q, the dots see (q_k / f_k) (a power-of-two scaling, exact)
-and the affine constants come back in fp32 (one group per row, G = D; s, z the row's scale and zero):
-    q·k̂ = s·(Σ_k (q_k / f_k)·(128 + c_k f_k) − 128·Σ_k Σq_k / f_k − z·Σq)
-    Σ_t p_t v̂_t[quarter k] = (Σ_t (p_t s_t)(128 + c_t f_k) − 128·Σ_t p_t s_t) / f_k − Σ_t (p_t s_t) z_t
+INT2 codes become tensor-core operands without conversion instructions (one group per row, G = D; s, z the row's
+scale and zero):
+- K, from D = 128: integer dots. Quarter k of a packed word shifted down and masked is four int8 codes c ∈ 0..3. Each
+  head's q is scaled so its largest |q| is 127 (factor λ) and split into two int8 parts, λq = q_hi + q_lo / Q_LO
+  (Q_LO = min(128, 8192 / D): each element exact to 1 / (2·127·Q_LO) of the head's largest |q|, finer than a
+  bfloat16 q in the score). Two int32 dots per quarter, Σ c·q_hi and Σ c·q_lo, are exact, and
+      q·k̂ = s·((Q_LO·Σ c·q_hi + Σ c·q_lo) − z·(Q_LO·Σq_hi + Σq_lo)) / (λ·Q_LO).
+  The integer sum (< 2^22 in magnitude) becomes float32 by an add to the bits of 1.5·2^23, not by a conversion
+  instruction. An int8 dot needs a contraction of ≥ 32, so below D = 128 K takes the bfloat16 path of V.
+- V (and K below D = 128): quarter k of a packed byte, masked in place (k < 3: the code times f_k = 4^k, at most 48)
+  or shifted down (k = 3: f_3 = 1), under a 0x43 high byte is the bfloat16 128 + c·f_k, exact. The other operand is
+  scaled by 1 / f_k (a power of two, exact) and the affine constants come back in fp32:
+      q·k̂ = s·(Σ_k (q_k / f_k)·(128 + c_k f_k) − 128·Σ_k Σq_k / f_k − z·Σq)
+      Σ_t p_t v̂_t[quarter k] = (Σ_t (p_t s_t)(128 + c_t f_k) − 128·Σ_t p_t s_t) / f_k − Σ_t (p_t s_t) z_t
 With G < D every element is dequantized with its group's scale before the dot.
 """
 
@@ -36,6 +44,34 @@ UNPACK_ASM_0 = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x03030303; " + _PRMT
 UNPACK_ASM_1 = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x0c0c0c0c; " + _PRMT)
 UNPACK_ASM_2 = tl.constexpr("{ .reg .b32 t; and.b32 t, $2, 0x30303030; " + _PRMT)
 UNPACK_ASM_3 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; " + _PRMT)
+
+
+# K's codes as int8 tensor-core operands: quarter k of each byte shifted down and masked (four codes per register)
+CODES_ASM_0 = tl.constexpr("and.b32 $0, $1, 0x03030303;")
+CODES_ASM_1 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303; }")
+CODES_ASM_2 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303; }")
+CODES_ASM_3 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303; }")
+MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: the float32 with bits 0x4B400000 + n is MAGIC + n for |n| < 2^22
+
+
+@triton.jit
+def _int8_codes(packed, QUARTER: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint8 packed bytes → int8 codes 0..3 of one quarter (the K side's integer operand)."""
+    if USE_ASM:
+        asm: tl.constexpr = (CODES_ASM_0 if QUARTER == 0 else CODES_ASM_1 if QUARTER == 1 else
+                             CODES_ASM_2 if QUARTER == 2 else CODES_ASM_3)  # fmt: skip
+        return tl.inline_asm_elementwise(asm, "=r,r", [packed], dtype=tl.int8, is_pure=True, pack=4)
+    return ((packed >> (2 * QUARTER)) & 3).to(tl.int8)
+
+
+@triton.jit
+def _int8_parts(q, q_scale, Q_LO: tl.constexpr):
+    """fp32 q [dims, GP] times its head's factor q_scale [GP] (largest |q| → 127) as two int8 parts,
+    q·q_scale = q_hi + q_lo / Q_LO up to 1/(2·Q_LO), and the float32 integers q_hi·Q_LO + q_lo (exact) for sums."""
+    x = q * q_scale[None, :]
+    hi = tl.floor(x + 0.5)
+    lo = tl.floor((x - hi) * Q_LO + 0.5)
+    return hi.to(tl.int8), lo.to(tl.int8), hi * Q_LO + lo
 
 
 @triton.jit
@@ -102,10 +138,10 @@ def _softmax_step(sT, m_i, SLACK: tl.constexpr):
 @triton.jit
 def _int2_tile(
     n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-    stride_szvt, q0, q1, q2, q3, qw, qsum, qk_scale,
+    stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
     m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
-    D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
-    SLACK: tl.constexpr, MASKED: tl.constexpr,
+    Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked."""
@@ -120,22 +156,39 @@ def _int2_tile(
         kb = tl.load(k_ptrs)
     # ---- scores, transposed: [BLOCK_N, GP]
     if NG == 1:
-        sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM), q0)
-        sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM), q1, sT)
-        sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM), q2, sT)
-        sT = tl.dot(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM), q3, sT)
+        if D4 >= 32:
+            # integer dots: int8 codes 0..3 against q's int8 high and low parts (int32 sums, exact)
+            c = _int8_codes(kb, 0, USE_ASM)
+            s_hi = tl.dot(c, q0, out_dtype=tl.int32)
+            s_lo = tl.dot(c, ql0, out_dtype=tl.int32)
+            c = _int8_codes(kb, 1, USE_ASM)
+            s_hi = tl.dot(c, q1, s_hi, out_dtype=tl.int32)
+            s_lo = tl.dot(c, ql1, s_lo, out_dtype=tl.int32)
+            c = _int8_codes(kb, 2, USE_ASM)
+            s_hi = tl.dot(c, q2, s_hi, out_dtype=tl.int32)
+            s_lo = tl.dot(c, ql2, s_lo, out_dtype=tl.int32)
+            c = _int8_codes(kb, 3, USE_ASM)
+            s_hi = tl.dot(c, q3, s_hi, out_dtype=tl.int32)
+            s_lo = tl.dot(c, ql3, s_lo, out_dtype=tl.int32)
+            # |s_hi·Q_LO + s_lo| < 2^22: to float32 as MAGIC + that, by an integer add to MAGIC's bits (no int→float
+            # conversion, a quarter-rate instruction); q_bias removes MAGIC
+            sT = (s_hi * Q_LO + s_lo + 0x4B400000).to(tl.float32, bitcast=True)
+        else:
+            # an int8 dot needs a contraction of ≥ 32 dims: quarters of bfloat16 128 + code·4^k against q_k / 4^k
+            sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM), q0)
+            sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM), q1, sT)
+            sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM), q2, sT)
+            sT = tl.dot(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM), q3, sT)
         sk, zk = _scale_zero(szk_row, tok, stride_szkt, tok_ok, MASKED)
-        sT = (sT - 128.0 * qw[None, :] - zk[:, None] * qsum[None, :]) * sk[:, None]
+        sT = (sT - q_bias[None, :] - zk[:, None] * qsum[None, :]) * sk[:, None] * q_w[None, :]
     else:
         k_off, k_ok, k_cols = tok64[:, None] * stride_szkt, tok_ok[:, None], cols[None, :]
         sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 0, D4, G, DOT_DTYPE), q0)
         sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 1, D4, G, DOT_DTYPE), q1, sT)
         sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 2, D4, G, DOT_DTYPE), q2, sT)
-        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 3, D4, G, DOT_DTYPE), q3, sT)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 3, D4, G, DOT_DTYPE), q3, sT) * qk_scale
     if MASKED:
-        sT = tl.where(tok_ok[:, None], sT * qk_scale, float("-inf"))
-    else:
-        sT = sT * qk_scale
+        sT = tl.where(tok_ok[:, None], sT, float("-inf"))
 
     p, alpha, m_i, moved = _softmax_step(sT, m_i, SLACK)
     l_t = l_t * alpha[None, :] + p
@@ -193,6 +246,8 @@ def _attend(
     rows; P·V is Vᵀ·p (oᵀ, dims on the rows) over INT2 codes, pᵀ·V over BF16 rows."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
+    # q's low int8 part in units of 1/Q_LO: |Σ codes·(q_hi·Q_LO + q_lo)| ≤ 3·D·127.5·Q_LO < 2^22
+    Q_LO: tl.constexpr = min(128, 8192 // D)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     L = tl.load(len_ptr + b)
@@ -218,27 +273,46 @@ def _attend(
         q2 = tl.load(q_cols + (2 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
         q3 = tl.load(q_cols + (3 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
         if NG == 1:
-            # Σq and Σ_k w_k Σq_k of the bf16 values the dots see (w_k q_k is exact: a power-of-two scaling)
-            q0 = q0.to(DOT_DTYPE).to(tl.float32)
-            q1 = q1.to(DOT_DTYPE).to(tl.float32)
-            q2 = q2.to(DOT_DTYPE).to(tl.float32)
-            q3 = q3.to(DOT_DTYPE).to(tl.float32)
-            s0, s1, s2, s3 = tl.sum(q0, axis=0), tl.sum(q1, axis=0), tl.sum(q2, axis=0), tl.sum(q3, axis=0)
-            qsum = s0 + s1 + s2 + s3
-            qw = s0 + s1 * 0.25 + s2 * 0.0625 + s3
-            q1 = q1 * 0.25
-            q2 = q2 * 0.0625
+            # scores = (dots − q_bias − z·qsum)·s·q_w, per head
+            if D4 >= 32:
+                # K side: each head's q as int8 high and low parts (14 bits of its range) for integer dots
+                amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
+                                  tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
+                q_scale = 127.0 / tl.where(amax > 0, amax, 127.0)  # an all-zero head (or padding) gets 1
+                q0, ql0, i0 = _int8_parts(q0, q_scale, Q_LO)
+                q1, ql1, i1 = _int8_parts(q1, q_scale, Q_LO)
+                q2, ql2, i2 = _int8_parts(q2, q_scale, Q_LO)
+                q3, ql3, i3 = _int8_parts(q3, q_scale, Q_LO)
+                qsum = tl.sum(i0, axis=0) + tl.sum(i1, axis=0) + tl.sum(i2, axis=0) + tl.sum(i3, axis=0)  # integers
+                q_bias = tl.full([GP], MAGIC, tl.float32)
+                q_w = qk_scale / (q_scale * Q_LO)
+            else:
+                # Σq and Σ_k w_k Σq_k of the bf16 values the dots see (w_k q_k is exact: a power-of-two scaling)
+                q0 = q0.to(DOT_DTYPE).to(tl.float32)
+                q1 = q1.to(DOT_DTYPE).to(tl.float32)
+                q2 = q2.to(DOT_DTYPE).to(tl.float32)
+                q3 = q3.to(DOT_DTYPE).to(tl.float32)
+                s0, s1, s2, s3 = tl.sum(q0, axis=0), tl.sum(q1, axis=0), tl.sum(q2, axis=0), tl.sum(q3, axis=0)
+                qsum = s0 + s1 + s2 + s3
+                q_bias = 128.0 * (s0 + s1 * 0.25 + s2 * 0.0625 + s3)
+                q_w = tl.full([GP], qk_scale, tl.float32)
+                q0 = q0.to(DOT_DTYPE)
+                q1 = (q1 * 0.25).to(DOT_DTYPE)
+                q2 = (q2 * 0.0625).to(DOT_DTYPE)
+                q3 = q3.to(DOT_DTYPE)
+                ql0, ql1, ql2, ql3 = q0, q1, q2, q3  # unused
             szk_row = (szk_ptr + b64 * stride_szkb + h64 * stride_szkh).to(tl.pointer_type(tl.int32), bitcast=True)
             szv_row = (szv_ptr + b64 * stride_szvb + h64 * stride_szvh).to(tl.pointer_type(tl.int32), bitcast=True)
         else:
             qsum = tl.zeros([GP], tl.float32)  # unused: each element is dequantized before its dot
-            qw = qsum
+            q_bias, q_w = qsum, qsum
             szk_row = szk_ptr + b64 * stride_szkb + h64 * stride_szkh
             szv_row = szv_ptr + b64 * stride_szvb + h64 * stride_szvh
-        q0 = q0.to(DOT_DTYPE)
-        q1 = q1.to(DOT_DTYPE)
-        q2 = q2.to(DOT_DTYPE)
-        q3 = q3.to(DOT_DTYPE)
+            q0 = q0.to(DOT_DTYPE)
+            q1 = q1.to(DOT_DTYPE)
+            q2 = q2.to(DOT_DTYPE)
+            q3 = q3.to(DOT_DTYPE)
+            ql0, ql1, ql2, ql3 = q0, q1, q2, q3  # unused
         acc0 = tl.zeros([D4, GP], tl.float32)  # oᵀ per quarter
         acc1 = tl.zeros([D4, GP], tl.float32)
         acc2 = tl.zeros([D4, GP], tl.float32)
@@ -256,14 +330,13 @@ def _attend(
         for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-                stride_szvt,
-                q0, q1, q2, q3, qw, qsum, qk_scale, m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
-                D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False)
+                stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
+                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False)
         if full_end < end:
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-                stride_szvt, q0, q1, q2, q3, qw, qsum, qk_scale, m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
-                D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True)
+                stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
+                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True)
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
             tok = n0 + offs_n
