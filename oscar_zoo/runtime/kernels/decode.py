@@ -15,18 +15,17 @@ axis: one matrix load per operand fragment, no byte gathers (any other strides a
 
 INT2 codes become tensor-core operands without conversion instructions (one group per row, G = D; s, z the row's
 scale and zero):
-- K: integer dots. Quarter k of a packed word shifted down and masked is four int8 codes c ∈ 0..3. Each head's q
-  is scaled so its largest |q| is 127 (factor λ) and split into two int8 parts, λq = q_hi + q_lo / Q_LO
+- K, from D = 128: integer dots. Quarter k of a packed word shifted down and masked is four int8 codes c ∈ 0..3. Each
+  head's q is scaled so its largest |q| is 127 (factor λ) and split into two int8 parts, λq = q_hi + q_lo / Q_LO
   (Q_LO = min(128, 8192 / D): each element exact to 1 / (2·127·Q_LO) of the head's largest |q|, finer than a
   bfloat16 q in the score). Two int32 dots per quarter, Σ c·q_hi and Σ c·q_lo, are exact, and
       q·k̂ = s·((Q_LO·Σ c·q_hi + Σ c·q_lo) − z·(Q_LO·Σq_hi + Σq_lo)) / (λ·Q_LO).
   The integer sum (< 2^22 in magnitude) becomes float32 by an add to the bits of 1.5·2^23, not by a conversion
-  instruction. For GQA groups up to 4 (and at D = 64, where an int8 dot's 32-dim contraction needs it) each row of
-  the score dot holds two tokens, against q laid out block-diagonally: the 8 MMA columns are then real query heads,
-  not padding that the softmax would also compute.
-- V: quarter k of a packed byte, masked in place (k < 3: the code times f_k = 4^k, at most 48) or shifted down
-  (k = 3: f_3 = 1), under a 0x43 high byte is the bfloat16 128 + c·f_k, exact. p·s is the other operand and the
-  affine constants come back in fp32:
+  instruction. An int8 dot needs a contraction of ≥ 32, so below D = 128 K takes the bfloat16 path of V.
+- V (and K below D = 128): quarter k of a packed byte, masked in place (k < 3: the code times f_k = 4^k, at most 48)
+  or shifted down (k = 3: f_3 = 1), under a 0x43 high byte is the bfloat16 128 + c·f_k, exact. The other operand is
+  scaled by 1 / f_k (a power of two, exact) and the affine constants come back in fp32:
+      q·k̂ = s·(Σ_k (q_k / f_k)·(128 + c_k f_k) − 128·Σ_k Σq_k / f_k − z·Σq)
       Σ_t p_t v̂_t[quarter k] = (Σ_t (p_t s_t)(128 + c_t f_k) − 128·Σ_t p_t s_t) / f_k − Σ_t (p_t s_t) z_t
 With G < D every element is dequantized with its group's scale before the dot.
 """
@@ -73,12 +72,6 @@ def _int8_parts(q, q_scale, Q_LO: tl.constexpr):
     hi = tl.floor(x + 0.5)
     lo = tl.floor((x - hi) * Q_LO + 0.5)
     return hi.to(tl.int8), lo.to(tl.int8), hi * Q_LO + lo
-
-
-@triton.jit
-def _per_head(v, PAIR: tl.constexpr, GP: tl.constexpr):
-    """[PAIR·GP] → [GP] of a vector whose entries c, GP + c, … are equal (the block-diagonal q's column blocks)."""
-    return tl.max(tl.reshape(v, [PAIR, GP]), axis=0)
 
 
 @triton.jit
@@ -145,54 +138,50 @@ def _softmax_step(sT, m_i, SLACK: tl.constexpr):
 @triton.jit
 def _int2_tile(
     n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-    stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_w, qsum, qk_scale,
+    stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
     m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
-    Q_LO: tl.constexpr, PAIR: tl.constexpr, D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
+    Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked."""
     tok = n0 + offs_n
     tok_ok = tok < end
     tok64 = tok.to(tl.int64)
+    k_ptrs = k_rows + tok64[:, None] * stride_kt + cols[None, :]
     v_ptrs = v_rows + cols[:, None] * stride_vd + tok64[None, :] * stride_vt  # Vᵀ: [D/4, BLOCK_N]
+    if MASKED:
+        kb = tl.load(k_ptrs, mask=tok_ok[:, None], other=0)
+    else:
+        kb = tl.load(k_ptrs)
     # ---- scores, transposed: [BLOCK_N, GP]
     if NG == 1:
-        # PAIR tokens per MMA row (1 or 2): row r holds the codes of tokens PAIR·r + i (PAIR·D/4 bytes), against q
-        # laid out block-diagonally ([PAIR·D/4, PAIR·GP], `_attend`). With 2 the int8 dot's contraction is ≥ 32 from
-        # D = 64 and a GQA group of 4 fills its 8 columns (no padded columns in the softmax that follows).
-        # Integer dots: int8 codes 0..3 against q's int8 high and low parts.
-        R: tl.constexpr = offs_n.shape[0] // PAIR
-        pair_j = tl.arange(0, PAIR * D4)[None, :]
-        pair_tok = n0 + PAIR * tl.arange(0, R)[:, None] + pair_j // D4
-        k_ptrs = k_rows + pair_tok.to(tl.int64) * stride_kt + pair_j % D4
-        if MASKED:
-            kb = tl.load(k_ptrs, mask=pair_tok < end, other=0)
+        if D4 >= 32:
+            # integer dots: int8 codes 0..3 against q's int8 high and low parts (int32 sums, exact)
+            c = _int8_codes(kb, 0, USE_ASM)
+            s_hi = tl.dot(c, q0, out_dtype=tl.int32)
+            s_lo = tl.dot(c, ql0, out_dtype=tl.int32)
+            c = _int8_codes(kb, 1, USE_ASM)
+            s_hi = tl.dot(c, q1, s_hi, out_dtype=tl.int32)
+            s_lo = tl.dot(c, ql1, s_lo, out_dtype=tl.int32)
+            c = _int8_codes(kb, 2, USE_ASM)
+            s_hi = tl.dot(c, q2, s_hi, out_dtype=tl.int32)
+            s_lo = tl.dot(c, ql2, s_lo, out_dtype=tl.int32)
+            c = _int8_codes(kb, 3, USE_ASM)
+            s_hi = tl.dot(c, q3, s_hi, out_dtype=tl.int32)
+            s_lo = tl.dot(c, ql3, s_lo, out_dtype=tl.int32)
+            # |s_hi·Q_LO + s_lo| < 2^22: to float32 as MAGIC + that, by an integer add to MAGIC's bits (no int→float
+            # conversion, a quarter-rate instruction); q_bias removes MAGIC
+            sT = (s_hi * Q_LO + s_lo + 0x4B400000).to(tl.float32, bitcast=True)
         else:
-            kb = tl.load(k_ptrs)
-        c = _int8_codes(kb, 0, USE_ASM)
-        s_hi = tl.dot(c, q0, out_dtype=tl.int32)
-        s_lo = tl.dot(c, ql0, out_dtype=tl.int32)
-        c = _int8_codes(kb, 1, USE_ASM)
-        s_hi = tl.dot(c, q1, s_hi, out_dtype=tl.int32)
-        s_lo = tl.dot(c, ql1, s_lo, out_dtype=tl.int32)
-        c = _int8_codes(kb, 2, USE_ASM)
-        s_hi = tl.dot(c, q2, s_hi, out_dtype=tl.int32)
-        s_lo = tl.dot(c, ql2, s_lo, out_dtype=tl.int32)
-        c = _int8_codes(kb, 3, USE_ASM)
-        s_hi = tl.dot(c, q3, s_hi, out_dtype=tl.int32)
-        s_lo = tl.dot(c, ql3, s_lo, out_dtype=tl.int32)
-        # |s_hi·Q_LO + s_lo| < 2^22: to float32 as MAGIC + that, by an integer add to MAGIC's bits (no int→float
-        # conversion, a quarter-rate instruction); [R, PAIR·GP] → [BLOCK_N, GP]: row PAIR·r + i is token PAIR·r + i
-        sT = tl.reshape((s_hi * Q_LO + s_lo + 0x4B400000).to(tl.float32, bitcast=True), [PAIR * R, q_w.shape[0]])
+            # an int8 dot needs a contraction of ≥ 32 dims: quarters of bfloat16 128 + code·4^k against q_k / 4^k
+            sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM), q0)
+            sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM), q1, sT)
+            sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM), q2, sT)
+            sT = tl.dot(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM), q3, sT)
         sk, zk = _scale_zero(szk_row, tok, stride_szkt, tok_ok, MASKED)
-        sT = (sT - MAGIC - zk[:, None] * qsum[None, :]) * sk[:, None] * q_w[None, :]
+        sT = (sT - q_bias[None, :] - zk[:, None] * qsum[None, :]) * sk[:, None] * q_w[None, :]
     else:
-        k_ptrs = k_rows + tok64[:, None] * stride_kt + cols[None, :]
-        if MASKED:
-            kb = tl.load(k_ptrs, mask=tok_ok[:, None], other=0)
-        else:
-            kb = tl.load(k_ptrs)
         k_off, k_ok, k_cols = tok64[:, None] * stride_szkt, tok_ok[:, None], cols[None, :]
         sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 0, D4, G, DOT_DTYPE), q0)
         sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 1, D4, G, DOT_DTYPE), q1, sT)
@@ -259,9 +248,6 @@ def _attend(
     NG: tl.constexpr = D // G
     # q's low int8 part in units of 1/Q_LO: |Σ codes·(q_hi·Q_LO + q_lo)| ≤ 3·D·127.5·Q_LO < 2^22
     Q_LO: tl.constexpr = min(128, 8192 // D)
-    # history tokens per row of the score dot: 2 fills its 8 columns for GQA groups ≤ 4 and gives an int8 dot its
-    # 32-dim contraction at D = 64; larger groups fill the columns already (their block-diagonal q would double)
-    PAIR: tl.constexpr = 2 if GP <= 4 or D4 < 32 else 1
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     L = tl.load(len_ptr + b)
@@ -282,41 +268,51 @@ def _attend(
     l_t = tl.zeros([BLOCK_N, GP], tl.float32)
     if INT2:
         cols = tl.arange(0, D4)
+        q0 = tl.load(q_cols + (0 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
+        q1 = tl.load(q_cols + (1 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
+        q2 = tl.load(q_cols + (2 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
+        q3 = tl.load(q_cols + (3 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
         if NG == 1:
-            # q per quarter, block-diagonal for the paired tokens of `_int2_tile`: [PAIR·D/4, PAIR·GP], rows j of
-            # slot j // (D/4) against the columns of that slot (query head c % GP); as int8 high and low parts per
-            # head (scaled so its largest |q| is 127: 13 bits of its range at d = 128) for exact integer dots
-            pj = tl.arange(0, PAIR * D4)[:, None]
-            pc = tl.arange(0, PAIR * GP)[None, :]
-            q_blk = q_ptr + b64 * stride_qb + (h * GROUP + pc % GP) * stride_qh + pj % D4
-            blk_ok = (pj // D4 == pc // GP) & (pc % GP < GROUP)
-            q0 = tl.load(q_blk + 0 * D4, mask=blk_ok, other=0.0).to(tl.float32)
-            q1 = tl.load(q_blk + 1 * D4, mask=blk_ok, other=0.0).to(tl.float32)
-            q2 = tl.load(q_blk + 2 * D4, mask=blk_ok, other=0.0).to(tl.float32)
-            q3 = tl.load(q_blk + 3 * D4, mask=blk_ok, other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
-                              tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
-            q_scale = 127.0 / tl.where(amax > 0, amax, 127.0)  # an all-zero head (or padding) gets 1
-            q0, ql0, i0 = _int8_parts(q0, q_scale, Q_LO)
-            q1, ql1, i1 = _int8_parts(q1, q_scale, Q_LO)
-            q2, ql2, i2 = _int8_parts(q2, q_scale, Q_LO)
-            q3, ql3, i3 = _int8_parts(q3, q_scale, Q_LO)
-            # per head ([GP]; columns c, GP + c, … hold the same head): Σq in the dots' integers, and the factor back
-            qsum = tl.sum(i0, axis=0) + tl.sum(i1, axis=0) + tl.sum(i2, axis=0) + tl.sum(i3, axis=0)
-            qsum = _per_head(qsum, PAIR, GP)
-            q_w = qk_scale / (_per_head(q_scale, PAIR, GP) * Q_LO)
+            # scores = (dots − q_bias − z·qsum)·s·q_w, per head
+            if D4 >= 32:
+                # K side: each head's q as int8 high and low parts (14 bits of its range) for integer dots
+                amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
+                                  tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
+                q_scale = 127.0 / tl.where(amax > 0, amax, 127.0)  # an all-zero head (or padding) gets 1
+                q0, ql0, i0 = _int8_parts(q0, q_scale, Q_LO)
+                q1, ql1, i1 = _int8_parts(q1, q_scale, Q_LO)
+                q2, ql2, i2 = _int8_parts(q2, q_scale, Q_LO)
+                q3, ql3, i3 = _int8_parts(q3, q_scale, Q_LO)
+                qsum = tl.sum(i0, axis=0) + tl.sum(i1, axis=0) + tl.sum(i2, axis=0) + tl.sum(i3, axis=0)  # integers
+                q_bias = tl.full([GP], MAGIC, tl.float32)
+                q_w = qk_scale / (q_scale * Q_LO)
+            else:
+                # Σq and Σ_k w_k Σq_k of the bf16 values the dots see (w_k q_k is exact: a power-of-two scaling)
+                q0 = q0.to(DOT_DTYPE).to(tl.float32)
+                q1 = q1.to(DOT_DTYPE).to(tl.float32)
+                q2 = q2.to(DOT_DTYPE).to(tl.float32)
+                q3 = q3.to(DOT_DTYPE).to(tl.float32)
+                s0, s1, s2, s3 = tl.sum(q0, axis=0), tl.sum(q1, axis=0), tl.sum(q2, axis=0), tl.sum(q3, axis=0)
+                qsum = s0 + s1 + s2 + s3
+                q_bias = 128.0 * (s0 + s1 * 0.25 + s2 * 0.0625 + s3)
+                q_w = tl.full([GP], qk_scale, tl.float32)
+                q0 = q0.to(DOT_DTYPE)
+                q1 = (q1 * 0.25).to(DOT_DTYPE)
+                q2 = (q2 * 0.0625).to(DOT_DTYPE)
+                q3 = q3.to(DOT_DTYPE)
+                ql0, ql1, ql2, ql3 = q0, q1, q2, q3  # unused
             szk_row = (szk_ptr + b64 * stride_szkb + h64 * stride_szkh).to(tl.pointer_type(tl.int32), bitcast=True)
             szv_row = (szv_ptr + b64 * stride_szvb + h64 * stride_szvh).to(tl.pointer_type(tl.int32), bitcast=True)
         else:
-            q0 = tl.load(q_cols + (0 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(DOT_DTYPE)
-            q1 = tl.load(q_cols + (1 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(DOT_DTYPE)
-            q2 = tl.load(q_cols + (2 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(DOT_DTYPE)
-            q3 = tl.load(q_cols + (3 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(DOT_DTYPE)
-            ql0, ql1, ql2, ql3 = q0, q1, q2, q3  # unused
             qsum = tl.zeros([GP], tl.float32)  # unused: each element is dequantized before its dot
-            q_w = qsum
+            q_bias, q_w = qsum, qsum
             szk_row = szk_ptr + b64 * stride_szkb + h64 * stride_szkh
             szv_row = szv_ptr + b64 * stride_szvb + h64 * stride_szvh
+            q0 = q0.to(DOT_DTYPE)
+            q1 = q1.to(DOT_DTYPE)
+            q2 = q2.to(DOT_DTYPE)
+            q3 = q3.to(DOT_DTYPE)
+            ql0, ql1, ql2, ql3 = q0, q1, q2, q3  # unused
         acc0 = tl.zeros([D4, GP], tl.float32)  # oᵀ per quarter
         acc1 = tl.zeros([D4, GP], tl.float32)
         acc2 = tl.zeros([D4, GP], tl.float32)
@@ -334,13 +330,13 @@ def _attend(
         for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-                stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_w, qsum, qk_scale,
-                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, PAIR, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False)
+                stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
+                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False)
         if full_end < end:
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-                stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_w, qsum, qk_scale,
-                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, PAIR, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True)
+                stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
+                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True)
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
             tok = n0 + offs_n
