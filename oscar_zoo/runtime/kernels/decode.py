@@ -275,7 +275,7 @@ def _attend(
         if NG == 1:
             # scores = (dots − q_bias − z·qsum)·s·q_w, per head
             if D4 >= 32:
-                # K side: each head's q as int8 high and low parts (14 bits of its range) for integer dots
+                # K side: each head's q as int8 high and low parts (7 + log2 Q_LO bits of its range, 13 at d = 128)
                 amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
                                   tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
                 q_scale = 127.0 / tl.where(amax > 0, amax, 127.0)  # an all-zero head (or padding) gets 1
@@ -334,8 +334,8 @@ def _attend(
                 m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False)
         if full_end < end:
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
-                full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-                stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
+                full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row,
+                stride_szkt, stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
                 m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True)
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
@@ -414,7 +414,8 @@ def _decode_kernel(
                 k_ptr, v_ptr,
                 tl.where(in_sink, stride_skb + zero64, stride_rkb), tl.where(in_sink, stride_skh + zero64, stride_rkh),
                 tl.where(in_sink, stride_skt + zero64, stride_rkt), tl.where(in_sink, stride_svb + zero64, stride_rvb),
-                tl.where(in_sink, stride_svh + zero64, stride_rvh), tl.where(in_sink, stride_svt + zero64, stride_rvt), 1,
+                tl.where(in_sink, stride_svh + zero64, stride_rvh), tl.where(in_sink, stride_svt + zero64, stride_rvt),
+                1,  # stride_vd: BF16 rows are dims-contiguous
                 q_ptr, q_ptr, 0, 0, 0, 0, 0, 0,
                 len_ptr, tl.where(in_sink, s, s - S_SINK - S_HIST), tl.where(in_sink, S_SINK, S_RECENT),
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
