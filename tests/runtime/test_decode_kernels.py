@@ -167,16 +167,19 @@ def test_value_codes_in_either_layout(device, D, group_size):
     _check_against_reference(_query(1, 8, D, device, D), dims, dirty, D**-0.5, boundary=("hist", 16))
 
 
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 5, 8, 32])
-def test_gqa_groups(device, group):
+def test_gqa_groups(device, group, D):
     """GQA groups from multi-head to 32 query heads per KV head (3 KV heads): the group is the score dot's column side,
     padded to a power of two (3 → 4, 5 → 8), and 32 runs two warps per program on a GPU (`ops._warps`). A padded
     column that leaked into an output row would fail the reference check on the GPU, where programs run in any order
     (under the in-order interpreter the next head's program could overwrite it)."""
-    H_kv, D = 3, 64
+    H_kv = 3
     clean, dirty = _cache([500], H_kv, D, device, seed=group)
+    # one dropped token moves the D = 128 answer by less than its (coarser) bf16-derived tolerance: the boundary
+    # check runs at D = 64, the accuracy rule at both
     _check_against_reference(_query(1, H_kv * group, D, device, group), clean, dirty, D**-0.5,
-                             boundary=("hist", 16))  # fmt: skip
+                             boundary=("hist", 16) if D == 64 else None)  # fmt: skip
 
 
 @pytest.mark.parametrize("D, slack, group_size", [(64, 8.0, 0), (128, 8.0, 0), (64, 8.0, 32), (64, 0.0, 0), (128, 0.0, 0)])

@@ -21,8 +21,9 @@ scale and zero):
   bfloat16 q in the score). Two int32 dots per quarter, Σ c·q_hi and Σ c·q_lo, are exact, and
       q·k̂ = s·((Q_LO·Σ c·q_hi + Σ c·q_lo) − z·(Q_LO·Σq_hi + Σq_lo)) / (λ·Q_LO).
   The integer sum (< 2^22 in magnitude) becomes float32 by an add to the bits of 1.5·2^23, not by a conversion
-  instruction. An int8 dot needs a contraction of ≥ 32, so below D = 128 K takes the bfloat16 path of V.
-- V (and K below D = 128): quarter k of a packed byte, masked in place (k < 3: the code times f_k = 4^k, at most 48)
+  instruction. An int8 dot needs a contraction of ≥ 32, so below D = 128 K takes the bfloat16 path of V, and so do
+  GQA groups not padded to 4 (until GPU tests cover them).
+- V (and K otherwise): quarter k of a packed byte, masked in place (k < 3: the code times f_k = 4^k, at most 48)
   or shifted down (k = 3: f_3 = 1), under a 0x43 high byte is the bfloat16 128 + c·f_k, exact. The other operand is
   scaled by 1 / f_k (a power of two, exact) and the affine constants come back in fp32:
       q·k̂ = s·(Σ_k (q_k / f_k)·(128 + c_k f_k) − 128·Σ_k Σq_k / f_k − z·Σq)
@@ -140,8 +141,8 @@ def _int2_tile(
     n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
     stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
     m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
-    Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
+    INT8_K: tl.constexpr, Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked."""
@@ -156,7 +157,7 @@ def _int2_tile(
         kb = tl.load(k_ptrs)
     # ---- scores, transposed: [BLOCK_N, GP]
     if NG == 1:
-        if D4 >= 32:
+        if INT8_K:
             # integer dots: int8 codes 0..3 against q's int8 high and low parts (int32 sums, exact)
             c = _int8_codes(kb, 0, USE_ASM)
             s_hi = tl.dot(c, q0, out_dtype=tl.int32)
@@ -174,7 +175,7 @@ def _int2_tile(
             # conversion, a quarter-rate instruction); q_bias removes MAGIC
             sT = (s_hi * Q_LO + s_lo + 0x4B400000).to(tl.float32, bitcast=True)
         else:
-            # an int8 dot needs a contraction of ≥ 32 dims: quarters of bfloat16 128 + code·4^k against q_k / 4^k
+            # quarters of bfloat16 128 + code·4^k against q_k / 4^k
             sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM), q0)
             sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM), q1, sT)
             sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM), q2, sT)
@@ -248,6 +249,9 @@ def _attend(
     NG: tl.constexpr = D // G
     # q's low int8 part in units of 1/Q_LO: |Σ codes·(q_hi·Q_LO + q_lo)| ≤ 3·D·127.5·Q_LO < 2^22
     Q_LO: tl.constexpr = min(128, 8192 // D)
+    # integer score dots need a contraction of ≥ 32 dims (D ≥ 128); they are verified on the GPU for query-head groups
+    # padded to 4 (groups of 3 and 4), so other groups keep the bfloat16 dots until the GPU tests cover them
+    INT8_K: tl.constexpr = D4 >= 32 and GP == 4
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     L = tl.load(len_ptr + b)
@@ -274,7 +278,7 @@ def _attend(
         q3 = tl.load(q_cols + (3 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
         if NG == 1:
             # scores = (dots − q_bias − z·qsum)·s·q_w, per head
-            if D4 >= 32:
+            if INT8_K:
                 # K side: each head's q as int8 high and low parts (7 + log2 Q_LO bits of its range, 13 at d = 128)
                 amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
                                   tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
@@ -331,12 +335,14 @@ def _attend(
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
                 stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
-                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False)
+                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK,
+                False)
         if full_end < end:
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row,
                 stride_szkt, stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
-                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True)
+                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK,
+                True)
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
             tok = n0 + offs_n
