@@ -377,11 +377,13 @@ class OscarLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         for name in self._STORAGE:
-            if getattr(self, name) is not None:
-                new = fn(getattr(self, name))
-                if name == "hist_v" and self.quantize:  # keep the token-major layout the decode kernel reads fast
-                    new = self._like(name, new, new.shape[2]).copy_(new)
-                setattr(self, name, new)
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if name == "hist_v" and self.quantize:  # fn maps the batch axis: apply it to the token-major storage
+                setattr(self, name, fn(t.transpose(2, 3)).transpose(2, 3))
+            else:
+                setattr(self, name, fn(t))
         self.batch_size = self.sink_k.shape[0]
         self._new_lengths()
 

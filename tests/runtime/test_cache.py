@@ -99,6 +99,25 @@ def test_prefill_layout_and_demotion_schedule():
     assert cache.get_seq_length() == 350
 
 
+def test_batch_maps_select_rows_and_keep_the_storage_layout():
+    """reorder_cache / batch_select_indices / batch_repeat_interleave (generate's beam and batch maps) move whole
+    batch rows of every tier, and V's codes stay token-major (the layout the decode kernel reads)."""
+    cache, *_ = _cache()
+    k, v = _kv(350)
+    _feed(cache, k, v, 340)
+    layer = cache.layers[0]
+    before = {name: getattr(layer, name).clone() for name in layer._STORAGE if getattr(layer, name) is not None}
+    for call, rows in ((lambda: cache.reorder_cache(torch.tensor([1, 0])), [1, 0]),  # rows of the state before each
+                       (lambda: cache.batch_repeat_interleave(2), [0, 0, 1, 1]),
+                       (lambda: cache.batch_select_indices(torch.tensor([3, 0, 2])), [3, 0, 2])):  # fmt: skip
+        call()
+        for name, old in before.items():
+            assert torch.equal(getattr(layer, name), old[rows]), name
+        assert layer.hist_v.stride(2) == 1 and layer.hist_k.stride(3) == 1
+        assert layer.hist_len.tolist() == [layer.n_hist] * len(rows)
+        before = {name: old[rows] for name, old in before.items()}
+
+
 def test_short_prompt_fills_sink_before_recent():
     """Positions < 64 always land in the sink, also when they arrive by decode after a short prompt."""
     cache, Mk, *_ = _cache()

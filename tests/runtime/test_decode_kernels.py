@@ -284,9 +284,9 @@ def test_long_contexts_cuda(L):
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_scores_keep_the_documented_q_precision(device, D):
     """One history token per batch row, so each head's lse is its score, against float64 with float32 queries.
-    From D = 128 the score dots are integer (int8 codes against q's int8 high and low parts, `kernels/decode.py`):
-    each element of q is exact to 1 / (2·127·Q_LO) of its head's largest |q| (Q_LO = min(128, 8192 / D)). Below,
-    q is a bfloat16 operand: exact to 2^-9 of each element. The bound is the worst case of that rounding (plus float32
+    From D = 128, with this group of 4, the score dots are integer (int8 codes against q's int8 high and low parts,
+    `kernels/decode.py`): each element of q is exact to 1 / (2·127·Q_LO) of its head's largest |q|
+    (Q_LO = min(128, 8192 / D)). Below, q is a bfloat16 operand: exact to 2^-9 of each element. The bound is the worst case of that rounding (plus float32
     slack); keeping only q's high int8 part breaks it (computed here, and checked by editing the low part out)."""
     B, H_kv, group = 32, 2, 4
     g = torch.Generator().manual_seed(D)
