@@ -35,9 +35,14 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 31) / (ms * 1e-3)
 
 
-def time_rotating(calls) -> tuple[float, float]:
-    """Median ms of one call, rotating over `calls` (one per cache buffer): eager launches, and CUDA-graph replays
-    (the way a decode step is served: host launch overhead removed for both OSCAR and SDPA)."""
+IN_GRAPH = 16  # calls per graph for the in-graph time (a decode step's graph holds every layer's attention)
+
+
+def time_rotating(calls) -> tuple[float, float, float]:
+    """Median ms of one call, rotating over `calls` (one per cache buffer): eager launches, CUDA-graph replays of one
+    call each (the way a decode step is served: host launch overhead removed for both OSCAR and SDPA), and one call
+    inside a graph of IN_GRAPH calls over the buffers in turn (replay time / IN_GRAPH: a layer's share of a captured
+    step, without the graph launch that a whole step pays once)."""
     it = itertools.count()
     eager = triton.testing.do_bench(lambda: calls[next(it) % len(calls)](), warmup=25, rep=200)
     side = torch.cuda.Stream()
@@ -53,8 +58,13 @@ def time_rotating(calls) -> tuple[float, float]:
             c()
         graphs.append(g)
     graph = triton.testing.do_bench(lambda: graphs[next(it) % len(graphs)].replay(), warmup=25, rep=200)
-    del graphs
-    return eager, graph
+    many = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(many):
+        for i in range(IN_GRAPH):
+            calls[i % len(calls)]()
+    in_graph = triton.testing.do_bench(many.replay, warmup=25, rep=200) / IN_GRAPH
+    del graphs, many
+    return eager, graph, in_graph
 
 
 def int2_cache(B, H_kv, D, L, gen):
@@ -101,7 +111,7 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
     # OSCAR
     caches = [int2_cache(B, H_kv, D, L, gen) for _ in range(n_buf)]
     calls = [lambda c=c: ops.tiered_decode_attention(q, **c, sm_scale=sm_scale) for c in caches]
-    eager_int2, ms_int2 = time_rotating(calls)
+    eager_int2, ms_int2, in_graph_int2 = time_rotating(calls)
     del caches, calls
 
     # same-run BF16 baseline
@@ -115,7 +125,7 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
     ]
     q4 = q.unsqueeze(2)
     calls = [lambda k=k, v=v: F.scaled_dot_product_attention(q4, k, v, scale=sm_scale, enable_gqa=True) for k, v in kv]
-    eager_sdpa, ms_sdpa = time_rotating(calls)
+    eager_sdpa, ms_sdpa, in_graph_sdpa = time_rotating(calls)
     del kv, calls
     torch.cuda.empty_cache()
     bw = int2_b / (ms_int2 * 1e-3)
@@ -125,6 +135,8 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
         oscar_bw_frac=bw / copy_bw, sdpa_bw_frac=bf16_bytes / (ms_sdpa * 1e-3) / copy_bw,
         floor_us=int2_b / copy_bw * 1e6, buffers=n_buf, oscar_eager_us=eager_int2 * 1e3,
         sdpa_eager_us=eager_sdpa * 1e3, eager_speedup=eager_sdpa / eager_int2,
+        oscar_in_graph_us=in_graph_int2 * 1e3, sdpa_in_graph_us=in_graph_sdpa * 1e3,
+        in_graph_speedup=in_graph_sdpa / in_graph_int2,
     )  # fmt: skip
 
 
@@ -246,20 +258,24 @@ def main():
             print(f"skip {H_q}/{H_kv} d={D} B={B} L={L}: does not fit", flush=True)
             continue
         result["rows"].append(r)
-        print(f"{H_q}/{H_kv} d={D} B={B} L={L}: oscar {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us", flush=True)
+        print(f"{H_q}/{H_kv} d={D} B={B} L={L}: oscar {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us; in a graph of "
+              f"{IN_GRAPH}: {r['oscar_in_graph_us']:.1f} / {r['sdpa_in_graph_us']:.1f} us", flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_decode.json"), "w") as f:
             json.dump(result, f, indent=2)
     if not result["rows"]:
         return
-    print("\nCUDA-graph replays (eager launches in the last two columns)")
+    print(f"\nCUDA-graph replays, one call per graph; then one call in a graph of {IN_GRAPH} (OSCAR, SDPA, speedup); "
+          "eager launches in the last two columns")
     print("| heads q/kv | d | batch | context | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw | floor µs "
-          "| eager OSCAR µs | eager SDPA µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| in-graph OSCAR µs | in-graph SDPA µs | in-graph speedup | eager OSCAR µs | eager SDPA µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         print(f"| {r['H_q']}/{r['H_kv']} | {r['D']} | {r['batch']} | {r['context']} | {r['oscar_us']:.1f} | "
               f"{r['sdpa_us']:.1f} | {r['speedup']:.2f}x | {r['oscar_bytes'] / 1e6:.1f} | {r['oscar_GBps']:.0f} | "
-              f"{r['oscar_bw_frac']:.0%} | {r['floor_us']:.1f} | {r['oscar_eager_us']:.1f} | {r['sdpa_eager_us']:.1f} |")  # fmt: skip
+              f"{r['oscar_bw_frac']:.0%} | {r['floor_us']:.1f} | {r['oscar_in_graph_us']:.1f} | "
+              f"{r['sdpa_in_graph_us']:.1f} | {r['in_graph_speedup']:.2f}x | {r['oscar_eager_us']:.1f} | "
+              f"{r['sdpa_eager_us']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

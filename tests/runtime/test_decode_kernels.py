@@ -284,10 +284,11 @@ def test_long_contexts_cuda(L):
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_scores_keep_the_documented_q_precision(device, D):
     """One history token per batch row, so each head's lse is its score, against float64 with float32 queries.
-    From D = 128, with this group of 4, the score dots are integer (int8 codes against q's int8 high and low parts,
-    `kernels/decode.py`): each element of q is exact to 1 / (2·127·Q_LO) of its head's largest |q|
-    (Q_LO = min(128, 8192 / D)). Below, q is a bfloat16 operand: exact to 2^-9 of each element. The bound is the worst case of that rounding (plus float32
-    slack); keeping only q's high int8 part breaks it (computed here, and checked by editing the low part out)."""
+    With this group of 4 the score dots are integer at every D (two tokens per row; int8 codes against q's int8 high
+    and low parts, `kernels/decode.py`): each element of q is exact to 1 / (2·127·Q_LO) of its head's largest |q|
+    (Q_LO = min(128, 8192 / D)). The bound is the worst case of that rounding (plus float32 slack); keeping only q's
+    high int8 part breaks it (computed here, and checked by editing the low part out). One token per row also leaves
+    each pair's second token out of range (masked)."""
     B, H_kv, group = 32, 2, 4
     g = torch.Generator().manual_seed(D)
     keys = torch.randn(B, H_kv, 8, D, generator=g) * (torch.rand(B, H_kv, 1, 1, generator=g) + 0.5)
@@ -300,11 +301,7 @@ def test_scores_keep_the_documented_q_precision(device, D):
     k_hat = reference.dequantize_unpack(ck, szk).double()[:, :, 0].repeat_interleave(group, dim=1)  # [B, H_q, D]
     qd = q.double()
     want = (qd * k_hat).sum(-1) * D**-0.5
-    if D >= 128:
-        q_lo = min(128, 8192 // D)
-        per_elem = qd.abs().amax(-1, keepdim=True) / (2 * 127 * q_lo)
-    else:
-        per_elem = qd.abs() * 2.0**-9
+    per_elem = qd.abs().amax(-1, keepdim=True) / (2 * 127 * min(128, 8192 // D))
     bound = (per_elem * k_hat.abs()).sum(-1) * D**-0.5
     s_k = szk[:, :, 0, 0, 0].double().repeat_interleave(group, 1)  # the float32 sums run over codes biased by ≤ 128
     slack = 1e-6 * D**-0.5 * qd.abs().sum(-1) * (k_hat.abs().amax(-1) + 128 * s_k)

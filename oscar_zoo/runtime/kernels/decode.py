@@ -21,8 +21,11 @@ scale and zero):
   bfloat16 q in the score). Two int32 dots per quarter, Σ c·q_hi and Σ c·q_lo, are exact, and
       q·k̂ = s·((Q_LO·Σ c·q_hi + Σ c·q_lo) − z·(Q_LO·Σq_hi + Σq_lo)) / (λ·Q_LO).
   The integer sum (< 2^22 in magnitude) becomes float32 by an add to the bits of 1.5·2^23, not by a conversion
-  instruction. An int8 dot needs a contraction of ≥ 32, so below D = 128 K takes the bfloat16 path of V, and so do
-  GQA groups not padded to 4 (until GPU tests cover them).
+  instruction. An int8 dot's 8 columns and 32-dim contraction decide where it applies: a GQA group padded to 4
+  puts two tokens on each row of the score dot (2·D/4 code bytes, contiguous in the cache) against q laid out
+  block-diagonally ([2·D/4, 2·4]), so all 8 columns are real heads (the softmax that follows computes no padding)
+  and D = 64 reaches 32 dims; groups of 8 or more fill the columns alone from D = 128. Groups of 1–2, and of ≥ 8 at
+  D = 64, take the bfloat16 path of V.
 - V (and K otherwise): quarter k of a packed byte, masked in place (k < 3: the code times f_k = 4^k, at most 48)
   or shifted down (k = 3: f_3 = 1), under a 0x43 high byte is the bfloat16 128 + c·f_k, exact. The other operand is
   scaled by 1 / f_k (a power of two, exact) and the affine constants come back in fp32:
@@ -73,6 +76,14 @@ def _int8_parts(q, q_scale, Q_LO: tl.constexpr):
     hi = tl.floor(x + 0.5)
     lo = tl.floor((x - hi) * Q_LO + 0.5)
     return hi.to(tl.int8), lo.to(tl.int8), hi * Q_LO + lo
+
+
+@triton.jit
+def _per_head(v, PAIR: tl.constexpr, GP: tl.constexpr):
+    """[PAIR·GP] → [GP] of a vector whose entries c, GP + c, … are equal (the block-diagonal q's column blocks)."""
+    if PAIR == 1:
+        return v
+    return tl.max(tl.reshape(v, [PAIR, GP]), axis=0)
 
 
 @triton.jit
@@ -141,18 +152,28 @@ def _int2_tile(
     n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
     stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
     m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
-    INT8_K: tl.constexpr, Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
+    INT8_K: tl.constexpr, PAIR: tl.constexpr, Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr,
+    NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked."""
     tok = n0 + offs_n
     tok_ok = tok < end
     tok64 = tok.to(tl.int64)
-    k_ptrs = k_rows + tok64[:, None] * stride_kt + cols[None, :]
     v_ptrs = v_rows + cols[:, None] * stride_vd + tok64[None, :] * stride_vt  # Vᵀ: [D/4, BLOCK_N]
+    if INT8_K:
+        # PAIR tokens per row of the score dot: row r holds the codes of tokens PAIR·r + i (PAIR·D/4 bytes, contiguous
+        # in the cache), against q laid out block-diagonally ([PAIR·D/4, PAIR·GP], `_attend`)
+        R: tl.constexpr = offs_n.shape[0] // PAIR
+        pair_j = tl.arange(0, PAIR * D4)[None, :]
+        pair_tok = n0 + PAIR * tl.arange(0, R)[:, None] + pair_j // D4
+        k_ptrs = k_rows + pair_tok.to(tl.int64) * stride_kt + pair_j % D4
+        k_ok = pair_tok < end
+    else:
+        k_ptrs = k_rows + tok64[:, None] * stride_kt + cols[None, :]
+        k_ok = tok_ok[:, None]
     if MASKED:
-        kb = tl.load(k_ptrs, mask=tok_ok[:, None], other=0)
+        kb = tl.load(k_ptrs, mask=k_ok, other=0)
     else:
         kb = tl.load(k_ptrs)
     # ---- scores, transposed: [BLOCK_N, GP]
@@ -172,8 +193,10 @@ def _int2_tile(
             s_hi = tl.dot(c, q3, s_hi, out_dtype=tl.int32)
             s_lo = tl.dot(c, ql3, s_lo, out_dtype=tl.int32)
             # |s_hi·Q_LO + s_lo| < 2^22: to float32 as MAGIC + that, by an integer add to MAGIC's bits (no int→float
-            # conversion, a quarter-rate instruction); q_bias removes MAGIC
+            # conversion, a quarter-rate instruction; q_bias removes MAGIC); [R, PAIR·GP] → [BLOCK_N, GP]: row
+            # PAIR·r + i is token PAIR·r + i
             sT = (s_hi * Q_LO + s_lo + 0x4B400000).to(tl.float32, bitcast=True)
+            sT = tl.reshape(sT, [offs_n.shape[0], q_w.shape[0]])
         else:
             # quarters of bfloat16 128 + code·4^k against q_k / 4^k
             sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM), q0)
@@ -249,9 +272,11 @@ def _attend(
     NG: tl.constexpr = D // G
     # q's low int8 part in units of 1/Q_LO: |Σ codes·(q_hi·Q_LO + q_lo)| ≤ 3·D·127.5·Q_LO < 2^22
     Q_LO: tl.constexpr = min(128, 8192 // D)
-    # integer score dots need a contraction of ≥ 32 dims (D ≥ 128); they are verified on the GPU for query-head groups
-    # padded to 4 (groups of 3 and 4), so other groups keep the bfloat16 dots until the GPU tests cover them
-    INT8_K: tl.constexpr = D4 >= 32 and GP == 4
+    # Integer score dots need a contraction of ≥ 32 dims and fill the MMA's 8 columns: a group padded to 4 puts two
+    # tokens on each row (PAIR = 2: 8 real columns, 32 dims from D = 64); groups of ≥ 8 fill them alone (D ≥ 128).
+    # Smaller groups (1, 2), groups of ≥ 8 at D = 64 and per-group scales (G < D) keep the bfloat16 dots.
+    PAIR: tl.constexpr = 2 if GP == 4 else 1
+    INT8_K: tl.constexpr = NG == 1 and PAIR * GP >= 8 and PAIR * D4 >= 32
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     L = tl.load(len_ptr + b)
@@ -272,10 +297,22 @@ def _attend(
     l_t = tl.zeros([BLOCK_N, GP], tl.float32)
     if INT2:
         cols = tl.arange(0, D4)
-        q0 = tl.load(q_cols + (0 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
-        q1 = tl.load(q_cols + (1 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
-        q2 = tl.load(q_cols + (2 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
-        q3 = tl.load(q_cols + (3 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
+        if INT8_K:
+            # q per quarter, block-diagonal for the paired tokens of `_int2_tile`: [PAIR·D/4, PAIR·GP], rows of token
+            # slot j // (D/4) against that slot's columns (query head c % GP)
+            pj = tl.arange(0, PAIR * D4)[:, None]
+            pc = tl.arange(0, PAIR * GP)[None, :]
+            q_blk = q_ptr + b64 * stride_qb + (h * GROUP + pc % GP) * stride_qh + pj % D4
+            blk_ok = (pj // D4 == pc // GP) & (pc % GP < GROUP)
+            q0 = tl.load(q_blk + 0 * D4, mask=blk_ok, other=0.0).to(tl.float32)
+            q1 = tl.load(q_blk + 1 * D4, mask=blk_ok, other=0.0).to(tl.float32)
+            q2 = tl.load(q_blk + 2 * D4, mask=blk_ok, other=0.0).to(tl.float32)
+            q3 = tl.load(q_blk + 3 * D4, mask=blk_ok, other=0.0).to(tl.float32)
+        else:
+            q0 = tl.load(q_cols + (0 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
+            q1 = tl.load(q_cols + (1 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
+            q2 = tl.load(q_cols + (2 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
+            q3 = tl.load(q_cols + (3 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
         if NG == 1:
             # scores = (dots − q_bias − z·qsum)·s·q_w, per head
             if INT8_K:
@@ -287,9 +324,11 @@ def _attend(
                 q1, ql1, i1 = _int8_parts(q1, q_scale, Q_LO)
                 q2, ql2, i2 = _int8_parts(q2, q_scale, Q_LO)
                 q3, ql3, i3 = _int8_parts(q3, q_scale, Q_LO)
-                qsum = tl.sum(i0, axis=0) + tl.sum(i1, axis=0) + tl.sum(i2, axis=0) + tl.sum(i3, axis=0)  # integers
+                # per head ([GP]; columns c, GP + c, … hold the same head): Σq in the dots' integers, the factor back
+                qsum = tl.sum(i0, axis=0) + tl.sum(i1, axis=0) + tl.sum(i2, axis=0) + tl.sum(i3, axis=0)
+                qsum = _per_head(qsum, PAIR, GP)
                 q_bias = tl.full([GP], MAGIC, tl.float32)
-                q_w = qk_scale / (q_scale * Q_LO)
+                q_w = qk_scale / (_per_head(q_scale, PAIR, GP) * Q_LO)
             else:
                 # Σq and Σ_k w_k Σq_k of the bf16 values the dots see (w_k q_k is exact: a power-of-two scaling)
                 q0 = q0.to(DOT_DTYPE).to(tl.float32)
@@ -335,14 +374,14 @@ def _attend(
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
                 stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
-                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK,
-                False)
+                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM,
+                SLACK, False)
         if full_end < end:
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row,
                 stride_szkt, stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
-                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK,
-                True)
+                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM,
+                SLACK, True)
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
             tok = n0 + offs_n
