@@ -71,11 +71,20 @@ def _int8_codes(packed, QUARTER: tl.constexpr, USE_ASM: tl.constexpr):
 @triton.jit
 def _int8_parts(q, q_scale, Q_LO: tl.constexpr):
     """fp32 q [dims, GP] times its head's factor q_scale [GP] (largest |q| → 127) as two int8 parts,
-    q·q_scale = q_hi + q_lo / Q_LO up to 1/(2·Q_LO), and the float32 integers q_hi·Q_LO + q_lo (exact) for sums."""
-    x = q * q_scale[None, :]
-    hi = tl.floor(x + 0.5)
-    lo = tl.floor((x - hi) * Q_LO + 0.5)
-    return hi.to(tl.int8), lo.to(tl.int8), hi * Q_LO + lo
+    q·q_scale = q_hi + q_lo / Q_LO up to 1/(2·Q_LO), and the float32 integers q_hi·Q_LO + q_lo (exact) for sums.
+    Both parts are rounded to nearest by adding MAGIC (|value| ≤ 127 < 2^22: the sum's low bits are the integer, two's
+    complement), so neither a rounding nor a float-to-int instruction (quarter rate, once per program) is needed."""
+    t_hi = q * q_scale[None, :] + MAGIC
+    hi = t_hi - MAGIC
+    t_lo = (q * q_scale[None, :] - hi) * Q_LO + MAGIC  # |·| ≤ 0.5·Q_LO + rounding: the low part fits int8
+    lo = t_lo - MAGIC
+    return _low_byte(t_hi), _low_byte(t_lo), hi * Q_LO + lo
+
+
+@triton.jit
+def _low_byte(t):
+    """MAGIC + n (float32, |n| < 128) → n as int8: the low byte of its bits."""
+    return t.to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit
