@@ -1,5 +1,7 @@
 """Static profile of the decode kernel without a GPU: compile it for sm_90 (Triton's bundled ptxas/cuobjdump), with the
-argument specialisation the JIT would apply to a real launch, and count the SASS instructions of its token loops.
+argument specialisation the JIT would apply to a real launch, and count the SASS instructions of its token loops and
+of the INT2 branch's lead-in (what every program runs once before its first tile: at batch 1, where a program has
+only a few tiles, this fixed work shows in the time).
 
 The number that matters is warp instructions per (token, KV head) of the INT2 loop: an H200 SM issues 4 per clock, and
 reading one token-head of a d = 128 INT2 row (K and V, 72 B) at the copy bandwidth leaves ≈ 6 issue slots per SM, so
@@ -111,12 +113,14 @@ def resources(cubin: bytes, tmp: Path) -> dict:
     return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)), stack=int(re.search(r"STACK:(\d+)", out).group(1)))
 
 
-def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter, int]]:
-    """(instruction count, opcode counts, skippable instructions) of every loop in the SASS. A loop is a strongly
-    connected set of basic blocks (so a block the compiler placed out of line, e.g. the lazy softmax's rescale, counts
-    with its loop, and a back-edge that only returns from such a block is not a loop of its own). Skippable: the
-    loop's instructions in blocks that some trip around the loop can avoid (they do not dominate every back-edge),
-    e.g. that rarely taken rescale; the rest is the common path."""
+def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter, int, Counter]]:
+    """(instruction count, opcode counts, skippable instructions, lead-in opcode counts) of every loop in the SASS. A
+    loop is a strongly connected set of basic blocks (so a block the compiler placed out of line, e.g. the lazy
+    softmax's rescale, counts with its loop, and a back-edge that only returns from such a block is not a loop of its
+    own). Skippable: the loop's instructions in blocks that some trip around the loop can avoid (they do not dominate
+    every back-edge), e.g. that rarely taken rescale; the rest is the common path. Lead-in: the instructions laid out
+    between the previous path's unconditional EXIT and the loop, i.e. what a program of this branch runs once before
+    its first tile (q's operands, the pipeline's first loads)."""
     sass = _cuobjdump(cubin, tmp, "-sass")
     ins = []  # (address, opcode, operands, predicated)
     for line in sass.splitlines():
@@ -177,7 +181,10 @@ def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter, int]]:
         common = set.intersection(*(dom[j] for j in latches))
         body = [ins[i][1].split(".")[0] for j in scc for i in range(*blocks[j])]
         skip = sum(blocks[j][1] - blocks[j][0] for j in scc - common)
-        found.append((len(body), Counter(body), skip))
+        first = lead = min(blocks[j][0] for j in scc)
+        while lead > 0 and not (ins[lead - 1][1].startswith(("EXIT", "RET")) and not ins[lead - 1][3]):
+            lead -= 1
+        found.append((len(body), Counter(body), skip, Counter(ins[i][1].split(".")[0] for i in range(lead, first))))
     return found
 
 
@@ -213,7 +220,8 @@ def main():
     if args.json:
         print(json.dumps(dict(triton=triton.__version__, shared=compiled.metadata.shared, warps=warps, GP=kw["GP"],
                               BLOCK_N=kw["BLOCK_N"], loop_instructions=int2[0], skippable=int2[2],
-                              per_token_head=per, ops=dict(int2[1]), **res)))  # fmt: skip
+                              per_token_head=per, ops=dict(int2[1]), lead_in=int2[3].total(),
+                              lead_in_ops=dict(int2[3]), **res)))  # fmt: skip
         return
     print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: one KV head per program, "
           f"GP {kw['GP']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B, "
@@ -221,6 +229,8 @@ def main():
     print(f"INT2 loop: {int2[0]} instructions per warp per tile, {int2[2]} of them skippable (the lazy rescale) → "
           f"{per:.1f} warp instructions per token-head on the common path")
     print("  " + ", ".join(f"{op} {n}" for op, n in int2[1].most_common(12)))
+    print(f"before it, once per program (the INT2 branch's entry to the first tile): {int2[3].total()} instructions")
+    print("  " + ", ".join(f"{op} {n}" for op, n in int2[3].most_common(12)))
 
 
 if __name__ == "__main__":
