@@ -2,11 +2,13 @@
 
 Rows: prefill-sized history writes (1 × 8 KV heads × T tokens, d = 128 and 3 KV heads d = 64) and the decode-time demotion
 (batch 32 × 8 heads × 8 tokens). Bytes = bf16 rows read + packed codes and fp16 scale/zero written; bandwidth as a
-fraction of a same-run device copy. Usage: PYTHONPATH=. python benchmarks/bench_quantize.py
+fraction of a same-run device copy. `--both-rules` times each row under both code rules (`ops.QUANT_X_THRESHOLDS`
+off and on; without it, the one in force). Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-rules]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -32,6 +34,9 @@ def copy_bandwidth() -> float:
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--both-rules", action="store_true", help="time the divide and the x-threshold code rules")
+    rules = (False, True) if ap.parse_args().both_rules else (ops.QUANT_X_THRESHOLDS,)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -39,9 +44,7 @@ def main():
     for B, H, T, D in ROWS:
         xs = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
         clip = torch.full((H, 1), layout.DEFAULT_K_CLIP, device="cuda")
-        codes, sz = ops.quantize_pack(xs[0], clip)
         codes_ref, sz_ref = reference.quantize_pack_ref(xs[0], clip)
-        exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
         it = [0]
 
         def run(fn):
@@ -51,22 +54,30 @@ def main():
 
             return call
 
-        ms = triton.testing.do_bench(run(ops.quantize_pack), warmup=25, rep=200)
         ms_ref = triton.testing.do_bench(run(reference.quantize_pack_ref), warmup=5, rep=50)
         nbytes = B * H * T * (2 * D + layout.bytes_per_token(D, D))
-        r = dict(B=B, H_kv=H, T=T, D=D, kernel_us=ms * 1e3, torch_ref_us=ms_ref * 1e3, bytes=nbytes,
-                 bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
-        rows.append(r)
-        print(r, flush=True)
+        default = ops.QUANT_X_THRESHOLDS
+        for rule in rules:
+            ops.QUANT_X_THRESHOLDS = rule
+            try:
+                codes, sz = ops.quantize_pack(xs[0], clip)
+                exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
+                ms = triton.testing.do_bench(run(ops.quantize_pack), warmup=25, rep=200)
+            finally:
+                ops.QUANT_X_THRESHOLDS = default
+            r = dict(B=B, H_kv=H, T=T, D=D, rule="x-thresholds" if rule else "divide", kernel_us=ms * 1e3,
+                     torch_ref_us=ms_ref * 1e3, bytes=nbytes, bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
+            rows.append(r)
+            print(r, flush=True)
         del xs
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_quantize.json"), "w") as f:
             json.dump(dict(copy_Bps=copy_bw, rows=rows), f, indent=2)
-    print("\n| B | H_kv | T | d | kernel µs | torch ref µs | MB | % copy bw | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| B | H_kv | T | d | code rule | kernel µs | torch ref µs | MB | % copy bw | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['kernel_us']:.1f} | {r['torch_ref_us']:.1f} | "
-              f"{r['bytes'] / 1e6:.1f} | {r['bw_frac']:.0%} | {r['bit_exact']} |")  # fmt: skip
+        print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['rule']} | {r['kernel_us']:.1f} | "
+              f"{r['torch_ref_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['bw_frac']:.0%} | {r['bit_exact']} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ MERGE_TILE = 8192  # [splits × dims] elements a merge program loads per step (m
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
 DECODE_PDL = os.environ.get("OSCAR_PDL", "1") == "1"  # GPU ≥ sm_90: launch the merge (and decode) early, see _pdl
+# quantize/pack: codes by comparing x with three thresholds per group computed in its units (no division or clamp per
+# element) instead of x/s + z against the rounding thresholds; the same codes bit for bit (tests run both). Off until
+# its compiled build is tested and timed on a GPU (benchmarks/RESULTS.md, "Quantize/pack: codes by thresholds in x")
+QUANT_X_THRESHOLDS = os.environ.get("OSCAR_QUANT_X_THRESHOLDS", "0") == "1"
 QUANT_WARPS = 4  # quantize/pack: one row per thread, 32·QUANT_WARPS rows per program (benchmarks/quantize_sass.py)
 
 
@@ -253,6 +257,7 @@ def quantize_pack(
         D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
         MAX_M=0, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
         C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2],
+        X_THRESHOLDS=QUANT_X_THRESHOLDS,
         num_warps=warps,
     )  # fmt: skip
     out_shape = tuple(x.shape[:-1])

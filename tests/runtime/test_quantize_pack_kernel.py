@@ -129,6 +129,101 @@ def test_ratio_tensor_not_broadcasting_raises(device):
         ops.quantize_pack(torch.randn(1, 2, 4, 64, device=device), torch.full((3, 1), 0.96, device=device))
 
 
+# ------------------------------------------------------------------ codes at their rounding boundaries, both rules
+
+
+@pytest.fixture(params=[False, True], ids=["divide", "x-thresholds"])
+def code_rule(request, monkeypatch):
+    """ops.QUANT_X_THRESHOLDS off (x/s + z against the rounding thresholds) and on (thresholds in x's units)."""
+    monkeypatch.setattr(ops, "QUANT_X_THRESHOLDS", request.param)
+    return request.param
+
+
+def _boundary_rows(dtype, n_rows, D, seed):
+    """Rows whose codes sit on their boundaries. Each row fixes its min and max (ranges from 2^-10 to 2^9, groups of
+    one sign or both), so `reference.quantize` fixes its scale and zero; the rest of the row is every value of
+    `dtype` in [min, max] at which the reference's code changes, the value just below each, and fill. The boundaries
+    are found by evaluating the reference's own formula on every value of the dtype in the range (16-bit) or by
+    bisection over the float32 bit patterns (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n_rows):
+        a, b = sorted((torch.randn(2, generator=g) * 2.0 ** torch.randint(-10, 10, (2,), generator=g).float()).tolist())
+        if a == b:
+            b = a + 1.0
+        ends = torch.tensor([a, b]).to(dtype).float()
+        _, sz = reference.quantize(ends.repeat(D // 2).reshape(1, D), 0)  # same min/max → same s, z
+        s, z = sz[0, 0, 0].float(), sz[0, 0, 1].float()
+
+        def code(v):
+            return torch.floor(v / s + z + 0.5).clamp(0, 3)
+
+        if dtype == torch.float32:  # bisection over the ordered bit patterns between the ends, per code step
+            keys = []
+            for i in (1, 2, 3):
+                lo_v, hi_v = ends[0], ends[1]
+                if not (code(lo_v) < i <= code(hi_v)):
+                    continue
+                lo_k, hi_k = _ordered_key(lo_v), _ordered_key(hi_v)
+                while hi_k - lo_k > 1:
+                    mid = (lo_k + hi_k) // 2
+                    lo_k, hi_k = (mid, hi_k) if code(_from_key(mid)) < i else (lo_k, mid)
+                keys += [lo_k, hi_k]
+            found = torch.tensor([_from_key(k).item() for k in keys]) if keys else torch.empty(0)
+        else:
+            every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).float()
+            every = every[torch.isfinite(every) & (every >= ends[0]) & (every <= ends[1])].sort().values
+            c = code(every)
+            step = (c[1:] != c[:-1]).nonzero().flatten()
+            found = torch.cat([every[step], every[step + 1]])
+        fill = ends[0] + (ends[1] - ends[0]) * torch.rand(D, generator=g)
+        row = torch.cat([ends, found[: D - 2], fill])[:D]
+        rows.append(row[torch.randperm(D, generator=g)])
+    return torch.stack(rows).to(dtype)
+
+
+def _ordered_key(v: torch.Tensor) -> int:
+    """float32 → an integer that orders like the value (the sign-magnitude bits folded)."""
+    b = int(v.reshape(1).view(torch.int32).item())
+    return b if b >= 0 else -(b & 0x7FFFFFFF)
+
+
+def _from_key(k: int) -> torch.Tensor:
+    b = k if k >= 0 else (-k) | -(2**31)
+    return torch.tensor([b], dtype=torch.int32).view(torch.float32)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bit_exact_at_code_boundaries(device, code_rule, dtype):
+    """Every value at which a code changes, and the one below it, for 96 rows of different scales and zeros: both code
+    rules agree with the reference there (random rows rarely land on a boundary). With float32 rows this catches a
+    threshold one float32 off (checked by editing: a wrong tie flag, RN instead of the round-up); a 16-bit value rarely
+    sits within a float32 step of a boundary, so those rows mostly check the search itself. No clip (ratio 0) keeps
+    each row's min and max, then a clip that cuts into every row."""
+    x = _boundary_rows(dtype, 96, 64, seed=17).reshape(2, 3, 16, 64).to(device)
+    _assert_bit_exact(x, 0.0)
+    _assert_bit_exact(x, 0.9)
+
+
+def test_bit_exact_both_rules_on_the_runtime_rows(device, code_rule):
+    """The clip paths (per-head 0.96 / 0.92 / 0.8), both group sizes and all three dtypes under either code rule."""
+    for D, dtype in ((128, torch.bfloat16), (64, torch.float16), (64, torch.float32)):
+        x = _rows(1, 3, 43, D, dtype, device, seed=D + 1)
+        _assert_bit_exact(x, torch.tensor([[0.96], [0.92], [0.8]], device=device))
+        _assert_bit_exact(x, 0.96, 16)
+
+
+def test_threshold_constants_match_the_rounding_thresholds():
+    """ROUND_HALF_ULPS / ROUND_TIES_UP (the x-threshold rule's view of ROUND_THRESHOLDS): half the float32 gap below
+    each C_i, and whether C_i's significand is even (a sum exactly halfway rounds to it)."""
+    from oscar_zoo.runtime.kernels.quantize_pack import ROUND_HALF_ULPS, ROUND_THRESHOLDS, ROUND_TIES_UP
+
+    c = torch.tensor(ROUND_THRESHOLDS, dtype=torch.float32)
+    below = (c.view(torch.int32) - 1).view(torch.float32)
+    assert torch.equal((c.double() - below.double()) / 2, torch.tensor(ROUND_HALF_ULPS, dtype=torch.float64))
+    assert [bool(b % 2 == 0) for b in c.view(torch.int32).tolist()] == list(ROUND_TIES_UP)
+
+
 # ------------------------------------------------------------------ the kernel's arithmetic shortcuts, exhaustively
 
 

@@ -28,6 +28,51 @@ import triton.language as tl
 
 # u ≥ C_i  ⇔  float32(u + 0.5) ≥ i (round to nearest even), i = 1, 2, 3: the code is the number of thresholds reached
 ROUND_THRESHOLDS = (0.5 - 2.0**-25, 1.5, 2.5)
+# For the same rule in x's units (X_THRESHOLDS): half the float32 spacing below each C_i, and whether a sum exactly
+# at that midpoint rounds up to C_i (ties go to the even significand: C_1's is odd, C_2's and C_3's even)
+ROUND_HALF_ULPS = (2.0**-26, 2.0**-24, 2.0**-23)
+ROUND_TIES_UP = (False, True, True)
+_H1, _H2, _H3 = (tl.constexpr(h) for h in ROUND_HALF_ULPS)
+_TIE1, _TIE2, _TIE3 = (tl.constexpr(t) for t in ROUND_TIES_UP)
+
+
+@triton.jit
+def _f32_next(x, UP: tl.constexpr):
+    """The float32 just above (UP) or just below finite x, by its bits (±0 count as zero)."""
+    x = x + 0.0  # −0 → +0
+    bits = x.to(tl.int32, bitcast=True)
+    if UP:
+        bits = tl.where(x >= 0, bits + 1, bits - 1)
+    else:
+        bits = tl.where(x > 0, bits - 1, tl.where(x < 0, bits + 1, -0x7FFFFFFF))  # below +0: −(smallest denormal)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _least_f32_above(r, INCLUSIVE):
+    """The least float32 v with v > r, or v = r where INCLUSIVE (r float64)."""
+    v = r.to(tl.float32)
+    vd = v.to(tl.float64)
+    return tl.where((vd < r) | ((vd == r) & (~INCLUSIVE)), _f32_next(v, True), v)
+
+
+@triton.jit
+def _x_threshold(s, z, C: tl.constexpr, HALF_ULP: tl.constexpr, TIE_UP: tl.constexpr):
+    """The least float32 x whose u = RN(RN(x/s) + z) reaches C (s > 0, z float32 of float16 values; IEEE division,
+    as the reference's). Both roundings are monotone, so u ≥ C ⇔ x ≥ this; each boundary is a midpoint between two
+    float32 values, exact in float64 (B − z: ≤ 42 significant bits; s·midpoint: ≤ 36), and a value exactly on it
+    rounds to the even neighbour."""
+    b = tl.full(s.shape, C, tl.float64) - HALF_ULP  # RN(q + z) ≥ C ⇔ q + z ≥ b (= b only when TIE_UP)
+    w = _least_f32_above(b - z.to(tl.float64), tl.full(s.shape, TIE_UP, tl.int1)) + 0.0  # least q: RN(q + z) ≥ C
+    mid = (_f32_next(w, False).to(tl.float64) + w.to(tl.float64)) * 0.5  # RN(x/s) ≥ w ⇔ x/s ≥ mid (= when w even)
+    w_even = (w.to(tl.int32, bitcast=True) & 1) == 0
+    return _least_f32_above(s.to(tl.float64) * mid, w_even)
+
+
+@triton.jit
+def _clipped_threshold(t, neg_tau, tau):
+    """t for x clipped to [−τ, τ], applied to unclipped x: −∞ (always) if −τ reaches it, NaN (never) if τ does not."""
+    return tl.where(neg_tau[:, None] >= t, float("-inf"), tl.where(tau[:, None] >= t, t, float("nan")))
 
 
 @triton.jit
@@ -377,6 +422,7 @@ def _quantize_pack_kernel(
     C1: tl.constexpr,
     C2: tl.constexpr,
     C3: tl.constexpr,
+    X_THRESHOLDS: tl.constexpr,  # codes by thresholds in x's units (ops.QUANT_X_THRESHOLDS)
 ):
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
@@ -429,27 +475,42 @@ def _quantize_pack_kernel(
     tau = tl.where(kk < 0, float("inf"), tau.to(tl.float32))
     neg_tau = _negate(tau)
     x = x_in.to(tl.float32)  # converted only now: not live through the order statistic
-    x = tl.minimum(tl.maximum(x, neg_tau[:, None]), tau[:, None])
-
+    if X_THRESHOLDS:  # the clip moves into the group's min/max and the thresholds
+        xg = tl.reshape(x, [BLOCK_T, NG, G])
+        lo = tl.min(xg, axis=2)
+        hi = tl.max(xg, axis=2)
+        lo = tl.where(lo >= neg_tau[:, None], lo, neg_tau[:, None])  # a value equal to the bound keeps its own
+        hi = tl.where(hi <= tau[:, None], hi, tau[:, None])  # zero's sign, as the reference's clamp
+    else:
+        x = tl.minimum(tl.maximum(x, neg_tau[:, None]), tau[:, None])
+        xg = tl.reshape(x, [BLOCK_T, NG, G])
+        lo = tl.min(xg, axis=2)
+        hi = tl.max(xg, axis=2)
     # asymmetric min-max per group, float16 scale/zero, codes from the rounded values
-    xg = tl.reshape(x, [BLOCK_T, NG, G])
-    lo = tl.min(xg, axis=2)
-    hi = tl.max(xg, axis=2)
     amax = tl.maximum(tl.abs(lo), tl.abs(hi))
     rng = tl.maximum(tl.maximum(hi - lo, amax * REL_FLOOR), ABS_FLOOR)
     scale16 = tl.div_rn(rng, 3.0).to(tl.float16)
     s = scale16.to(tl.float32)
     zero16 = tl.div_rn(_negate(lo), s).to(tl.float16)
     z = zero16.to(tl.float32)
-    if X_DTYPE == tl.float32:
-        q = tl.div_rn(xg, s[:, :, None])
-    else:  # RN(x/s) by one Markstein correction of x·RN(1/s): exact for 16-bit x and float16 s
-        y = tl.div_rn(1.0, s)[:, :, None]
-        q0 = xg * y
-        q = tl.fma(tl.fma(q0, _negate(s)[:, :, None], xg), y, q0)
-    u = q + z[:, :, None]
-    # clamp(⌊u + ½⌋, 0, 3) as a float: the count of thresholds reached (exact small integers from here on)
-    code = tl.where(u >= C1, 1.0, 0.0) + tl.where(u >= C2, 1.0, 0.0) + tl.where(u >= C3, 1.0, 0.0)
+    if X_THRESHOLDS:
+        # the same count against each group's three thresholds in x's units (float64 arithmetic once per group, no
+        # division and no clamp per element); a NaN x reaches none
+        t1 = _clipped_threshold(_x_threshold(s, z, C1, _H1, _TIE1), neg_tau, tau)
+        t2 = _clipped_threshold(_x_threshold(s, z, C2, _H2, _TIE2), neg_tau, tau)
+        t3 = _clipped_threshold(_x_threshold(s, z, C3, _H3, _TIE3), neg_tau, tau)
+        code = (tl.where(xg >= t1[:, :, None], 1.0, 0.0) + tl.where(xg >= t2[:, :, None], 1.0, 0.0)
+                + tl.where(xg >= t3[:, :, None], 1.0, 0.0))  # fmt: skip
+    else:
+        if X_DTYPE == tl.float32:
+            q = tl.div_rn(xg, s[:, :, None])
+        else:  # RN(x/s) by one Markstein correction of x·RN(1/s): exact for 16-bit x and float16 s
+            y = tl.div_rn(1.0, s)[:, :, None]
+            q0 = xg * y
+            q = tl.fma(tl.fma(q0, _negate(s)[:, :, None], xg), y, q0)
+        u = q + z[:, :, None]
+        # clamp(⌊u + ½⌋, 0, 3) as a float: the count of thresholds reached (exact small integers from here on)
+        code = tl.where(u >= C1, 1.0, 0.0) + tl.where(u >= C2, 1.0, 0.0) + tl.where(u >= C3, 1.0, 0.0)
 
     # quartered pack: byte j holds dims j, j+D/4, j+D/2, j+3D/4 in bits 0/2/4/6 (float sum, then the integer bits
     # of 2^23 + byte)
