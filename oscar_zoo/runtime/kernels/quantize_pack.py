@@ -19,6 +19,9 @@ Quantize: scale/zero rounded to float16 as the reference, codes from the rounded
 (q0 = x·y, ρ = fma(q0, −s, x), q = fma(ρ, y, q0)), which equals RN(x/s) for every pair of a bf16/fp16 x and a
 float16 s (exhaustive check: tests/runtime/test_quantize_pack_kernel.py); float32 inputs keep div_rn. The floor
 ⌊q + z + ½⌋ clamped to 0..3 is a count of three exact float32 thresholds on u = q + z (no float→int conversion).
+With X_THRESHOLDS (`ops.QUANT_X_THRESHOLDS`) the same count is taken in x's units: u is a monotone function of x, so
+each threshold is one float32 value of x per group (`_x_threshold`, exact), and the clip folds into those and the
+group's min/max; per value there is no division, no + z and no clamp.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _least_f32_above(r, INCLUSIVE):
 def _x_threshold(s, z, C: tl.constexpr, HALF_ULP: tl.constexpr, TIE_UP: tl.constexpr):
     """The least float32 x whose u = RN(RN(x/s) + z) reaches C (s > 0, z float32 of float16 values; IEEE division,
     as the reference's). Both roundings are monotone, so u ≥ C ⇔ x ≥ this; each boundary is a midpoint between two
-    float32 values, exact in float64 (B − z: ≤ 42 significant bits; s·midpoint: ≤ 36), and a value exactly on it
+    float32 values, exact in float64 (b − z: ≤ 42 significant bits; s·midpoint: ≤ 36), and a value exactly on it
     rounds to the even neighbour."""
     b = tl.full(s.shape, C, tl.float64) - HALF_ULP  # RN(q + z) ≥ C ⇔ q + z ≥ b (= b only when TIE_UP)
     w = _least_f32_above(b - z.to(tl.float64), tl.full(s.shape, TIE_UP, tl.int1)) + 0.0  # least q: RN(q + z) ≥ C
