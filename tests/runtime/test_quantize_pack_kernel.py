@@ -139,12 +139,26 @@ def code_rule(request, monkeypatch):
     return request.param
 
 
+def _every_value(dtype) -> torch.Tensor:
+    """Every finite value of a 16-bit float dtype, as float32, ascending."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    return every[torch.isfinite(every)].sort().values
+
+
+def _codes_in_row(ends: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.quantize`'s codes of values v [N] (within ends) in a row whose min and max are ends = (a, b), and
+    that row's float32 scale and zero: each value sits in a row [a, b, v, v], which has the same min and max."""
+    rows = torch.stack([ends[0].expand(v.shape), ends[1].expand(v.shape), v, v], dim=1)
+    codes, sz = reference.quantize(rows, 0)
+    return codes[:, 2].float(), sz[0, 0, 0].float(), sz[0, 0, 1].float()
+
+
 def _boundary_rows(dtype, n_rows, D, seed):
     """Rows whose codes sit on their boundaries. Each row fixes its min and max (ranges from 2^-10 to 2^9, groups of
     one sign or both), so `reference.quantize` fixes its scale and zero; the rest of the row is every value of
     `dtype` in [min, max] at which the reference's code changes, the value just below each, and fill. The boundaries
-    are found by evaluating the reference's own formula on every value of the dtype in the range (16-bit) or by
-    bisection over the float32 bit patterns (float32)."""
+    are found from the reference's codes of every value of the dtype in the range (16-bit) or by bisection over the
+    float32 bit patterns (float32)."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n_rows):
@@ -152,28 +166,23 @@ def _boundary_rows(dtype, n_rows, D, seed):
         if a == b:
             b = a + 1.0
         ends = torch.tensor([a, b]).to(dtype).float()
-        _, sz = reference.quantize(ends.repeat(D // 2).reshape(1, D), 0)  # same min/max → same s, z
-        s, z = sz[0, 0, 0].float(), sz[0, 0, 1].float()
-
-        def code(v):
-            return torch.floor(v / s + z + 0.5).clamp(0, 3)
-
         if dtype == torch.float32:  # bisection over the ordered bit patterns between the ends, per code step
             keys = []
+            c_lo, c_hi = _codes_in_row(ends, ends)[0].tolist()
             for i in (1, 2, 3):
-                lo_v, hi_v = ends[0], ends[1]
-                if not (code(lo_v) < i <= code(hi_v)):
+                if not (c_lo < i <= c_hi):
                     continue
-                lo_k, hi_k = _ordered_key(lo_v), _ordered_key(hi_v)
+                lo_k, hi_k = _ordered_key(ends[0]), _ordered_key(ends[1])
                 while hi_k - lo_k > 1:
                     mid = (lo_k + hi_k) // 2
-                    lo_k, hi_k = (mid, hi_k) if code(_from_key(mid)) < i else (lo_k, mid)
+                    below = _codes_in_row(ends, _from_key(mid).reshape(1))[0].item() < i
+                    lo_k, hi_k = (mid, hi_k) if below else (lo_k, mid)
                 keys += [lo_k, hi_k]
             found = torch.tensor([_from_key(k).item() for k in keys]) if keys else torch.empty(0)
         else:
-            every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).float()
-            every = every[torch.isfinite(every) & (every >= ends[0]) & (every <= ends[1])].sort().values
-            c = code(every)
+            every = _every_value(dtype)
+            every = every[(every >= ends[0]) & (every <= ends[1])]
+            c = _codes_in_row(ends, every)[0]
             step = (c[1:] != c[:-1]).nonzero().flatten()
             found = torch.cat([every[step], every[step + 1]])
         fill = ends[0] + (ends[1] - ends[0]) * torch.rand(D, generator=g)
@@ -220,15 +229,13 @@ def test_bit_exact_where_the_quotient_last_bit_decides(device, code_rule, dtype)
     """Rows holding the values whose code an inexact quotient would change (checked here for every row), so a kernel
     that divided as x·RN(1/s), without its correction step, fails (checked by editing the correction out)."""
     D = 64
-    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).float()
-    every = every[torch.isfinite(every)]
+    every = _every_value(dtype)
     rows = []
     for a, b in FRAGILE_ENDS[dtype]:
         ends = torch.tensor([a, b])
-        _, sz = reference.quantize(ends.repeat(D // 2).reshape(1, D), 0)
-        s, z = sz[0, 0, 0].float(), sz[0, 0, 1].float()
         vals = every[(every >= a) & (every <= b)]
-        fragile = vals[torch.floor(vals * (1 / s) + z + 0.5).clamp(0, 3) != torch.floor(vals / s + z + 0.5).clamp(0, 3)]
+        codes, s, z = _codes_in_row(ends, vals)
+        fragile = vals[torch.floor(vals * (1 / s) + z + 0.5).clamp(0, 3) != codes]  # the uncorrected quotient's codes
         assert 1 <= fragile.numel() <= D - 2
         fill = torch.linspace(a, b, D - 2 - fragile.numel())
         rows.append(torch.cat([ends, fragile, fill]))
