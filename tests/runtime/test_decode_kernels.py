@@ -286,10 +286,9 @@ def test_scores_keep_the_documented_q_precision(device, D, group):
     """One history token per batch row, so each head's lse is its score, against float64 with float32 queries.
     With a group of 4 the score dots are integer at every D (two tokens per row), with a group of 8 from D = 128 (one
     token per row); int8 codes against q's int8 high and low parts (`kernels/decode.py`): each element of q is exact
-    to 1 / (2·127·Q_LO) of its head's largest |q|
-    (Q_LO = min(128, 8192 / D)). The bound is the worst case of that rounding (plus float32 slack); keeping only q's
-    high int8 part breaks it (computed here, and checked by editing the low part out). One token per row also leaves
-    each pair's second token out of range (masked)."""
+    to 1 / (2·127·Q_LO) of its head's largest |q| (Q_LO = min(128, 8192 / D)). The bound is the worst case of that
+    rounding (plus float32 slack); keeping only q's high int8 part breaks it (computed here, and checked by editing
+    the low part out). One token per row also leaves each pair's second token out of range (masked)."""
     B, H_kv = 32, 2
     g = torch.Generator().manual_seed(D + group)
     keys = torch.randn(B, H_kv, 8, D, generator=g) * (torch.rand(B, H_kv, 1, 1, generator=g) + 0.5)
