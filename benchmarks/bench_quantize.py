@@ -2,13 +2,16 @@
 
 Rows: prefill-sized history writes (1 × 8 KV heads × T tokens, d = 128 and 3 KV heads d = 64) and the decode-time demotion
 (batch 32 × 8 heads × 8 tokens). Bytes = bf16 rows read + packed codes and fp16 scale/zero written; bandwidth as a
-fraction of a same-run device copy. `--both-rules` times each row under both code rules (`ops.QUANT_X_THRESHOLDS`
-off and on; without it, the one in force). Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-rules]
+fraction of a same-run device copy. Clips are per-head tensors passed with their host bound (`min_ratio`), as the
+cache passes them. `--both-rules` times each row under both code rules (`ops.QUANT_X_THRESHOLDS` off and on; without
+it, the one in force); `--both-builds` also without the bound (the per-row dispatch build).
+Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-rules] [--both-builds]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -36,7 +39,9 @@ def copy_bandwidth() -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--both-rules", action="store_true", help="time the divide and the x-threshold code rules")
-    both = ap.parse_args().both_rules
+    ap.add_argument("--both-builds", action="store_true",
+                    help="time the per-row dispatch (a ratio tensor without its host bound) besides the bound's build")
+    args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -47,36 +52,40 @@ def main():
         codes_ref, sz_ref = reference.quantize_pack_ref(xs[0], clip)
         it = [0]
 
-        def run(fn):
+        def run(fn, **kw):
             def call():
                 it[0] += 1
-                return fn(xs[it[0] % 4], clip)
+                return fn(xs[it[0] % 4], clip, **kw)
 
             return call
 
         ms_ref = triton.testing.do_bench(run(reference.quantize_pack_ref), warmup=5, rep=50)
         nbytes = B * H * T * (2 * D + layout.bytes_per_token(D, D))
         default = ops.QUANT_X_THRESHOLDS
-        for rule in (False, True) if both else (ops.quant_x_thresholds(D),):
+        # the cache passes its per-head clips with their host bound (min_ratio); without it, the per-row dispatch
+        bounds = (None, layout.DEFAULT_K_CLIP) if args.both_builds else (layout.DEFAULT_K_CLIP,)
+        for rule, bound in itertools.product((False, True) if args.both_rules else (ops.quant_x_thresholds(D),), bounds):
             ops.QUANT_X_THRESHOLDS = rule
             try:
-                codes, sz = ops.quantize_pack(xs[0], clip)
+                codes, sz = ops.quantize_pack(xs[0], clip, min_ratio=bound)
                 exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
-                ms = triton.testing.do_bench(run(ops.quantize_pack), warmup=25, rep=200)
+                ms = triton.testing.do_bench(run(ops.quantize_pack, min_ratio=bound), warmup=25, rep=200)
             finally:
                 ops.QUANT_X_THRESHOLDS = default
-            r = dict(B=B, H_kv=H, T=T, D=D, rule="x-thresholds" if rule else "divide", kernel_us=ms * 1e3,
-                     torch_ref_us=ms_ref * 1e3, bytes=nbytes, bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
+            r = dict(B=B, H_kv=H, T=T, D=D, rule="x-thresholds" if rule else "divide",
+                     build=f"top-{ops._max_m_build(D, bound)}" if ops._max_m_build(D, bound) else "dispatch",
+                     kernel_us=ms * 1e3, torch_ref_us=ms_ref * 1e3, bytes=nbytes,
+                     bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
             rows.append(r)
             print(r, flush=True)
         del xs
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_quantize.json"), "w") as f:
             json.dump(dict(copy_Bps=copy_bw, rows=rows), f, indent=2)
-    print("\n| B | H_kv | T | d | code rule | kernel µs | torch ref µs | MB | % copy bw | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| B | H_kv | T | d | code rule | build | kernel µs | torch ref µs | MB | % copy bw | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['rule']} | {r['kernel_us']:.1f} | "
+        print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['rule']} | {r['build']} | {r['kernel_us']:.1f} | "
               f"{r['torch_ref_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['bw_frac']:.0%} | {r['bit_exact']} |")  # fmt: skip
 
 

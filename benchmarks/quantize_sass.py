@@ -6,9 +6,10 @@ The kernel holds one row per thread, so the straight-line instruction count of o
 instructions per 32 rows. Budget at the copy bandwidth of an H200 (≈ 4.0 TB/s, 132 SMs × 4 warp issues per clock at
 ≈ 1.98 GHz): bytes per row / 4.0e12 × 1.045e12 warp instructions; d = 128 (292 B/row) affords ≈ 76 warp instructions
 per row, d = 64 (148 B/row) ≈ 39. Compare, min/max, integer and logic instructions issue at half rate (64 lanes per SM
-per clock), so they are counted twice in `issue_slots`. A float ratio here compiles only the top-8 (m ≤ 8: 0.96 at d = 128)
-or top-16 (m ≤ 16: 0.92) path, to count that path alone (ops launches the per-row dispatch, MAX_M = 0, for every
-ratio); `--ratio tensor` compiles the dispatch (its static count includes all three paths).
+per clock), so they are counted twice in `issue_slots`. A float ratio compiles the build ops launches for it: the top-8
+(m ≤ 8: 0.96 at d = 128) or top-16 (m ≤ 16: 0.92) path alone, as for the cache's per-head ratios with their host
+bound (`min_ratio`); `--ratio tensor` compiles the per-row dispatch of a ratio tensor without a bound (its static count
+includes all three paths).
 Usage:
     PYTHONPATH=. python benchmarks/quantize_sass.py [--d 128] [--ratio 0.96] [--group-size 0] [--warps 4] [--json]
 """
@@ -56,10 +57,6 @@ def compile_quantize(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_
     finally:
         ops._kernels, ops._use_kernel, ops.QUANT_WARPS, ops.QUANT_ASM = orig
     kw = dict(captured["kw"])
-    if ratio != "tensor":  # count one top-k path alone: the constant-ratio specialisation (ops launches MAX_M = 0)
-        k = int(ops.reference.clip_index(float(ratio), D))
-        m = 1 if k < 0 else D - k
-        kw["MAX_M"] = 8 if m <= 8 else 16 if m <= 16 else 0
     warps = kw.pop("num_warps")
     fn = qp._quantize_pack_kernel
     values = dict(zip([n for n in fn.arg_names if n not in kw], captured["args"]))

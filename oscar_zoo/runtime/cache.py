@@ -40,10 +40,22 @@ class Rotation:
     v_clip: Tensor
     k_mean: Tensor | None = None
     v_mean: Tensor | None = None
+    # the smallest positive clip ratio of k_clip / v_clip, read once on the host (None: unknown); lets
+    # `ops.quantize_pack` take a top-k build that fits every head's clip (`min_ratio`)
+    k_min_clip: float | None = None
+    v_min_clip: float | None = None
+
+    def __post_init__(self):
+        for name in ("k", "v"):
+            clip = getattr(self, f"{name}_clip")
+            if getattr(self, f"{name}_min_clip") is None:  # built once per layer, before any step is captured
+                positive = clip[clip > 0]
+                setattr(self, f"{name}_min_clip", float(positive.min()) if positive.numel() else None)
 
     def to(self, device: torch.device) -> Rotation:
         return Rotation(*(None if t is None else t.to(device)
-                          for t in (self.k, self.v, self.k_clip, self.v_clip, self.k_mean, self.v_mean)))
+                          for t in (self.k, self.v, self.k_clip, self.v_clip, self.k_mean, self.v_mean)),
+                        self.k_min_clip, self.v_min_clip)
 
     def per_query_head(self, M: Tensor, n_q_heads: int) -> Tensor:
         """M [H, D, D] → [H_q, D, D], GQA convention (query head j uses KV head j // g); shared stays [1, D, D]."""
@@ -269,10 +281,11 @@ class OscarLayer(CacheLayerMixin):
         F, W = self.flush, self.recent
         self._ensure_history(self.n_hist + F)  # eager only: a captured step has its capacity reserved beforehand
         rows = self.hist_len[:1].long() + torch.arange(F, device=self.device)  # [F] history rows written
-        for tier, hist, sz, clip in ((self.recent_k, self.hist_k, self.sz_k, self.rotation.k_clip),
-                                     (self.recent_v, self.hist_v, self.sz_v, self.rotation.v_clip)):  # fmt: skip
+        rot = self.rotation
+        for tier, hist, sz, clip, min_clip in ((self.recent_k, self.hist_k, self.sz_k, rot.k_clip, rot.k_min_clip),
+                                               (self.recent_v, self.hist_v, self.sz_v, rot.v_clip, rot.v_min_clip)):  # fmt: skip
             if self.quantize:
-                codes, scale_zero = ops.quantize_pack(tier[:, :, :F], clip, self.group_size)
+                codes, scale_zero = ops.quantize_pack(tier[:, :, :F], clip, self.group_size, min_ratio=min_clip)
                 hist.index_copy_(2, rows, codes)
                 sz.index_copy_(2, rows, scale_zero)
             else:
@@ -320,8 +333,11 @@ class OscarLayer(CacheLayerMixin):
         self._ensure_history(self.n_hist + m)
         rows = slice(self.n_hist, self.n_hist + m)
         if self.quantize:
-            self.hist_k[:, :, rows], self.sz_k[:, :, rows] = ops.quantize_pack(k, self.rotation.k_clip, self.group_size)
-            self.hist_v[:, :, rows], self.sz_v[:, :, rows] = ops.quantize_pack(v, self.rotation.v_clip, self.group_size)
+            rot = self.rotation
+            self.hist_k[:, :, rows], self.sz_k[:, :, rows] = ops.quantize_pack(k, rot.k_clip, self.group_size,
+                                                                               min_ratio=rot.k_min_clip)
+            self.hist_v[:, :, rows], self.sz_v[:, :, rows] = ops.quantize_pack(v, rot.v_clip, self.group_size,
+                                                                               min_ratio=rot.v_min_clip)
         else:
             self.hist_k[:, :, rows], self.hist_v[:, :, rows] = k, v
         self.n_hist += m

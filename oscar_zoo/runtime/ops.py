@@ -202,11 +202,15 @@ def _ratio_scalar(ratio: float, device: torch.device) -> Tensor:
 
 
 def quantize_pack(
-    x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, rotation: Tensor | None = None
+    x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, rotation: Tensor | None = None,
+    min_ratio: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """x [B, H_kv, T, D] → packed uint8 [B, H_kv, T, D/4], scale_zero float16 [B, H_kv, T, D/G, 2].
     `clip_ratio`: float or [H_kv, 1] tensor; `rotation`: optional [H_kv, D, D] applied first (result rounded to x's
-    dtype, as the cache stores it)."""
+    dtype, as the cache stores it). `min_ratio` (a tensor `clip_ratio` only): a host-side bound, every positive ratio
+    in the tensor is ≥ it; it lets the kernel take the top-8 or top-16 build instead of the per-row dispatch (fewer
+    registers). A bound above a ratio gives wrong codes for that row: pass it only for tensors that do not change
+    (`Rotation.k_min_clip`)."""
     _check(isinstance(x, Tensor) and x.is_floating_point(), "x must be a floating-point tensor [..., D]")
     _check(x.dim() >= 1, "x must have at least one dim")
     D = x.shape[-1]
@@ -232,10 +236,12 @@ def quantize_pack(
     x4 = _last_contiguous(x4, 1)
     B, H, T, _ = x4.shape
     _check(rotation is not None or B * H * T < 2**31, lambda: f"{B * H * T} rows exceed the kernel's int32 row index")
-    # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch). A float ratio goes
-    # the same way through a cached device scalar: the build specialised for one top-k path (MAX_M 8/16;
-    # benchmarks/quantize_sass.py counts it) measured only 6–10 % faster on the H200 (benchmarks/RESULTS.md,
-    # "Quantize/pack v2.1"), not worth a recompile per ratio
+    # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch); a float ratio goes
+    # the same way through a cached device scalar. A host bound on the clipped count m picks one of three builds: the
+    # top-8 or top-16 path alone, or the per-row dispatch (whose general path holds 255 registers; the two others 167)
+    if not isinstance(clip_ratio, Tensor):
+        min_ratio = float(clip_ratio)
+    max_m = _max_m_build(D, min_ratio)
     ratio = clip_ratio if isinstance(clip_ratio, Tensor) else _ratio_scalar(float(clip_ratio), x.device)
     ratio = ratio if ratio.device == x.device else ratio.to(x.device)
     ratio = ratio.float() if ratio.dtype == torch.bool else ratio
@@ -265,13 +271,25 @@ def quantize_pack(
         B * H * T, H, T,
         x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r3.stride(),
         D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
-        MAX_M=0, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
+        MAX_M=max_m, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
         C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2],
         X_THRESHOLDS=quant_x_thresholds(D),
         num_warps=warps,
     )  # fmt: skip
     out_shape = tuple(x.shape[:-1])
     return codes.reshape(*out_shape, D // 4), scale_zero.reshape(*out_shape, D // G, 2)
+
+
+def _max_m_build(D: int, min_ratio: float | None) -> int:
+    """The quantize kernel's top-k build (MAX_M) for rows whose positive clip ratios are all ≥ `min_ratio`: 8 or 16
+    when every clipped row's m = D − clip_index fits that path (a ratio ≤ 0 clips nothing), else 0 (the dispatch)."""
+    if min_ratio is None:
+        return 0
+    k = int(reference.clip_index(float(min_ratio), D))
+    if k < 0:  # a bound ≤ 0 bounds nothing
+        return 0
+    m = D - k
+    return 8 if m <= 8 else 16 if m <= 16 else 0
 
 
 # ---------------------------------------------------------------------------------------- rotate / centre / file

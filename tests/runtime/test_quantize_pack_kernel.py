@@ -110,6 +110,22 @@ def test_bit_exact_demotion_step(device):
 
 
 @pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("m_max", [8, 9, 16, 17])  # each top-k build's largest m, and one more (the next build)
+def test_bit_exact_with_a_host_bound_on_the_ratios(device, D, m_max):
+    """A ratio tensor with its host bound (`min_ratio`, what the cache passes): the bound picks the top-8 / top-16
+    build or the dispatch. Its smallest ratio clips exactly m_max values, so a build chosen one value too small fails;
+    a head with ratio 0 (no clip) and one with ratio 1 (m = 1) share the launch."""
+    bound = (D - m_max) / D
+    ratio = torch.tensor([[bound], [0.0], [1.0], [bound + 1 / D]], device=device)
+    x = _rows(1, 4, 129, D, torch.bfloat16, device, seed=D + m_max)
+    codes, sz = ops.quantize_pack(x, ratio, min_ratio=bound)
+    codes_ref, sz_ref = reference.quantize_pack_ref(x.cpu(), ratio.cpu())
+    assert torch.equal(codes.cpu(), codes_ref)
+    assert torch.equal(sz.cpu().view(torch.int16), sz_ref.view(torch.int16))
+    assert ops._max_m_build(D, bound) == (8 if m_max <= 8 else 16 if m_max <= 16 else 0)  # the build it was meant to run
+
+
+@pytest.mark.parametrize("D", [64, 128])
 def test_rotation_per_head_clip_within_tolerance(device, D):
     """Rotation given (per-head [H, D, D], per-head clips): same tolerance as test_rotation_within_tolerance."""
     H = 2
