@@ -74,9 +74,10 @@ def _int8_parts(q, q_scale, Q_LO: tl.constexpr):
     q·q_scale = q_hi + q_lo / Q_LO up to 1/(2·Q_LO), and the float32 integers q_hi·Q_LO + q_lo (exact) for sums.
     Both parts are rounded to nearest by adding MAGIC (|value| ≤ 127 < 2^22: the sum's low bits are the integer, two's
     complement), so neither a rounding nor a float-to-int instruction (quarter rate, once per program) is needed."""
-    t_hi = q * q_scale[None, :] + MAGIC
+    qs = q * q_scale[None, :]
+    t_hi = qs + MAGIC
     hi = t_hi - MAGIC
-    t_lo = (q * q_scale[None, :] - hi) * Q_LO + MAGIC  # |·| ≤ 0.5·Q_LO + rounding: the low part fits int8
+    t_lo = (qs - hi) * Q_LO + MAGIC  # |·| ≤ 0.5·Q_LO + rounding: the low part fits int8
     lo = t_lo - MAGIC
     return _low_byte(t_hi), _low_byte(t_lo), hi * Q_LO + lo
 
@@ -284,8 +285,9 @@ def _attend(
     # Integer score dots need a contraction of ≥ 32 dims and fill the MMA's 8 columns: a group padded to 4 puts two
     # tokens on each row (PAIR = 2: 8 real columns, 32 dims from D = 64); groups of ≥ 8 fill them alone (D ≥ 128).
     # Smaller groups (1, 2), groups of ≥ 8 at D = 64 and per-group scales (G < D) keep the bfloat16 dots.
-    PAIR: tl.constexpr = 2 if GP == 4 else 1
-    INT8_K: tl.constexpr = NG == 1 and PAIR * GP >= 8 and PAIR * D4 >= 32
+    PAIRS: tl.constexpr = 2 if GP == 4 else 1
+    INT8_K: tl.constexpr = NG == 1 and PAIRS * GP >= 8 and PAIRS * D4 >= 32
+    PAIR: tl.constexpr = PAIRS if INT8_K else 1  # the bfloat16 dots take one token per row
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     L = tl.load(len_ptr + b)
@@ -296,7 +298,6 @@ def _attend(
     g = tl.arange(0, GP)
     g_ok = g < GROUP
     qhead = h * GROUP + g
-    q_cols = q_ptr + b64 * stride_qb + qhead[None, :] * stride_qh  # qᵀ: [dims, GP]
     offs_n = tl.arange(0, BLOCK_N)
     k_rows = k_ptr + b64 * stride_kb + h64 * stride_kh
     v_rows = v_ptr + b64 * stride_vb + h64 * stride_vh
@@ -306,22 +307,16 @@ def _attend(
     l_t = tl.zeros([BLOCK_N, GP], tl.float32)
     if INT2:
         cols = tl.arange(0, D4)
-        if INT8_K:
-            # q per quarter, block-diagonal for the paired tokens of `_int2_tile`: [PAIR·D/4, PAIR·GP], rows of token
-            # slot j // (D/4) against that slot's columns (query head c % GP)
-            pj = tl.arange(0, PAIR * D4)[:, None]
-            pc = tl.arange(0, PAIR * GP)[None, :]
-            q_blk = q_ptr + b64 * stride_qb + (h * GROUP + pc % GP) * stride_qh + pj % D4
-            blk_ok = (pj // D4 == pc // GP) & (pc % GP < GROUP)
-            q0 = tl.load(q_blk + 0 * D4, mask=blk_ok, other=0.0).to(tl.float32)
-            q1 = tl.load(q_blk + 1 * D4, mask=blk_ok, other=0.0).to(tl.float32)
-            q2 = tl.load(q_blk + 2 * D4, mask=blk_ok, other=0.0).to(tl.float32)
-            q3 = tl.load(q_blk + 3 * D4, mask=blk_ok, other=0.0).to(tl.float32)
-        else:
-            q0 = tl.load(q_cols + (0 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
-            q1 = tl.load(q_cols + (1 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
-            q2 = tl.load(q_cols + (2 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
-            q3 = tl.load(q_cols + (3 * D4 + cols)[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32)
+        # qᵀ per quarter, block-diagonal for the paired tokens of `_int2_tile`: [PAIR·D/4, PAIR·GP], rows of token slot
+        # j // (D/4) against that slot's columns (query head c % GP); with PAIR = 1 the plain [D/4, GP] quarter
+        pj = tl.arange(0, PAIR * D4)[:, None]
+        pc = tl.arange(0, PAIR * GP)[None, :]
+        q_blk = q_ptr + b64 * stride_qb + (h * GROUP + pc % GP) * stride_qh + pj % D4
+        blk_ok = (pj // D4 == pc // GP) & (pc % GP < GROUP)
+        q0 = tl.load(q_blk + 0 * D4, mask=blk_ok, other=0.0).to(tl.float32)
+        q1 = tl.load(q_blk + 1 * D4, mask=blk_ok, other=0.0).to(tl.float32)
+        q2 = tl.load(q_blk + 2 * D4, mask=blk_ok, other=0.0).to(tl.float32)
+        q3 = tl.load(q_blk + 3 * D4, mask=blk_ok, other=0.0).to(tl.float32)
         if NG == 1:
             # scores = (dots − q_bias − z·qsum)·s·q_w, per head
             if INT8_K:
@@ -373,6 +368,7 @@ def _attend(
         pz_t = tl.zeros([BLOCK_N, GP], tl.float32)  # Σ p·s·z
     else:
         dims = tl.arange(0, D)
+        q_cols = q_ptr + b64 * stride_qb + qhead[None, :] * stride_qh  # qᵀ: [dims, GP]
         q = tl.load(q_cols + dims[:, None], mask=g_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
         acc = tl.zeros([GP, D], tl.float32)
 
