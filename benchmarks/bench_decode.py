@@ -142,7 +142,8 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
 
 C = ops.DecodeConfig
 SWEEP = [  # ops.DECODE_CONFIGS candidates (tile tokens, warps, stages, programs per SM, register cap), each for both dims
-    C(64, 1, 3, 8, None), C(64, 1, 3, 10, 200), C(64, 1, 3, 11, 184), C(64, 1, 3, 12, 168),
+    C(64, 1, 3, 4, None), C(64, 1, 3, 6, None), C(64, 1, 3, 8, None), C(64, 1, 3, 10, 200), C(64, 1, 3, 11, 184),
+    C(64, 1, 3, 12, 168),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
               ((9, 3, 64), 8, 32768)]  # fmt: skip

@@ -2,7 +2,9 @@
 
 Rows: prefill-sized history writes (1 × 8 KV heads × T tokens, d = 128 and 3 KV heads d = 64) and the decode-time demotion
 (batch 32 × 8 heads × 8 tokens). Bytes = bf16 rows read + packed codes and fp16 scale/zero written; bandwidth as a
-fraction of a same-run device copy. Clips are per-head tensors passed with their host bound (`min_ratio`), as the
+fraction of a same-run device copy. Times are CUDA-graph replays over four rotating inputs (`bench_decode.time_rotating`:
+one call per graph, and one call's share of a 16-call graph); eager launches are host-bound below ≈ 150 µs, as is the
+PyTorch reference (eager). Clips are per-head tensors passed with their host bound (`min_ratio`), as the
 cache passes them. `--both-rules` times each row under both code rules (`ops.QUANT_X_THRESHOLDS` off and on; without
 it, the one in force); `--both-builds` also without the bound (the per-row dispatch build).
 Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-rules] [--both-builds]
@@ -11,6 +13,7 @@ Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-rules] [--both-b
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -18,6 +21,7 @@ import os
 import torch
 import triton
 
+from benchmarks.bench_decode import IN_GRAPH, copy_bandwidth, time_rotating
 from oscar_zoo.runtime import layout, ops, reference
 
 ROWS = [  # (B, H_kv, T, D)
@@ -27,13 +31,6 @@ ROWS = [  # (B, H_kv, T, D)
     (1, 3, 131072, 64),
     (32, 8, 8, 128),  # demotion step
 ]
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
-    return 2 * (1 << 31) / (ms * 1e-3)
 
 
 def main():
@@ -50,16 +47,9 @@ def main():
         xs = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
         clip = torch.full((H, 1), layout.DEFAULT_K_CLIP, device="cuda")
         codes_ref, sz_ref = reference.quantize_pack_ref(xs[0], clip)
-        it = [0]
-
-        def run(fn, **kw):
-            def call():
-                it[0] += 1
-                return fn(xs[it[0] % 4], clip, **kw)
-
-            return call
-
-        ms_ref = triton.testing.do_bench(run(reference.quantize_pack_ref), warmup=5, rep=50)
+        it = itertools.count()
+        ms_ref = triton.testing.do_bench(lambda: reference.quantize_pack_ref(xs[next(it) % 4], clip), warmup=5, rep=50)
+        calls_of = lambda **kw: [functools.partial(ops.quantize_pack, x, clip, **kw) for x in xs]  # noqa: E731
         nbytes = B * H * T * (2 * D + layout.bytes_per_token(D, D))
         default = ops.QUANT_X_THRESHOLDS
         # the cache passes its per-head clips with their host bound (min_ratio); without it, the per-row dispatch
@@ -69,24 +59,27 @@ def main():
             try:
                 codes, sz = ops.quantize_pack(xs[0], clip, min_ratio=bound)
                 exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
-                ms = triton.testing.do_bench(run(ops.quantize_pack, min_ratio=bound), warmup=25, rep=200)
+                eager, ms, in_graph = time_rotating(calls_of(min_ratio=bound))
             finally:
                 ops.QUANT_X_THRESHOLDS = default
             r = dict(B=B, H_kv=H, T=T, D=D, rule="x-thresholds" if rule else "divide",
                      build=f"top-{ops._max_m_build(D, bound)}" if ops._max_m_build(D, bound) else "dispatch",
-                     kernel_us=ms * 1e3, torch_ref_us=ms_ref * 1e3, bytes=nbytes,
-                     bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
+                     kernel_us=ms * 1e3, in_graph_us=in_graph * 1e3, eager_us=eager * 1e3, torch_ref_us=ms_ref * 1e3,
+                     bytes=nbytes, bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
             rows.append(r)
             print(r, flush=True)
         del xs
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_quantize.json"), "w") as f:
             json.dump(dict(copy_Bps=copy_bw, rows=rows), f, indent=2)
-    print("\n| B | H_kv | T | d | code rule | build | kernel µs | torch ref µs | MB | % copy bw | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\nCUDA-graph replays, one call per graph (the % of copy bandwidth is of this column); one call's share of a"
+          f" graph of {IN_GRAPH}; eager launches (host-bound below ≈ 150 µs)")
+    print("| B | H_kv | T | d | code rule | build | µs | in-graph µs | eager µs | torch ref µs | MB | % copy bw | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['rule']} | {r['build']} | {r['kernel_us']:.1f} | "
-              f"{r['torch_ref_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['bw_frac']:.0%} | {r['bit_exact']} |")  # fmt: skip
+              f"{r['in_graph_us']:.1f} | {r['eager_us']:.1f} | {r['torch_ref_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+              f"{r['bw_frac']:.0%} | {r['bit_exact']} |")  # fmt: skip
 
 
 if __name__ == "__main__":
