@@ -5,9 +5,8 @@ Rows: prefill-sized history writes (1 × 8 KV heads × T tokens, d = 128 and 3 K
 fraction of a same-run device copy. Times are CUDA-graph replays over four rotating inputs (`bench_decode.time_rotating`:
 one call per graph, and one call's share of a 16-call graph); eager launches are host-bound below ≈ 150 µs, as is the
 PyTorch reference (eager). Clips are per-head tensors passed with their host bound (`min_ratio`), as the
-cache passes them. `--both-rules` times each row under both code rules (`ops.QUANT_X_THRESHOLDS` off and on; without
-it, the one in force); `--both-builds` also without the bound (the per-row dispatch build).
-Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-rules] [--both-builds]
+cache passes them; `--both-builds` also times them without the bound (the per-row dispatch build).
+Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-builds]
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ ROWS = [  # (B, H_kv, T, D)
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--both-rules", action="store_true", help="time the divide and the x-threshold code rules")
     ap.add_argument("--both-builds", action="store_true",
                     help="time the per-row dispatch (a ratio tensor without its host bound) besides the bound's build")
     args = ap.parse_args()
@@ -51,19 +49,13 @@ def main():
         ms_ref = triton.testing.do_bench(lambda: reference.quantize_pack_ref(xs[next(it) % 4], clip), warmup=5, rep=50)
         calls_of = lambda **kw: [functools.partial(ops.quantize_pack, x, clip, **kw) for x in xs]  # noqa: E731
         nbytes = B * H * T * (2 * D + layout.bytes_per_token(D, D))
-        default = ops.QUANT_X_THRESHOLDS
         # the cache passes its per-head clips with their host bound (min_ratio); without it, the per-row dispatch
-        bounds = (None, layout.DEFAULT_K_CLIP) if args.both_builds else (layout.DEFAULT_K_CLIP,)
-        for rule, bound in itertools.product((False, True) if args.both_rules else (ops.quant_x_thresholds(D),), bounds):
-            ops.QUANT_X_THRESHOLDS = rule
-            try:
-                codes, sz = ops.quantize_pack(xs[0], clip, min_ratio=bound)
-                exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
-                eager, ms, in_graph = time_rotating(calls_of(min_ratio=bound))
-            finally:
-                ops.QUANT_X_THRESHOLDS = default
-            r = dict(B=B, H_kv=H, T=T, D=D, rule="x-thresholds" if rule else "divide",
-                     build=f"top-{ops._max_m_build(D, bound)}" if ops._max_m_build(D, bound) else "dispatch",
+        for bound in (None, layout.DEFAULT_K_CLIP) if args.both_builds else (layout.DEFAULT_K_CLIP,):
+            codes, sz = ops.quantize_pack(xs[0], clip, min_ratio=bound)
+            exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
+            eager, ms, in_graph = time_rotating(calls_of(min_ratio=bound))
+            build = ops._max_m_build(D, bound)
+            r = dict(B=B, H_kv=H, T=T, D=D, build=f"top-{build}" if build else "dispatch",
                      kernel_us=ms * 1e3, in_graph_us=in_graph * 1e3, eager_us=eager * 1e3, torch_ref_us=ms_ref * 1e3,
                      bytes=nbytes, bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
             rows.append(r)
@@ -74,10 +66,10 @@ def main():
             json.dump(dict(copy_Bps=copy_bw, rows=rows), f, indent=2)
     print("\nCUDA-graph replays, one call per graph (the % of copy bandwidth is of this column); one call's share of a"
           f" graph of {IN_GRAPH}; eager launches (host-bound below ≈ 150 µs)")
-    print("| B | H_kv | T | d | code rule | build | µs | in-graph µs | eager µs | torch ref µs | MB | % copy bw | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | H_kv | T | d | build | µs | in-graph µs | eager µs | torch ref µs | MB | % copy bw | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['rule']} | {r['build']} | {r['kernel_us']:.1f} | "
+        print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['build']} | {r['kernel_us']:.1f} | "
               f"{r['in_graph_us']:.1f} | {r['eager_us']:.1f} | {r['torch_ref_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
               f"{r['bw_frac']:.0%} | {r['bit_exact']} |")  # fmt: skip
 

@@ -42,7 +42,7 @@ if [ "$mode" != bench ]; then
 fi
 if [ "$mode" = kernels ]; then
   python3 benchmarks/bench_decode.py --sweep --quick 2>&1 | tee "$OUT/bench_decode.log" | grep -v '^sweep' | tail -8
-  python3 benchmarks/bench_quantize.py --both-rules 2>&1 | tee "$OUT/bench_quantize.log" | tail -13
+  python3 benchmarks/bench_quantize.py --both-builds 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
   grep '^sweep' "$OUT/bench_decode.log"
   exit 0
 fi

@@ -46,20 +46,6 @@ MERGE_TILE = 8192  # [splits × dims] elements a merge program loads per step (m
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
 DECODE_PDL = os.environ.get("OSCAR_PDL", "1") == "1"  # GPU ≥ sm_90: launch the merge (and decode) early, see _pdl
-# quantize/pack: codes by comparing x with three thresholds per group computed in its units (no division or clamp per
-# element) instead of x/s + z against the rounding thresholds; the same codes bit for bit (tests run both). Measured on
-# an H200 (benchmarks/RESULTS.md, "Quantize/pack: codes by thresholds in x"): faster at d = 128, slower at d = 64 (its
-# float64 threshold arithmetic per row is not hidden behind 148 bytes), so None picks it for D >= 128; env
-# OSCAR_QUANT_X_THRESHOLDS=1 / 0 forces it on / off
-QUANT_X_THRESHOLDS = {"1": True, "0": False}.get(os.environ.get("OSCAR_QUANT_X_THRESHOLDS", ""))
-QUANT_X_THRESHOLDS_MIN_D = 128
-
-
-def quant_x_thresholds(D: int) -> bool:
-    """Whether quantize/pack takes codes by thresholds in x's units for head dim D (QUANT_X_THRESHOLDS)."""
-    return D >= QUANT_X_THRESHOLDS_MIN_D if QUANT_X_THRESHOLDS is None else QUANT_X_THRESHOLDS
-
-
 QUANT_WARPS = 4  # quantize/pack: one row per thread, 32·QUANT_WARPS rows per program (benchmarks/quantize_sass.py)
 
 
@@ -273,7 +259,6 @@ def quantize_pack(
         D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
         MAX_M=max_m, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
         C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2],
-        X_THRESHOLDS=quant_x_thresholds(D),
         num_warps=warps,
     )  # fmt: skip
     out_shape = tuple(x.shape[:-1])

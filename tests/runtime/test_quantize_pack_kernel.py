@@ -145,14 +145,7 @@ def test_ratio_tensor_not_broadcasting_raises(device):
         ops.quantize_pack(torch.randn(1, 2, 4, 64, device=device), torch.full((3, 1), 0.96, device=device))
 
 
-# ------------------------------------------------------------------ codes at their rounding boundaries, both rules
-
-
-@pytest.fixture(params=[False, True], ids=["divide", "x-thresholds"])
-def code_rule(request, monkeypatch):
-    """ops.QUANT_X_THRESHOLDS off (x/s + z against the rounding thresholds) and on (thresholds in x's units)."""
-    monkeypatch.setattr(ops, "QUANT_X_THRESHOLDS", request.param)
-    return request.param
+# ------------------------------------------------------------------ codes at their rounding boundaries
 
 
 def _every_value(dtype) -> torch.Tensor:
@@ -219,9 +212,9 @@ def _from_key(k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_bit_exact_at_code_boundaries(device, code_rule, dtype):
-    """Every value at which a code changes, and the one below it, for 96 rows of different scales and zeros: both code
-    rules agree with the reference there (random rows rarely land on a boundary). With float32 rows this catches a
+def test_bit_exact_at_code_boundaries(device, dtype):
+    """Every value at which a code changes, and the one below it, for 96 rows of different scales and zeros: the
+    kernel's thresholds agree with the reference there (random rows rarely land on a boundary). With float32 rows this catches a
     threshold one float32 off (checked by editing: a wrong tie flag, RN instead of the round-up); a 16-bit value rarely
     sits within a float32 step of a boundary, so those rows mostly check the search itself. No clip (ratio 0) keeps
     each row's min and max, then a clip that cuts into every row."""
@@ -241,9 +234,10 @@ FRAGILE_ENDS = {
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_bit_exact_where_the_quotient_last_bit_decides(device, code_rule, dtype):
-    """Rows holding the values whose code an inexact quotient would change (checked here for every row), so a kernel
-    that divided as x·RN(1/s), without its correction step, fails (checked by editing the correction out)."""
+def test_bit_exact_where_the_quotient_last_bit_decides(device, dtype):
+    """Rows holding the values whose code an inexact quotient would change (checked here for every row): a kernel that
+    divided as x·RN(1/s), or placed a threshold by that quotient, fails (an earlier division rule without its
+    correction step did: checked by editing)."""
     D = 64
     every = _every_value(dtype)
     rows = []
@@ -258,8 +252,8 @@ def test_bit_exact_where_the_quotient_last_bit_decides(device, code_rule, dtype)
     _assert_bit_exact(torch.stack(rows).reshape(1, 1, -1, D).to(dtype).to(device), 0.0)
 
 
-def test_bit_exact_both_rules_on_the_runtime_rows(device, code_rule):
-    """The clip paths (per-head 0.96 / 0.92 / 0.8), both group sizes and all three dtypes under either code rule."""
+def test_bit_exact_clip_paths_in_every_dtype(device):
+    """The clip paths (per-head 0.96 / 0.92 / 0.8), both group sizes and all three dtypes."""
     for D, dtype in ((128, torch.bfloat16), (64, torch.float16), (64, torch.float32)):
         x = _rows(1, 3, 43, D, dtype, device, seed=D + 1)
         _assert_bit_exact(x, torch.tensor([[0.96], [0.92], [0.8]], device=device))
@@ -267,7 +261,7 @@ def test_bit_exact_both_rules_on_the_runtime_rows(device, code_rule):
 
 
 def test_threshold_constants_match_the_rounding_thresholds():
-    """ROUND_HALF_ULPS / ROUND_TIES_UP (the x-threshold rule's view of ROUND_THRESHOLDS): half the float32 gap below
+    """ROUND_HALF_ULPS / ROUND_TIES_UP (the view of ROUND_THRESHOLDS the thresholds in x's units take): half the float32 gap below
     each C_i, and whether C_i's significand is even (a sum exactly halfway rounds to it)."""
     from oscar_zoo.runtime.kernels.quantize_pack import ROUND_HALF_ULPS, ROUND_THRESHOLDS, ROUND_TIES_UP
 
@@ -277,7 +271,7 @@ def test_threshold_constants_match_the_rounding_thresholds():
     assert [bool(b % 2 == 0) for b in c.view(torch.int32).tolist()] == list(ROUND_TIES_UP)
 
 
-# ------------------------------------------------------------------ the kernel's arithmetic shortcuts, exhaustively
+# ------------------------------------------------------------------ the kernel's rounding thresholds, exhaustively
 
 
 def test_round_thresholds_equal_floor_of_u_plus_half():
@@ -292,22 +286,6 @@ def test_round_thresholds_equal_floor_of_u_plus_half():
     want = torch.floor(u + 0.5).clamp(0, 3)
     got = (u[:, None] >= c[None, :]).sum(1).float()
     assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("mantissa_bits", [7, 10])  # bfloat16, float16 x
-def test_markstein_quotient_is_correctly_rounded(mantissa_bits):
-    """q = fma(fma(x·y, −s, x), y, x·y) with y = RN(1/s) equals RN(x/s) for every significand pair of a 16-bit x and a
-    float16 s (exponents only scale the quotient): the kernel's division for bf16/fp16 rows. fma emulated in float64
-    (x·y products of 24-bit significands are exact there)."""
-    x = 1 + torch.arange(2**mantissa_bits, dtype=torch.float64) / 2**mantissa_bits
-    s = 1 + torch.arange(1024, dtype=torch.float64) / 1024
-    for scale in (1.0, 2.0**-9, 2.0**6):
-        X, S = torch.meshgrid((x * scale).float(), s.float(), indexing="ij")
-        y = 1 / S
-        q0 = X * y
-        r = (X.double() - q0.double() * S.double()).float()
-        q = (r.double() * y.double() + q0.double()).float()
-        assert torch.equal(q, X / S)
 
 
 # ------------------------------------------------------------------ GPU only: one launch, capturable

@@ -14,14 +14,12 @@ taken from a register-resident top-8 (top-16): Batcher-sort chunks of 8 (16) val
 (bitonic max + half-cleaners) down to one sorted list. Ties are kept with multiplicity, as sort() keeps them. Other
 ratios (m > 16, rare: r < 0.875) take the exact peeling loop.
 
-Quantize: scale/zero rounded to float16 as the reference, codes from the rounded values. The reference divides x/s
-(IEEE); for 16-bit inputs the kernel uses y = RN(1/s) once per group and one Markstein correction per element
-(q0 = x·y, ρ = fma(q0, −s, x), q = fma(ρ, y, q0)), which equals RN(x/s) for every pair of a bf16/fp16 x and a
-float16 s (exhaustive check: tests/runtime/test_quantize_pack_kernel.py); float32 inputs keep div_rn. The floor
-⌊q + z + ½⌋ clamped to 0..3 is a count of three exact float32 thresholds on u = q + z (no float→int conversion).
-With X_THRESHOLDS (`ops.QUANT_X_THRESHOLDS`) the same count is taken in x's units: u is a monotone function of x, so
-each threshold is one float32 value of x per group (`_x_threshold`, exact), and the clip folds into those and the
-group's min/max; per value there is no division, no + z and no clamp.
+Quantize: scale/zero rounded to float16 as the reference, codes from the rounded values. The reference's code is
+clamp(⌊u + ½⌋, 0, 3) with u = RN(RN(x/s) + z) (IEEE division): the number of three thresholds C_i on u that u
+reaches. Both roundings are monotone in x, so u ≥ C_i ⇔ x ≥ X_i for one float32 X_i per group, computed exactly once
+per group in float64 from the two rounding midpoints (`_x_threshold`); the clip folds into those thresholds and the
+group's min/max. Per value that leaves three compares and two adds: no division, no + z, no clamp, no float→int
+conversion.
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ import triton.language as tl
 
 # u ≥ C_i  ⇔  float32(u + 0.5) ≥ i (round to nearest even), i = 1, 2, 3: the code is the number of thresholds reached
 ROUND_THRESHOLDS = (0.5 - 2.0**-25, 1.5, 2.5)
-# For the same rule in x's units (X_THRESHOLDS): half the float32 spacing below each C_i, and whether a sum exactly
-# at that midpoint rounds up to C_i (ties go to the even significand: C_1's is odd, C_2's and C_3's even)
+# For the thresholds in x's units: half the float32 spacing below each C_i, and whether a sum exactly at that midpoint
+# rounds up to C_i (ties go to the even significand: C_1's is odd, C_2's and C_3's even)
 ROUND_HALF_ULPS = (2.0**-26, 2.0**-24, 2.0**-23)
 ROUND_TIES_UP = (False, True, True)
 _H1, _H2, _H3 = (tl.constexpr(h) for h in ROUND_HALF_ULPS)
@@ -425,7 +423,6 @@ def _quantize_pack_kernel(
     C1: tl.constexpr,
     C2: tl.constexpr,
     C3: tl.constexpr,
-    X_THRESHOLDS: tl.constexpr,  # codes by thresholds in x's units (ops.QUANT_X_THRESHOLDS)
 ):
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
@@ -478,17 +475,12 @@ def _quantize_pack_kernel(
     tau = tl.where(kk < 0, float("inf"), tau.to(tl.float32))
     neg_tau = _negate(tau)
     x = x_in.to(tl.float32)  # converted only now: not live through the order statistic
-    if X_THRESHOLDS:  # the clip moves into the group's min/max and the thresholds
-        xg = tl.reshape(x, [BLOCK_T, NG, G])
-        lo = tl.min(xg, axis=2)
-        hi = tl.max(xg, axis=2)
-        lo = tl.where(lo >= neg_tau[:, None], lo, neg_tau[:, None])  # a value equal to the bound keeps its own
-        hi = tl.where(hi <= tau[:, None], hi, tau[:, None])  # zero's sign, as the reference's clamp
-    else:
-        x = tl.minimum(tl.maximum(x, neg_tau[:, None]), tau[:, None])
-        xg = tl.reshape(x, [BLOCK_T, NG, G])
-        lo = tl.min(xg, axis=2)
-        hi = tl.max(xg, axis=2)
+    # the clip moves into the group's min/max and the thresholds
+    xg = tl.reshape(x, [BLOCK_T, NG, G])
+    lo = tl.min(xg, axis=2)
+    hi = tl.max(xg, axis=2)
+    lo = tl.where(lo >= neg_tau[:, None], lo, neg_tau[:, None])  # a value equal to the bound keeps its own
+    hi = tl.where(hi <= tau[:, None], hi, tau[:, None])  # zero's sign, as the reference's clamp
     # asymmetric min-max per group, float16 scale/zero, codes from the rounded values
     amax = tl.maximum(tl.abs(lo), tl.abs(hi))
     rng = tl.maximum(tl.maximum(hi - lo, amax * REL_FLOOR), ABS_FLOOR)
@@ -496,24 +488,13 @@ def _quantize_pack_kernel(
     s = scale16.to(tl.float32)
     zero16 = tl.div_rn(_negate(lo), s).to(tl.float16)
     z = zero16.to(tl.float32)
-    if X_THRESHOLDS:
-        # the same count against each group's three thresholds in x's units (float64 arithmetic once per group, no
-        # division and no clamp per element); a NaN x reaches none
-        t1 = _clipped_threshold(_x_threshold(s, z, C1, _H1, _TIE1), neg_tau, tau)
-        t2 = _clipped_threshold(_x_threshold(s, z, C2, _H2, _TIE2), neg_tau, tau)
-        t3 = _clipped_threshold(_x_threshold(s, z, C3, _H3, _TIE3), neg_tau, tau)
-        code = (tl.where(xg >= t1[:, :, None], 1.0, 0.0) + tl.where(xg >= t2[:, :, None], 1.0, 0.0)
-                + tl.where(xg >= t3[:, :, None], 1.0, 0.0))  # fmt: skip
-    else:
-        if X_DTYPE == tl.float32:
-            q = tl.div_rn(xg, s[:, :, None])
-        else:  # RN(x/s) by one Markstein correction of x·RN(1/s): exact for 16-bit x and float16 s
-            y = tl.div_rn(1.0, s)[:, :, None]
-            q0 = xg * y
-            q = tl.fma(tl.fma(q0, _negate(s)[:, :, None], xg), y, q0)
-        u = q + z[:, :, None]
-        # clamp(⌊u + ½⌋, 0, 3) as a float: the count of thresholds reached (exact small integers from here on)
-        code = tl.where(u >= C1, 1.0, 0.0) + tl.where(u >= C2, 1.0, 0.0) + tl.where(u >= C3, 1.0, 0.0)
+    # the reference's count against each group's three thresholds in x's units (float64 arithmetic once per group, no
+    # division and no clamp per element); a NaN x reaches none
+    t1 = _clipped_threshold(_x_threshold(s, z, C1, _H1, _TIE1), neg_tau, tau)
+    t2 = _clipped_threshold(_x_threshold(s, z, C2, _H2, _TIE2), neg_tau, tau)
+    t3 = _clipped_threshold(_x_threshold(s, z, C3, _H3, _TIE3), neg_tau, tau)
+    code = (tl.where(xg >= t1[:, :, None], 1.0, 0.0) + tl.where(xg >= t2[:, :, None], 1.0, 0.0)
+            + tl.where(xg >= t3[:, :, None], 1.0, 0.0))  # fmt: skip
 
     # quartered pack: byte j holds dims j, j+D/4, j+D/2, j+3D/4 in bits 0/2/4/6 (float sum, then the integer bits
     # of 2^23 + byte)
