@@ -287,7 +287,7 @@ def kv_bytes(cache: Cache) -> int:
 def rotation_bytes(cache: Cache) -> int:
     if not isinstance(cache, OscarCache):
         return 0
-    return sum(sum(t.nbytes for t in vars(layer.rotation).values() if t is not None)  # means: None when uncentred
+    return sum(sum(t.nbytes for t in vars(layer.rotation).values() if isinstance(t, torch.Tensor))  # no means uncentred
                for layer in cache.layers if layer.rotation)
 
 
