@@ -9,8 +9,9 @@
 # variants: the decode, merge, quantize and attention GPU tests, then bench_decode.py --sweep-variants (programmatic
 #   dependent launch off/on × rescale slack 0/8)
 # decode: the decode-kernel and static-step GPU tests, then the headline decode rows (bench_decode.py --quick)
-# kernels: tests + the decode-kernel launch-setting sweep and headline rows (bench_decode.py --sweep --quick) and the
-#   quantize/pack rows: the first thing to run after a kernel change
+# kernels: the quantize/pack, decode-kernel and merge GPU tests (≈ 7.5 min on a fresh machine: most of it is Triton
+#   compiling the tested variants), then the quantize/pack rows (both builds) and the headline decode rows: the first
+#   thing to run after a kernel change, within one 10-minute call
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/oscar-gpu}
@@ -37,14 +38,15 @@ if [ "$mode" = variants ]; then
   python3 benchmarks/bench_decode.py --sweep-variants 2>&1 | tee "$OUT/bench_decode_variants.log" | grep '^variant'
   exit 0
 fi
+if [ "$mode" = kernels ]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_quantize_pack_kernel.py \
+    tests/runtime/test_decode_kernels.py tests/runtime/test_merge_kernel.py 2>&1 | tee "$OUT/test_gpu.log" | tail -3
+  python3 benchmarks/bench_quantize.py --both-builds 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
+  python3 benchmarks/bench_decode.py --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
+  exit 0
+fi
 if [ "$mode" != bench ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime --ignore tests/runtime/test_real_model.py 2>&1 | tee "$OUT/test_gpu.log" | tail -15
-fi
-if [ "$mode" = kernels ]; then
-  python3 benchmarks/bench_decode.py --sweep --quick 2>&1 | tee "$OUT/bench_decode.log" | grep -v '^sweep' | tail -8
-  python3 benchmarks/bench_quantize.py --both-builds 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
-  grep '^sweep' "$OUT/bench_decode.log"
-  exit 0
 fi
 if [ "$mode" = budget ]; then
   python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts 100000 --phases \
