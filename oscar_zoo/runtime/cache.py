@@ -40,8 +40,9 @@ class Rotation:
     v_clip: Tensor
     k_mean: Tensor | None = None
     v_mean: Tensor | None = None
-    # the smallest positive clip ratio of k_clip / v_clip, read once on the host (None: unknown); lets
-    # `ops.quantize_pack` take a top-k build that fits every head's clip (`min_ratio`)
+    # the smallest positive clip ratio of k_clip / v_clip, read once on the host (None: none positive); lets
+    # `ops.quantize_pack` take a top-k build that fits every head's clip (`min_ratio`). The clips must not change after
+    # this (OscarCache holds its own copies)
     k_min_clip: float | None = None
     v_min_clip: float | None = None
 
@@ -462,7 +463,7 @@ class OscarCache(Cache):
             raise ValueError(f"need sink, recent ≥ 0 and flush ≥ 1, got sink={sink} recent={recent} flush={flush}")
         clips = []
         for name, clip in (("k_clip", k_clip), ("v_clip", v_clip)):
-            clip = torch.as_tensor(clip, dtype=torch.float32)
+            clip = torch.as_tensor(clip, dtype=torch.float32).clone()  # fixed from here on (Rotation's bounds)
             clip = clip.expand(L, H) if clip.dim() == 0 else clip
             if clip.shape != (L, H):
                 raise ValueError(f"{name} must be a float or [L, H] = [{L}, {H}], got {tuple(clip.shape)}")

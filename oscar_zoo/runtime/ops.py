@@ -225,8 +225,8 @@ def quantize_pack(
     # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch); a float ratio goes
     # the same way through a cached device scalar. A host bound on the clipped count m picks one of three builds: the
     # top-8 or top-16 path alone, or the per-row dispatch (whose general path holds 255 registers; the two others 167)
-    if not isinstance(clip_ratio, Tensor):
-        min_ratio = float(clip_ratio)
+    if not isinstance(clip_ratio, Tensor):  # a float ratio ≤ 0 clips nothing: any build serves it, the smallest best
+        min_ratio = float(clip_ratio) if clip_ratio > 0 else 1.0
     max_m = _max_m_build(D, min_ratio)
     ratio = clip_ratio if isinstance(clip_ratio, Tensor) else _ratio_scalar(float(clip_ratio), x.device)
     ratio = ratio if ratio.device == x.device else ratio.to(x.device)

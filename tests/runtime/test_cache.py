@@ -129,6 +129,29 @@ def test_short_prompt_fills_sink_before_recent():
     assert torch.equal(layer.sink_k, rk[:, :, :64]) and torch.equal(layer.recent_k[:, :, :6], rk[:, :, 64:])
 
 
+def test_history_exact_when_head_clips_need_different_kernel_builds(monkeypatch):
+    """Heads whose clips need different quantize/pack builds at d = 64 (0.86 clips m = 9 values: the top-16 path; 0.95
+    and 1.0 the top-8): the cache's host bound (`Rotation.k_min_clip`) must pick a build that serves every head, so
+    the history the kernel writes (Triton interpreter) is the reference's codes. A bound from the largest clip fails
+    here; so does a cache that kept the caller's clip tensor, changed after it was built."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    Mk, Mv = _rotations(1), _rotations(1, seed=100)
+    k_clip, v_clip = torch.tensor([[0.86, 1.0, 0.95]]), torch.tensor([[1.0, 0.95, 0.86]])
+    cache = OscarCache(Mk, Mv, k_clip, v_clip)
+    want_k, want_v = k_clip.clone(), v_clip.clone()
+    k_clip.fill_(0.5), v_clip.fill_(0.5)  # the caller's tensors, not the cache's
+    k, v = _kv(400)
+    cache.update(k, v, 0)
+    layer = cache.layers[0]
+    assert layer.n_hist == 400 - 64 - 256
+    for x, M, clip, codes, sz in ((k, Mk, want_k, layer.hist_k, layer.sz_k), (v, Mv, want_v, layer.hist_v, layer.sz_v)):
+        rows = reference.rotate(x, M[0]).to(layout.TIER_DTYPE)[:, :, 64 : 64 + layer.n_hist]
+        codes_ref, sz_ref = reference.quantize_pack_ref(rows, clip[0].reshape(H, 1))
+        assert torch.equal(codes[:, :, : layer.n_hist], codes_ref)
+        assert torch.equal(sz[:, :, : layer.n_hist], sz_ref)
+
+
 def test_second_chunk_demotes_to_recent_window():
     """A second multi-token chunk leaves exactly `recent` tokens in the recent tier; history codes stay exact."""
     cache, Mk, _, k_clip, _ = _cache()

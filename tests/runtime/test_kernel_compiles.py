@@ -48,9 +48,9 @@ def test_decode_kernel_compiles_for_sm90(shape, group_size):
     (128, "0.96", 0), (128, "0.92", 0), (64, "0.96", 0), (128, "tensor", 0), (64, "tensor", 0), (128, "0.96", 32),
     (64, "0.92", 16)])  # fmt: skip
 def test_quantize_kernel_compiles_for_sm90(d, ratio, group_size):
-    """The quantize/pack kernel as ops.quantize_pack launches it (packed 16-bit sort; the top-8 and top-16 builds of a
-    float ratio or a bounded per-head tensor, and the per-row dispatch of an unbounded one): compiles for sm_90, fits
-    shared memory, one row per thread without shared-memory shuffles of the row."""
+    """The quantize/pack kernel as ops.quantize_pack launches it (packed 16-bit sort; the top-8 and top-16 builds a
+    float ratio picks, the same builds the cache's bounded per-head tensors take, and the per-row dispatch of a ratio
+    tensor): compiles for sm_90, fits shared memory, one row per thread without shared-memory shuffles of the row."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_sass.py"), "--d", str(d), "--ratio", ratio,
                            "--group-size", str(group_size), "--json"],

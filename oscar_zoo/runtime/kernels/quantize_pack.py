@@ -416,7 +416,7 @@ def _quantize_pack_kernel(
     BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr,
     X_DTYPE: tl.constexpr,
-    MAX_M: tl.constexpr,  # 8 or 16: every row has m ≤ MAX_M (only that path is compiled; benchmarks/quantize_sass.py); 0: any m (ops)
+    MAX_M: tl.constexpr,  # 8 or 16: every row has m ≤ MAX_M (only that path is compiled; ops._max_m_build); 0: any m
     NET16: tl.constexpr,  # sort |x| as 16-bit pairs with inline PTX (GPU, bf16/fp16 x)
     REL_FLOOR: tl.constexpr,
     ABS_FLOOR: tl.constexpr,
