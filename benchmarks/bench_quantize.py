@@ -47,13 +47,13 @@ def main():
         codes_ref, sz_ref = reference.quantize_pack_ref(xs[0], clip)
         it = itertools.count()
         ms_ref = triton.testing.do_bench(lambda: reference.quantize_pack_ref(xs[next(it) % 4], clip), warmup=5, rep=50)
-        calls_of = lambda **kw: [functools.partial(ops.quantize_pack, x, clip, **kw) for x in xs]  # noqa: E731
         nbytes = B * H * T * (2 * D + layout.bytes_per_token(D, D))
         # the cache passes its per-head clips with their host bound (min_ratio); without it, the per-row dispatch
         for bound in (None, float(clip.min())) if args.both_builds else (float(clip.min()),):
             codes, sz = ops.quantize_pack(xs[0], clip, min_ratio=bound)
             exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
-            eager, ms, in_graph = time_rotating(calls_of(min_ratio=bound))
+            calls = [functools.partial(ops.quantize_pack, x, clip, min_ratio=bound) for x in xs]
+            eager, ms, in_graph = time_rotating(calls)
             build = ops._max_m_build(D, bound)
             r = dict(B=B, H_kv=H, T=T, D=D, build=f"top-{build}" if build else "dispatch",
                      kernel_us=ms * 1e3, in_graph_us=in_graph * 1e3, eager_us=eager * 1e3, torch_ref_us=ms_ref * 1e3,

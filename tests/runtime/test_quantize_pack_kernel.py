@@ -214,10 +214,10 @@ def _from_key(k: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_bit_exact_at_code_boundaries(device, dtype):
     """Every value at which a code changes, and the one below it, for 96 rows of different scales and zeros: the
-    kernel's thresholds agree with the reference there (random rows rarely land on a boundary). With float32 rows this catches a
-    threshold one float32 off (checked by editing: a wrong tie flag, RN instead of the round-up); a 16-bit value rarely
-    sits within a float32 step of a boundary, so those rows mostly check the search itself. No clip (ratio 0) keeps
-    each row's min and max, then a clip that cuts into every row."""
+    kernel's thresholds agree with the reference there (random rows rarely land on a boundary). With float32 rows this
+    catches a threshold one float32 off (checked by editing: a wrong tie flag, RN instead of the round-up); a 16-bit
+    value rarely sits within a float32 step of a boundary, so those rows mostly check the search itself. No clip
+    (ratio 0) keeps each row's min and max, then a clip that cuts into every row."""
     x = _boundary_rows(dtype, 96, 64, seed=17).reshape(2, 3, 16, 64).to(device)
     _assert_bit_exact(x, 0.0)
     _assert_bit_exact(x, 0.9)
@@ -261,8 +261,8 @@ def test_bit_exact_clip_paths_in_every_dtype(device):
 
 
 def test_threshold_constants_match_the_rounding_thresholds():
-    """ROUND_HALF_ULPS / ROUND_TIES_UP (the view of ROUND_THRESHOLDS the thresholds in x's units take): half the float32 gap below
-    each C_i, and whether C_i's significand is even (a sum exactly halfway rounds to it)."""
+    """ROUND_HALF_ULPS / ROUND_TIES_UP (the view of ROUND_THRESHOLDS the thresholds in x's units take): half the
+    float32 gap below each C_i, and whether C_i's significand is even (a sum exactly halfway rounds to it)."""
     from oscar_zoo.runtime.kernels.quantize_pack import ROUND_HALF_ULPS, ROUND_THRESHOLDS, ROUND_TIES_UP
 
     c = torch.tensor(ROUND_THRESHOLDS, dtype=torch.float32)
