@@ -87,6 +87,12 @@ def from_env(device: str) -> DataParallel | None:
                              "start at most one process per GPU")
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when first imported (which
+        # building a transformers model does): imported after the group exists, those defaults keep the group alive
+        # past destroy_process_group, and gloo's threads are then torn down at interpreter exit, where a rank can
+        # abort ("terminate called without an active exception"). Imported first, the defaults hold None.
+        import torch.distributed.nn.functional  # noqa: F401
+
         dist.init_process_group("nccl" if use_gpu else "gloo", device_id=torch.device("cuda", local_rank)
                                 if use_gpu else None)
     return DataParallel(rank, world, local_rank, local_world)

@@ -57,6 +57,9 @@ def _rank(rank: int, world: int, layers: int, port: int, folder: str) -> None:
     else:
         assert result is None
     distributed.shutdown()
+    # the group is gone now, not at interpreter exit (where tearing gloo's threads down can abort the rank)
+    threads = {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+    assert not {name for name in threads if "gloo" in name or "tcpstore" in name}, threads
 
 
 @pytest.mark.parametrize("world, layers", [(2, 4), (3, 4), (3, 2)])  # even, uneven, a rank with no layer
