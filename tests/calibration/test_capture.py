@@ -65,23 +65,31 @@ def test_calibrated_key_and_value_targets_equal_independent_products(model_type,
         for h in range(info.num_kv_heads):
             qs = q[:, h * g : (h + 1) * g].reshape(-1, info.head_dim).double()
             C_Q = qs.T @ qs / qs.shape[0]
-            assert torch.allclose(key.mean()[layer, h], C_Q, rtol=1e-5, atol=1e-7)
+            _close(key.mean()[layer, h], C_Q)
             ks, vs = k[:, h].reshape(-1, info.head_dim).double(), v[:, h].reshape(-1, info.head_dim).double()
             w = torch.einsum("nd,de,ne->n", ks, C_Q, ks)
             w = w / w.mean()
             C_S = (vs * w[:, None]).T @ vs / vs.shape[0]
-            assert torch.allclose(value.mean()[layer, h], C_S, rtol=1e-4, atol=1e-7)
+            _close(value.mean()[layer, h], C_S)
             # the centred codec's means: plain float64 means of the captured (post-RoPE) keys and the values
-            assert torch.allclose(k_mean.mean()[layer, h], ks.mean(0), rtol=1e-5, atol=1e-7)
-            assert torch.allclose(v_mean.mean()[layer, h], vs.mean(0), rtol=1e-5, atol=1e-7)
+            _close(k_mean.mean()[layer, h], ks.mean(0))
+            _close(v_mean.mean()[layer, h], vs.mean(0))
             assert k_mean.weights[layer, h] == ks.shape[0] == v_mean.weights[layer, h]
-            torch.testing.assert_close(v_wmean.mean()[layer, h], (vs * w[:, None]).sum(0) / w.sum(), rtol=1e-4,
-                                       atol=1e-7)
+            _close(v_wmean.mean()[layer, h], (vs * w[:, None]).sum(0) / w.sum())
             cov = ((vs - vs.mean(0)) * w[:, None]).T @ (vs - vs.mean(0)) / w.sum()  # about the plain mean
-            torch.testing.assert_close(centred_target(value.mean()[layer, h], v_wmean.mean()[layer, h],
-                                                      v_mean.mean()[layer, h]), cov, rtol=1e-4, atol=1e-7)
+            _close(centred_target(value.mean()[layer, h], v_wmean.mean()[layer, h], v_mean.mean()[layer, h]), cov)
     held_q, held_k, _ = _independent_qkv(model, ids[2:])[1]
-    assert torch.allclose(heldout["1.q"], held_q, atol=1e-5) and torch.allclose(heldout["1.k"], held_k, atol=1e-5)
+    _close(heldout["1.q"], held_q)
+    _close(heldout["1.k"], held_k)
+
+
+def _close(got, ref):
+    """Equal up to the float32 model's own noise, which is not only round-off: on this project's CPU machines, in
+    some processes, the model's RoPE `cos` of a [1, 40, 64] batch comes back 1.5e-4 off for positions 20+ (the second
+    half of the buffer; the same call in the reference, batch 2, is exact), which moved C_Q by 6e-5 of its largest
+    entry. Hence 1e-3 of the largest entry: every position off by one moves C_Q by 0.18 of it, leaving RoPE out by
+    0.49, a wrong head or token by the same order."""
+    torch.testing.assert_close(got, ref.to(got.dtype), rtol=0, atol=1e-3 * ref.abs().max().item())
 
 
 _ROTATIONS = {}
