@@ -180,12 +180,22 @@ def oscar_mask(
     batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
     attention_mask: Tensor | None = None, **kwargs,
 ) -> None:  # fmt: skip
-    """Mask factory for "oscar": causality is implicit, so no mask is built; a 2D padding mask with any padded
-    position is refused (the cache keeps one length per tier for the whole batch)."""
+    """Mask factory for "oscar": causality is implicit, so no mask is built. Refused: a 2D padding mask with any
+    padded position (the cache keeps one length per tier for the whole batch), and any other departure from the causal
+    pattern for a query chunk: transformers then turns off its causal shortcut (`allow_is_causal_skip`), which it does
+    for packed sequences (position ids that restart), custom `or_mask_function`/`and_mask_function`s and block
+    overlays; "oscar" would silently attend across them. (Single-token steps of a compileable cache also get the
+    shortcut turned off; one query has nothing to mask.)"""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise NotImplementedError(
             "OscarCache does not support padded batches (the attention mask has padding): batch prompts of equal "
             "length, or generate one prompt at a time"
+        )
+    if q_length > 1 and not kwargs.get("allow_is_causal_skip", True):
+        raise NotImplementedError(
+            "oscar attention is plain causal attention and this call needs another mask (packed sequences whose "
+            "position ids restart, or a custom mask function): run it with the model's own attention, e.g. "
+            "model.set_attn_implementation('sdpa')"
         )
     return None
 
@@ -204,8 +214,15 @@ def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     cache = next((kwargs[name] for name in CACHE_ARGS if kwargs.get(name) is not None), None)
     if isinstance(cache, OscarCache):
         kwargs["oscar_cache"] = cache
-        if module.layer_idx < len(cache.layers):  # else cache.update names the mismatch
+        n_model = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+        if isinstance(n_model, int) and len(cache.layers) > n_model:  # fewer: cache.update names the mismatch
+            raise ValueError(
+                f"this OscarCache has {len(cache.layers)} layers and the model {n_model}: the artifacts were made for "
+                f"another model"
+            )
+        if module.layer_idx < len(cache.layers):
             cache.layers[module.layer_idx].bind_value_fold(getattr(module, "_oscar_v_fold", None))
+        cache.bound_layer = module.layer_idx  # this call's update comes from an "oscar" module (OscarCache.update)
     return args, kwargs
 
 

@@ -203,8 +203,8 @@ class OscarLayer(CacheLayerMixin):
         """Rotate (and centre, `reference.rotate_centred`) the new K/V [B, H_kv, n, D], file them into the tiers, and
         return the rotated chunk as the tiers hold it (in the input dtype, unquantized: a chunk attends to its own exact
         K/V). Leaves a `Pending` for this layer's attention."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        if not self.is_initialized or (self.get_seq_length() == 0 and key_states.shape[0] != self.batch_size):
+            self.lazy_initialization(key_states, value_states)  # an empty (new or reset) cache takes any batch size
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
         n, past_len = key_states.shape[2], self.get_seq_length()
@@ -497,6 +497,7 @@ class OscarCache(Cache):
         super().__init__(layers=layers)
         self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush)
         self.quantize = quantize
+        self.bound_layer: int | None = None  # set by enable_oscar's hook just before a module's update
         self.centred = k_mean is not None or v_mean is not None
 
     @classmethod
@@ -529,6 +530,12 @@ class OscarCache(Cache):
                    k_mean=t.get("k_mean"), v_mean=t.get("v_mean"), **settings)  # fmt: skip
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        bound, self.bound_layer = self.bound_layer, None
+        if "kwargs" in kwargs and bound != layer_idx:  # called by a transformers attention module, not enable_oscar's
+            raise ValueError(
+                f"model layer {layer_idx} is not running \"oscar\" attention: call "
+                f"oscar_zoo.runtime.attention.enable_oscar(model) before using an OscarCache"
+            )
         if layer_idx >= len(self.layers):
             raise ValueError(
                 f"model layer {layer_idx} is beyond the {len(self.layers)} layers this OscarCache was built for: the "

@@ -310,3 +310,31 @@ def test_folded_value_rotation_equals_unfolded():
         model(ids[:, :8], cache=OscarCache(Mk, _rotations(2, 90), quantize=False))
     with pytest.raises(ValueError, match="folded already"):
         fold_value_rotation(model, cache)
+
+
+def test_misuses_are_refused_before_any_wrong_output():
+    """What a user can get wrong around the cache fails at once with a message naming it: rotations for a deeper model
+    (same head shape), a model whose attention was never switched to "oscar" (its sdpa would read rotated keys with
+    an unrotated query), and packed sequences without a cache (position ids that restart: "oscar" has no mask)."""
+    ids = _prompt(T=40)
+    plain = _model("llama")
+    with pytest.raises(ValueError, match='not running "oscar" attention'):
+        _generate(plain, ids, OscarCache(_rotations(2), _rotations(2, 50)), 1)
+    model = enable_oscar(_model("llama"))
+    with pytest.raises(ValueError, match="has 30 layers and the model 2"):
+        _generate(model, ids, OscarCache(_rotations(30), _rotations(30, 50)), 1)
+    packed = torch.cat([torch.arange(25), torch.arange(15)])[None]
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="packed sequences"):
+        model(ids, position_ids=packed, use_cache=False)
+    with torch.no_grad():  # positions that do not restart stay plain causal attention
+        model(ids, position_ids=torch.arange(40)[None], use_cache=False)
+
+
+def test_a_reset_cache_takes_a_new_batch_size():
+    """reset() empties the cache; the next generate may use another batch size and gives what a fresh cache gives."""
+    model = enable_oscar(_model("llama"))
+    cache = OscarCache(_rotations(2), _rotations(2, 50))
+    _generate(model, _prompt(B=1, T=330), cache, 3)
+    cache.reset()
+    ids = _prompt(B=2, T=330, seed=2)
+    assert torch.equal(_generate(model, ids, cache, 3), _generate(model, ids, OscarCache(_rotations(2), _rotations(2, 50)), 3))
