@@ -73,15 +73,22 @@ def first_line(text: str, limit: int = 200) -> str:
 
 
 SUBFOLDER = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+SUBFOLDER_RULE = "names of letters, digits, `.`, `_` and `-` joined by single `/`, none of them `.` or `..`"
+
+
+def is_plain_subfolder(value: str) -> bool:
+    """The one rule for a model's folder inside a repo, as zoo.json and a catalog entry record it and as push writes
+    it: "" (the root) or SUBFOLDER_RULE (so no backslash, space or newline, no leading, trailing or doubled
+    `/`)."""
+    return not value or (SUBFOLDER.fullmatch(value) is not None
+                         and not any(part in (".", "..") for part in value.split("/")))
 
 
 def check_subfolder(value: str) -> str:
-    """A folder inside a repo as written in zoo.json or a catalog entry (someone else's file): "" (the root) or
-    `name/name`, names of letters, digits, `.`, `_` and `-`, never `.` or `..`; no backslash, no leading `/`.
-    Raises ValueError (the schema's IntegrityError, exit 4) otherwise."""
-    if value and (not SUBFOLDER.match(value) or any(part in (".", "..") for part in value.split("/"))):
-        raise ValueError(f"subfolder {value!r} is not a plain folder path inside the repo (letters, digits, . _ - "
-                         "and /; no backslash, `.` or `..`)")
+    """A folder inside a repo as written in zoo.json or a catalog entry (someone else's file), held to
+    `is_plain_subfolder`. Raises ValueError (the schema's IntegrityError, exit 4) otherwise."""
+    if not is_plain_subfolder(value):
+        raise ValueError(f"subfolder {value!r} is not a plain folder path inside the repo ({SUBFOLDER_RULE})")
     return value
 
 

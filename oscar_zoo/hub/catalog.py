@@ -11,13 +11,16 @@ import hashlib
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import InputError, IntegrityError
 from ..manifest import Manifest, canonical_json, parse_versioned
 from .base import check_subfolder
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable  # Python 3.11+; only named in an annotation
 
 CATALOG_SCHEMA_VERSION = 1
 CATALOG_ENV = "OSCAR_ZOO_CATALOG"
@@ -83,18 +86,41 @@ def manifest_sha256(manifest: Manifest) -> str:
 
 
 def catalog_files() -> list[tuple[str, bytes]]:
-    """(source name, content) of every catalog JSON, sorted by name (the parser checks it is UTF-8)."""
+    """(source name, content) of every catalog JSON, sorted by name (the parser checks it is UTF-8). An entry that
+    cannot be read is refused like a malformed one (IntegrityError, exit 4), naming it."""
     override = os.environ.get(CATALOG_ENV)
     if override:
         folder = Path(override)
         if not folder.is_dir():
             raise InputError(f"{CATALOG_ENV}={override} is not a folder")
-        return [(str(p), p.read_bytes()) for p in sorted(folder.glob("*.json"))]
+        try:
+            paths = sorted(p for p in folder.iterdir() if p.name.endswith(".json"))
+        except OSError as exc:
+            raise InputError(f"{CATALOG_ENV}={override} cannot be listed: {exc.strerror or exc}") from None
+        return [(str(p), _read_entry(p, str(p))) for p in paths]
     root = resources.files("oscar_zoo") / "catalog"
     if not root.is_dir():
         return []
-    return [(f"catalog/{p.name}", p.read_bytes()) for p in sorted(root.iterdir(), key=lambda p: p.name)
-            if p.name.endswith(".json")]
+    return [(f"catalog/{p.name}", _read_entry(p, f"catalog/{p.name}"))
+            for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".json")]
+
+
+def _read_entry(path: Traversable, source: str) -> bytes:
+    """The bytes of one `*.json` in the catalog folder; a folder, a dangling symlink, a pipe or a file that cannot be
+    read is an IntegrityError naming it, never a traceback (nor, for a pipe, a read that waits forever)."""
+    advice = f"fix or remove {source}"
+    try:
+        if path.is_file():
+            return path.read_bytes()
+        if path.is_dir():
+            what = "a folder, not a file"
+        elif isinstance(path, Path) and path.is_symlink():
+            what = f"a symlink to {os.readlink(path)!r}, which is not a readable file"
+        else:
+            what = "not a regular file"
+    except OSError as exc:
+        raise IntegrityError(f"catalog entry {source} cannot be read: {exc.strerror or exc}", advice) from None
+    raise IntegrityError(f"catalog entry {source} is {what}", advice)
 
 
 def parse_entry(text: str | bytes, source: str) -> CatalogEntry:

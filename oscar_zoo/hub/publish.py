@@ -14,13 +14,13 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from ..artifacts import (atomic_write_text, check_destination, check_file, check_files, load_artifacts,
                          remove_stale_staging, rotations_size_range, sha256_file, staging_folder, swap_into_place)
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
 from ..manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, Manifest
-from .base import HUBS, HubClient, split_repo_path
+from .base import HUBS, SUBFOLDER_RULE, HubClient, is_plain_subfolder, split_repo_path
 from .card import render_model_card, render_zoo_card
 from .catalog import CatalogEntry, find_entry
 from .zoo import ZOO_NAME, ZooIndex, parse_report, report_verdict, zoo_entry
@@ -47,11 +47,34 @@ def default_subfolder(manifest: Manifest) -> str:
     return name + ("-per-layer" if manifest.rotation.granularity.value == "per-layer" else "")
 
 
-def _check_repo_path(subfolder: str) -> str:
-    sub = subfolder.strip("/")
-    parts = PurePosixPath(sub).parts if sub else ()
-    if any(p in ("..", ".") for p in parts) or "\\" in sub or (parts and parts[0] == ZOO_NAME):
-        raise InputError(f"--path-in-repo {subfolder!r} is not a plain folder path inside the repo")
+def _push_subfolder(subfolder: str | None, manifest: Manifest) -> str:
+    """The folder push writes to and records in zoo.json: `--path-in-repo` (surrounding `/` dropped; "" is the root)
+    or the one derived from the model id, held to the rule zoo.json's schema applies (`is_plain_subfolder`), so push
+    never writes an entry its own reader refuses. Checked before any network call; InputError (exit 2) otherwise."""
+    if subfolder is None:
+        sub = default_subfolder(manifest)
+        what = f"the subfolder {sub!r} derived from the model id {manifest.model.id!r}"
+        advice = "name one with --path-in-repo"
+        if not sub:
+            raise InputError(f"no subfolder can be derived from the model id {manifest.model.id!r}", advice)
+    else:
+        sub = subfolder.strip("/")
+        what = f"--path-in-repo {subfolder!r}"
+        advice = 'pass a plain folder path, or "" for the repo root'
+    if not is_plain_subfolder(sub):
+        raise InputError(f"{what} is not a plain folder path inside the repo ({SUBFOLDER_RULE})", advice)
+    top = sub.split("/")[0]
+    if top in (ZOO_NAME, CARD_NAME):  # files push writes at the root of a zoo repo: no folder may take their name
+        raise InputError(f"{what} starts with a folder named {top}, the file push writes at the repo root", advice)
+    return sub
+
+
+def _pull_subfolder(source: str, sub: str) -> str:
+    """A folder named on the command line to pull from (possibly uploaded by other tools): no `.`, `..` or backslash."""
+    parts = sub.split("/") if sub else []
+    if any(p in (".", "..") for p in parts) or "\\" in sub or (parts and parts[0] == ZOO_NAME):
+        raise InputError(f"{source!r}: {sub!r} is not a plain folder path inside the repo",
+                         "pass OWNER/REPO[/SUBFOLDER]")
     return sub
 
 
@@ -87,7 +110,7 @@ def plan_push(artifacts: Path, repo_id: str, hub: str, subfolder: str | None, re
     manifest, _ = load_artifacts(artifacts)  # schema, every sha256, tensor shapes and orthogonality (exit 4)
     if not allow_unverified:
         check_verified(manifest, artifacts)
-    sub = _check_repo_path(default_subfolder(manifest) if subfolder is None else subfolder)
+    sub = _push_subfolder(subfolder, manifest)
     files = {_in_repo(sub, a.path): Path(artifacts) / a.path for a in manifest.artifacts}
     files[_in_repo(sub, MANIFEST_NAME)] = Path(artifacts) / MANIFEST_NAME
     card = workdir / "model-card.md"
@@ -179,7 +202,7 @@ def resolve_source(source: str, hub: str | None, revision: str | None) -> PullSo
     repo_id, sub = split_repo_path(source)
     if repo_id.count("/") != 1:
         raise InputError(f"{source!r} is not a repo id", "pass OWNER/REPO[/SUBFOLDER]")
-    return PullSource(hub or "hf", repo_id, _check_repo_path(sub), revision)
+    return PullSource(hub or "hf", repo_id, _pull_subfolder(source, sub), revision)
 
 
 @dataclass

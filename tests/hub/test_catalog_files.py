@@ -51,3 +51,27 @@ def test_invalid_catalog_entries_are_integrity_errors(tmp_path, monkeypatch, hub
     (tmp_path / "bad.json").write_text(json.dumps(entry))
     code, _, err = run_cli("list")
     assert code == 4 and "manifest_sha256" in err
+
+
+@pytest.mark.parametrize("kind", ["folder", "dangling symlink", "symlink loop"])
+def test_unreadable_catalog_entries_are_integrity_errors(kind, tmp_path, monkeypatch, hub_env):
+    """A `*.json` in a private catalog that is not a readable file is refused like a malformed entry: one line naming
+    it, exit 4 (not a traceback), for `list` and `pull NAME` alike; it is not skipped either."""
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    (catalog / "a-good.json").write_bytes(FILES[0].read_bytes())
+    bad = catalog / "entry.json"
+    if kind == "folder":
+        bad.mkdir()
+    elif kind == "dangling symlink":
+        bad.symlink_to(tmp_path / "missing.json")
+    else:
+        bad.symlink_to("entry.json")
+    monkeypatch.setenv("OSCAR_ZOO_CATALOG", str(catalog))
+    good = json.loads(FILES[0].read_text())["name"]
+    for args in (["list"], ["list", "--json"], ["pull", good, "--dest", str(tmp_path / "d")]):
+        code, out, err = run_cli(*args)
+        assert code == 4, (args, err)
+        assert err.startswith(f"error: catalog entry {bad} is ") and "Traceback" not in err
+        assert len(err.splitlines()) == 2 and err.splitlines()[1] == f"hint: fix or remove {bad}"
+        assert out == "" and not (tmp_path / "d").exists()
