@@ -11,10 +11,8 @@ from typing import Annotated
 
 import typer
 
-from ..artifacts import read_manifest
 from ..console import console, err_console
 from ..export.oscar_pt import export_oscar_pt
-from ..export.sglang import check_windows, sglang_settings, write_sglang_files
 from .options import ArtifactsArg, Json
 
 
@@ -35,9 +33,8 @@ def export_command(
     json_output: Json = False,
 ) -> None:
     """Write `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""
-    if format == Format.SGLANG:
-        check_windows(read_manifest(artifacts))  # refused before the .pt files are written
-    result = export_oscar_pt(artifacts, out, average_heads, accept_degraded)
+    # every refusal comes before anything is written, and all the files land together or none do
+    result = export_oscar_pt(artifacts, out, average_heads, accept_degraded, sglang=format == Format.SGLANG)
     measure = f"measure the exported form with `oscar-zoo verify {shlex.quote(str(artifacts))} --as-exported`"
     warnings = []
     if result.manifest.centred:
@@ -51,11 +48,9 @@ def export_command(
                         f"fits some heads poorly: {measure} before serving)")
     doc = {"format": format.value, "k_rotation": str(result.k_path), "v_rotation": str(result.v_path),
            "averaged_heads": result.averaged, "head_agreement": {"k": result.k_agreement, "v": result.v_agreement}}
-    if format == Format.SGLANG:
+    if result.sglang is not None:
         model = result.manifest.model.id
-        settings = sglang_settings(result.manifest, result.rotations.k_clip, result.rotations.v_clip,
-                                   result.k_path, result.v_path, base=out)
-        env_path, sh_path = write_sglang_files(out, settings, model)
+        settings, env_path, sh_path = result.sglang.settings, result.sglang.env_path, result.sglang.launch_script
         if max(settings.clip_spread) > 1e-6:
             warnings.append(f"clip ratios vary per layer/head (max deviation from the median K "
                             f"{settings.clip_spread[0]:.3f}, V {settings.clip_spread[1]:.3f}); the reference runtime "

@@ -28,6 +28,8 @@ from ..manifest import (CalibrationRecord, ClipSpec, Granularity, Manifest, Mode
                         ValueTarget)
 from ..runtime import layout
 from ..runtime.validate import check_finite, check_rotation
+from .sglang import ENV_FILE, LAUNCH_SCRIPT, SglangSettings, sglang_file_texts, sglang_settings
+from .staging import write_export_files
 
 K_FILE = "k_rotation_qqt_r_h_pbr.pt"
 V_FILE = "v_rotation_sst_r_h_pbr.pt"
@@ -148,14 +150,19 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
-def write_oscar_pt(path: Path, objective: str, layer_ids: list[int], rotation: torch.Tensor,
-                   eigenvalues: torch.Tensor) -> None:
-    """rotation float32 [L, D, D], eigenvalues float32 [L, D]."""
+def oscar_pt_bytes(objective: str, layer_ids: list[int], rotation: torch.Tensor, eigenvalues: torch.Tensor) -> bytes:
+    """One reference `.pt` file's content: rotation float32 [L, D, D], eigenvalues float32 [L, D]."""
     layers = {lid: {"layer_id": lid, "rotation": rotation[i].float().contiguous().clone(),
                     "eigenvalues": eigenvalues[i].float().contiguous().clone()} for i, lid in enumerate(layer_ids)}
     buf = io.BytesIO()
     torch.save({"format_version": 1, "objective": objective, "source_grouping": "layer", "layers": layers}, buf)
-    atomic_write_bytes(Path(path), buf.getvalue())
+    return buf.getvalue()
+
+
+def write_oscar_pt(path: Path, objective: str, layer_ids: list[int], rotation: torch.Tensor,
+                   eigenvalues: torch.Tensor) -> None:
+    """`oscar_pt_bytes`, written atomically to `path`."""
+    atomic_write_bytes(Path(path), oscar_pt_bytes(objective, layer_ids, rotation, eigenvalues))
 
 
 # -- per-head -> per-layer --------------------------------------------------------------------------------------------
@@ -188,6 +195,15 @@ def layer_rotations(r: Rotations, per_head: bool) -> tuple[torch.Tensor, torch.T
 
 
 @dataclass(frozen=True)
+class SglangExport:
+    """What `export_oscar_pt(…, sglang=True)` wrote beside the `.pt` files."""
+
+    settings: SglangSettings
+    env_path: Path
+    launch_script: Path
+
+
+@dataclass(frozen=True)
 class ExportResult:
     k_path: Path
     v_path: Path
@@ -196,9 +212,15 @@ class ExportResult:
     v_agreement: float
     manifest: Manifest
     rotations: Rotations
+    sglang: SglangExport | None = None  # with sglang=True
 
 
-def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncentred: bool = False) -> ExportResult:
+def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncentred: bool = False,
+                    sglang: bool = False) -> ExportResult:
+    """Write the two reference `.pt` files into the folder `out` (and with `sglang` the runtime's `sglang.env` and
+    `launch_sglang.sh`, `export.sglang`): every refusal (the artifacts, per-head without `allow_average`, centred
+    without `allow_uncentred`, the sglang windows and shell values, a bad `out`) comes before anything is written, and
+    the files land together or not at all (`staging.write_export_files`)."""
     manifest, r = load_artifacts(artifacts)
     if manifest.centred and not allow_uncentred:
         raise InputError(f"{artifacts} uses the centred codec (k_mean/v_mean, docs/format.md §6a); the OSCAR .pt "
@@ -220,10 +242,15 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncen
     k_eig = r.k_eigenvalues.mean(dim=1)  # per head ascending -> their mean stays ascending (informational only)
     v_eig = r.v_eigenvalues.mean(dim=1)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_oscar_pt(out / K_FILE, K_OBJECTIVE, layer_ids, k_rot, k_eig)
-    write_oscar_pt(out / V_FILE, V_OBJECTIVE, layer_ids, v_rot, v_eig)
-    return ExportResult(out / K_FILE, out / V_FILE, per_head, k_agree, v_agree, manifest, r)
+    files = {K_FILE: oscar_pt_bytes(K_OBJECTIVE, layer_ids, k_rot, k_eig),
+             V_FILE: oscar_pt_bytes(V_OBJECTIVE, layer_ids, v_rot, v_eig)}
+    written = None
+    if sglang:
+        settings = sglang_settings(manifest, r.k_clip, r.v_clip, out / K_FILE, out / V_FILE, base=out)
+        files.update((name, text.encode()) for name, text in sglang_file_texts(settings, manifest.model.id).items())
+        written = SglangExport(settings, out / ENV_FILE, out / LAUNCH_SCRIPT)
+    write_export_files(out, files, executable={LAUNCH_SCRIPT})
+    return ExportResult(out / K_FILE, out / V_FILE, per_head, k_agree, v_agree, manifest, r, written)
 
 
 # -- import -----------------------------------------------------------------------------------------------------------

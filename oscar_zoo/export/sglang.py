@@ -7,21 +7,28 @@ it makes them absolute from its own location.
 
 The reference runtime takes ONE clip ratio for all K (and one for all V) and stores fp32 scales; oscar-zoo's per
 (layer, head) searched clips are summarised by their median, and the caller is told when they vary.
+
+Both files are shell: every value in them is `shlex.quote`d, and a value with a control or line-breaking character
+(a manifest's `model.id` with a newline would start a command of its own) is refused (IntegrityError, exit 4) before
+anything is written; comment lines show any other unprintable character escaped (`\\u202e`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..artifacts import atomic_write_text, usual_mode
-from ..errors import InputError
+from ..errors import InputError, IntegrityError
 from ..manifest import Manifest
+from .staging import write_export_files
 
+ENV_FILE, LAUNCH_SCRIPT = "sglang.env", "launch_sglang.sh"
 PAGE = 8  # the reference forces page size = INT2 page = flush interval = 8; sink and recent must be multiples
 
 
@@ -32,7 +39,36 @@ class SglangSettings:
     clip_spread: tuple[float, float]  # largest |clip - median| over K and over V (0 when uniform)
 
     def launch_command(self, model: str) -> str:
-        return " ".join(["python -m sglang.launch_server", "--model-path", shlex.quote(model), *self.flags])
+        """The server command line (each word `shlex.quote`d); IntegrityError for a model id that no shell line may
+        carry (`shell_word`)."""
+        words = [shell_word("model.id", model), *(shell_word("server flag", f) for f in self.flags)]
+        return " ".join(["python -m sglang.launch_server", "--model-path", *words])
+
+
+_BREAKS = {"Cc", "Zl", "Zp"}  # control characters (\n, \r, NUL, ESC, NEL, …) and Unicode line/paragraph separators
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def shell_word(what: str, value: str) -> str:
+    """`value` as one `shlex.quote`d shell word. A control or line-breaking character is refused (IntegrityError, exit
+    4): inside quotes bash would keep it, but it has no place in a model id or setting, and a newline would split the
+    line for every other reader of the file. `what` names the value for the message (e.g. the manifest field)."""
+    bad = next((ch for ch in value if unicodedata.category(ch) in _BREAKS), None)
+    if bad is not None:
+        raise IntegrityError(f"{what} {_shown(value)} holds {ascii(bad)}, a control or line-break character, which "
+                             "cannot be written into a shell file", "fix the manifest")
+    return shlex.quote(value)
+
+
+def shell_comment(text: str) -> str:
+    """`text` for a `# …` line: every unprintable character (control, format such as bidi overrides, separators)
+    written as its escape, so the comment stays one line and shows what is there."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def _shown(value: str) -> str:
+    text = ascii(value)
+    return text if len(text) <= 80 else text[:79] + "…"
 
 
 PATH_VARS = ("SGLANG_OSCAR_K_ROTATION_PATH", "SGLANG_OSCAR_V_ROTATION_PATH")
@@ -85,23 +121,32 @@ def _relative(path: Path, base: Path) -> str:
     return os.path.relpath(Path(path).resolve(), Path(base).resolve())
 
 
-def write_sglang_files(out: Path, settings: SglangSettings, model: str) -> tuple[Path, Path]:
-    """`sglang.env` (KEY=VALUE, `set -a; . sglang.env`; rotation paths relative to its folder) and
-    `launch_sglang.sh` (exports with those paths made absolute from the script's own folder + the server command)."""
-    out = Path(out)
+def sglang_file_texts(settings: SglangSettings, model: str) -> dict[str, str]:
+    """The content of `sglang.env` (KEY=VALUE, `set -a; . sglang.env`; rotation paths relative to its folder) and
+    `launch_sglang.sh` (exports with those paths made absolute from the script's own folder + the server command).
+    Every value is checked and quoted (`shell_word`), the model id in the comments escaped (`shell_comment`)."""
+    launch = settings.launch_command(model)  # refuses an id with a control character before anything is built
+    env = {}
+    for key, value in settings.env.items():
+        if not _ENV_NAME.fullmatch(key):
+            raise IntegrityError(f"{key!r} is not a shell variable name")
+        env[key] = shell_word(key, value)
     header = ["# OSCAR reference runtime (SGLang fork) settings written by `oscar-zoo export --format sglang`",
-              f"# model: {model}"]
+              f"# model: {shell_comment(model)}"]
     env_note = ["# The rotation paths below are relative to the folder holding this file: start the server with",
                 "# this folder as its working directory (cd here first), or use launch_sglang.sh beside it, which",
                 "# makes them absolute wherever the folder is moved."]
-    env_lines = [*header, *env_note, *(f"{k}={shlex.quote(v)}" for k, v in settings.env.items())]
-    env_path, sh_path = out / "sglang.env", out / "launch_sglang.sh"
-    atomic_write_text(env_path, "\n".join(env_lines) + "\n")
-    exports = [f'export {k}="$here"/{shlex.quote(v)}' if k in PATH_VARS else f"export {k}={shlex.quote(v)}"
-               for k, v in settings.env.items()]
+    env_lines = [*header, *env_note, *(f"{k}={v}" for k, v in env.items())]
+    exports = [f'export {k}="$here"/{v}' if k in PATH_VARS else f"export {k}={v}" for k, v in env.items()]
     script = ["#!/usr/bin/env bash", *header, "set -euo pipefail",
               "here=\"$(cd \"$(dirname \"${BASH_SOURCE[0]}\")\" && pwd)\"  # the rotation paths are relative to it",
-              *exports, f'exec {settings.launch_command(model)} "$@"']
-    atomic_write_text(sh_path, "\n".join(script) + "\n")
-    usual_mode(sh_path, executable=True)
-    return env_path, sh_path
+              *exports, f'exec {launch} "$@"']
+    return {ENV_FILE: "\n".join(env_lines) + "\n", LAUNCH_SCRIPT: "\n".join(script) + "\n"}
+
+
+def write_sglang_files(out: Path, settings: SglangSettings, model: str) -> tuple[Path, Path]:
+    """Write `sglang_file_texts` into `out`, both or neither (`staging.write_export_files`; the launch script
+    executable). Returns their paths under `out` as given."""
+    texts = sglang_file_texts(settings, model)
+    write_export_files(out, {name: text.encode() for name, text in texts.items()}, executable={LAUNCH_SCRIPT})
+    return Path(out) / ENV_FILE, Path(out) / LAUNCH_SCRIPT

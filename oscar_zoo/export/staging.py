@@ -1,0 +1,120 @@
+"""Writing an export's files into its `--out` folder all at once, or not at all.
+
+`--out` may be a new folder or any existing one (the current folder too): export adds or replaces its own file names
+there and leaves everything else alone, unlike an artifact folder, which is replaced whole (`artifacts.
+write_artifacts`). Every file is first written completely into a staging folder (`artifacts.staging_folder`: beside
+a new `--out`, which it then becomes by one rename; inside an existing one, so that the moves stay on its file
+system), then moved into place; a file already there is set aside in the staging folder until every new one is in
+place and put back if a move fails. Bad destinations are refused up front with one line (exit 2), having touched
+nothing: `--out` is a file or lies under one, cannot be resolved, is not writable, or holds a folder under one of the
+names to write.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Collection, Mapping
+from pathlib import Path
+
+from ..artifacts import (atomic_write_bytes, check_writable, remove_stale_staging, staging_folder, usual_mode,
+                         write_failure)
+from ..errors import InputError
+
+STAGING_NAME = "oscar-export"  # inside an existing --out, staging folders are named `.oscar-export.<host>-<pid>.…`
+_SET_ASIDE = ".replaced"  # the files an export replaces wait here (inside the staging folder) until it succeeds
+
+
+def check_out(out: Path, names: Collection[str], label: str = "--out") -> Path:
+    """Resolve `out` and check that `names` can be written in it without a traceback or a partial result: it is an
+    existing folder (none of `names` a folder in it) or can be made (nothing but folders above it), and it is
+    writable. Returns the resolved path; InputError (exit 2) otherwise, having touched nothing."""
+    try:
+        resolved = Path(out).expanduser().resolve()
+        exists = resolved.exists()
+        above = resolved if exists else next(p for p in resolved.parents if p.exists())
+        folders = [n for n in names if (resolved / n).is_dir() and not (resolved / n).is_symlink()] if exists else []
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before 3.13), a name too long, …
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InputError(f"{label} {out} cannot be used: {why}; nothing was changed", "pick another folder") from None
+    if exists and not resolved.is_dir():
+        raise InputError(f"{label} {out} exists and is not a folder; nothing was changed",
+                         "pick a new folder or an existing one")
+    if not above.is_dir():
+        raise InputError(f"{label} {out} lies under {above}, which is a file; nothing was changed")
+    check_writable(above, f"{label} {out}")
+    if folders:
+        raise InputError(f"{label} {out} holds a folder named {folders[0]} where export writes a file; nothing was "
+                         "changed", "move that folder away, or pick another --out")
+    return resolved
+
+
+def write_export_files(out: Path, files: Mapping[str, bytes], executable: Collection[str] = (),
+                       label: str = "--out") -> Path:
+    """Write `files` (name -> content) into the folder `out` atomically as a set: all of them or, on any failure,
+    none (the files they replace are put back). Files get the usual modes (those in `executable` 0o777 less the
+    umask). Returns the resolved folder."""
+    dest = check_out(out, files, label)
+    fresh = not dest.exists()
+    anchor = dest if fresh else dest / STAGING_NAME  # staging_folder puts its folder beside its argument
+    try:
+        if fresh:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(anchor)
+        stage = staging_folder(anchor, "tmp")
+    except OSError as exc:
+        raise (write_failure(exc, dest) or exc) from None
+    try:
+        for name, data in files.items():
+            atomic_write_bytes(stage / name, data)
+            if name in executable:
+                usual_mode(stage / name, executable=True)
+        if fresh and _rename_into_place(stage, dest):
+            return dest
+        _move_into(stage, dest, list(files), label, out)
+    except OSError as exc:
+        raise (write_failure(exc, dest) or
+               InputError(f"cannot write the export into {label} {out}: {exc.strerror or exc}; nothing was changed")) \
+            from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # gone already when it became `dest`
+    return dest
+
+
+def _rename_into_place(stage: Path, dest: Path) -> bool:
+    """Make the staging folder the new `dest` by one rename; False when `dest` appeared meanwhile (the files are then
+    moved into it one by one)."""
+    try:
+        os.rename(stage, dest)  # replaces an empty folder made meanwhile, refuses a non-empty one
+    except OSError:
+        if dest.is_dir():
+            return False
+        raise
+    return True
+
+
+def _move_into(stage: Path, dest: Path, names: list[str], label: str, out: Path) -> None:
+    """Move the staged `names` into the existing folder `dest`. Files they replace wait in the staging folder; on any
+    failure every move made is undone (the new files taken back out, the old ones put back)."""
+    aside = stage / _SET_ASIDE
+    aside.mkdir()
+    done: list[tuple[str, bool]] = []  # (name, whether a previous entry was set aside)
+    try:
+        for name in names:
+            target = dest / name
+            if target.is_dir() and not target.is_symlink():  # made since check_out: never move a folder away
+                raise InputError(f"{label} {out} holds a folder named {name} where export writes a file; nothing was "
+                                 "changed", "move that folder away, or pick another --out")
+            had = os.path.lexists(target)
+            if had:
+                os.replace(target, aside / name)
+            done.append((name, had))
+            os.replace(stage / name, target)
+    except BaseException:
+        for name, had in reversed(done):
+            target = dest / name
+            if not (stage / name).exists() and os.path.lexists(target):
+                os.replace(target, stage / name)
+            if had:
+                os.replace(aside / name, target)
+        raise
