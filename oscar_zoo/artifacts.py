@@ -65,9 +65,15 @@ WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota 
                 errno.EPERM: "permission denied"}
 
 
+PATH_ERRNOS = {errno.ELOOP: "a loop of symbolic links", errno.ENAMETOOLONG: "a name too long for the file system"}
+
+
 def write_failure(exc: OSError, path: Path) -> InputError | None:
     """The InputError (exit 2) naming `path` for an OSError a user fixes on their side (full disk, read-only file
-    system, no permission), or None for any other OSError."""
+    system, no permission, a path that cannot be looked up), or None for any other OSError."""
+    if exc.errno in PATH_ERRNOS:
+        return InputError(f"cannot use {exc.filename or path}: {PATH_ERRNOS[exc.errno]}; nothing was changed",
+                          "pick another path")
     why = WRITE_ERRNOS.get(exc.errno)
     if why is None:
         return None
@@ -223,7 +229,11 @@ def check_destination(dest: Path, label: str) -> Path:
     not be the current folder or hold it (a swap would pull it out from under the shell), and the folder it is built
     in (its parent, or the nearest existing folder above) must be writable. Returns the resolved path; raises
     InputError (exit 2) otherwise, having touched nothing. `label` names the option in the message."""
-    resolved = Path(dest).expanduser().resolve()
+    try:
+        resolved = Path(dest).expanduser().resolve()
+    except RuntimeError:  # a symlink loop (Python < 3.13; later versions raise OSError ELOOP, mapped by the CLI)
+        raise InputError(f"{label} {dest} cannot be used: {PATH_ERRNOS[errno.ELOOP]}; nothing was changed",
+                         "pick another path") from None
     if resolved.exists() and not resolved.is_dir():
         raise InputError(f"{label} {dest} exists and is not a folder; nothing was changed",
                          "pick a new or empty folder")

@@ -33,11 +33,12 @@ _register()
 
 def main() -> None:
     """Typer reports its own usage errors (exit 2); our typed errors become one line (+ hint) and their exit code; an
-    OSError of a full disk, read-only file system or missing permission is exit 2 naming the file."""
+    OSError of a full disk, read-only file system or missing permission, or of a path that cannot be looked up (a
+    symlink loop, a name too long), is exit 2 naming the file (`artifacts.write_failure`)."""
     try:
         try:
             app()
-        except OSError as exc:  # a full disk or read-only folder met where no command mapped it: still exit 2
+        except OSError as exc:  # met where no command mapped it: still exit 2 for what the user fixes
             from .artifacts import write_failure
 
             raise (write_failure(exc, Path(exc.filename or "a file")) or exc) from None
