@@ -7,6 +7,7 @@ live in `rotations.safetensors`; the manifest says what they are, how they were 
 from __future__ import annotations
 
 import json
+import unicodedata
 from enum import Enum
 from typing import Any, Literal
 
@@ -14,6 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from .errors import IntegrityError
+from .runtime.layout import MAX_WINDOW
 
 SCHEMA_VERSION = 2  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean
 READ_VERSIONS = (1, 2)  # what it reads: a version-1 manifest is an uncentred artifact, loaded exactly as before
@@ -57,6 +59,19 @@ class ModelIdentity(_Frozen):
     rope_theta: float | None = None
     config_sha256: str
 
+    @field_validator("id", "revision", "architecture", "model_type")
+    @classmethod
+    def _one_printable_line(cls, value: str | None) -> str | None:
+        """Names that tools print and write into scripts (export --format sglang): at most 1,024 characters, none of
+        them a control, format (e.g. a bidi override) or line/paragraph-separator character."""
+        if value is not None:
+            if len(value) > 1024:
+                raise ValueError(f"is {len(value)} characters long (at most 1024)")
+            bad = next((ch for ch in value if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp")), None)
+            if bad is not None:
+                raise ValueError(f"holds {ascii(bad)}, a control or line-break character")
+        return value
+
 
 class QuantSpec(_Frozen):
     bits: Literal[2] = 2
@@ -68,9 +83,9 @@ class QuantSpec(_Frozen):
     # (docs/format.md §6a); "none": no centring, no mean tensors. Schema 2 only (a version-1 manifest has no such field
     # and means "none").
     centring: Literal["none", "mean"] = "none"
-    sink: int = Field(ge=0)
-    recent: int = Field(ge=0)
-    flush: int = Field(ge=1)
+    sink: int = Field(ge=0, le=MAX_WINDOW)
+    recent: int = Field(ge=0, le=MAX_WINDOW)
+    flush: int = Field(ge=1, le=MAX_WINDOW)
 
 
 class RotationSpec(_Frozen):

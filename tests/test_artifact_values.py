@@ -45,6 +45,8 @@ def _centred(*, k_mean=True, v_mean=True, manifest=True, poison: tuple | None = 
 POISONS = {
     "mean NaN": (_centred(poison=("k_mean", (1, 0, 3), float("nan"))), "k_mean at layer 1 head 0"),
     "mean Inf": (_centred(poison=("v_mean", (2, 0, 0), float("-inf"))), "v_mean at layer 2 head 0"),
+    # finite but far beyond any key/value mean: the history's float16 zero points would overflow (NaN outputs)
+    "mean huge": (_centred(poison=("k_mean", (1, 0, 5), 1e6)), "k_mean at layer 1 head 0 (index [1, 0]) has norm"),
     "means, manifest uncentred": (_centred(manifest=False), "carries k_mean/v_mean but the manifest"),
     "manifest centred, no means": (_centred(k_mean=False, v_mean=False), "lacks k_mean/v_mean but the manifest"),
     "one mean only": (_centred(v_mean=False), "lacks v_mean"),
@@ -120,16 +122,17 @@ def test_a_file_passed_as_the_artifact_folder_says_so(tmp_path):
 
 
 def test_inspect_prints_manifest_text_without_terminal_escapes(tmp_path):
-    """Strings from a manifest reach the terminal with control characters escaped and rich markup taken literally."""
+    """Strings from a manifest reach the terminal with control characters escaped and rich markup taken literally
+    (a model id with a control character is refused outright: test_manifest_input)."""
     import json
 
     folder = tmp_path / "art"
     make_artifacts(folder, L=L, H_kv=H_KV, D=D)
     doc = json.loads((folder / "manifest.json").read_text())
-    doc["model"]["id"] = "org/m\x1b[2J[bold red]owned[/]"
+    doc["model"]["id"] = "org/m[bold red]owned[/]"
     doc["calibration"]["dataset"] = "text\x07\x1b]0;title\x07"
     (folder / "manifest.json").write_text(json.dumps(doc))
     code, out, err = run_cli("inspect", str(folder))
     assert code == 0, err
     assert "\x1b" not in out and "\x07" not in out
-    assert "org/m\\x1b[2J[bold red]owned[/]" in out and "text\\x07\\x1b]0;title\\x07" in out
+    assert "org/m[bold red]owned[/]" in out and "text\\x07\\x1b]0;title\\x07" in out

@@ -22,6 +22,12 @@ def _with_key(text: str, key: str) -> str:
     return json.dumps(doc)
 
 
+def _with_model_id(text: str, model_id: str) -> bytes:
+    doc = json.loads(text)
+    doc["model"]["id"] = model_id
+    return json.dumps(doc).encode()
+
+
 BAD = {  # name -> (manifest bytes from the good text, words of the message)
     "latin-1": (lambda t: t.replace('"test"', '"t\u00e9st"').encode("latin-1"), "not UTF-8"),
     "utf-16": (lambda t: t.encode("utf-16"), "not UTF-8"),
@@ -41,6 +47,11 @@ BAD = {  # name -> (manifest bytes from the good text, words of the message)
     "layer beyond the model": (lambda t: t.replace('"layer_ids": [\n      0,', '"layer_ids": [\n      7,').encode(),
                                "layer_ids"),
     "too big": (lambda t: t.replace('"test"', '"' + "x" * (2 << 20) + '"').encode(), "too many"),
+    # a model id is written into shell files (export --format sglang): a newline there would start a command
+    "newline in the model id": (lambda t: _with_model_id(t, "org/tiny\ntouch /tmp/x"), "control or line-break"),
+    "bidi override in the model id": (lambda t: _with_model_id(t, "org/\u202etiny"), "control or line-break"),
+    "flush of 10^15 tokens": (lambda t: t.replace('"flush": 8', '"flush": 1000000000000000').encode(),
+                              "less than or equal to 1048576"),
 }
 
 
@@ -82,7 +93,8 @@ def test_runtime_reader_refuses_unreadable_manifests(good_text, tmp_path):
                         (json.dumps({"quant": {"group_size": "16"}}).encode(), "expected an integer"),
                         (json.dumps({"quant": {"sink": 1.5}}).encode(), "expected an integer"),
                         (json.dumps({"quant": {"flush": True}}).encode(), "expected an integer"),
-                        (json.dumps({"quant": {"recent": -3}}).encode(), "sink, recent ≥ 0")]:
+                        (json.dumps({"quant": {"recent": -3}}).encode(), "0 ≤ sink, recent ≤"),
+                        (json.dumps({"quant": {"flush": 10**15}}).encode(), "1 ≤ flush ≤ 1048576")]:
         (folder / "manifest.json").write_bytes(data)
         with pytest.raises(ValueError, match=words):
             OscarCache.from_folder(folder)

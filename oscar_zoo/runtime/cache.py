@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import layout, ops, reference
-from .validate import check_centring, check_rotation_tensors, read_quant_settings
+from .validate import check_centring, check_mean, check_rotation_tensors, read_quant_settings
 
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
@@ -459,8 +459,9 @@ class OscarCache(Cache):
             )
         L, H, D, _ = k_rotation.shape
         layout.resolve_group_size(D, group_size)
-        if min(sink, recent) < 0 or flush < 1:
-            raise ValueError(f"need sink, recent ≥ 0 and flush ≥ 1, got sink={sink} recent={recent} flush={flush}")
+        if min(sink, recent) < 0 or flush < 1 or max(sink, recent, flush) > layout.MAX_WINDOW:
+            raise ValueError(f"need 0 ≤ sink, recent ≤ {layout.MAX_WINDOW} and 1 ≤ flush ≤ {layout.MAX_WINDOW}, got "
+                             f"sink={sink} recent={recent} flush={flush}")
         clips = []
         for name, clip in (("k_clip", k_clip), ("v_clip", v_clip)):
             clip = torch.as_tensor(clip, dtype=torch.float32).clone()  # fixed from here on (Rotation's bounds)
@@ -474,8 +475,7 @@ class OscarCache(Cache):
                 mean = torch.as_tensor(mean).float()
                 if mean.shape != (L, H, D):
                     raise ValueError(f"{name} must be [L, H, D] = [{L}, {H}, {D}], got {tuple(mean.shape)}")
-                if not torch.isfinite(mean).all():
-                    raise ValueError(f"{name} holds a non-finite value (every mean must be finite)")
+                check_mean(name, mean, list(range(L)))
             means.append(mean)
         ids = [int(i) for i in (range(L) if layer_ids is None else torch.as_tensor(layer_ids).flatten().tolist())]
         if len(ids) != L or len(set(ids)) != L or min(ids) < 0:

@@ -30,6 +30,8 @@ TIER_DTYPE = torch.bfloat16  # sink and recent tiers
 SINK = 64  # first positions kept full precision
 RECENT = 256  # last positions kept full precision
 FLUSH = 8  # tokens demoted together from the recent tier into the history
+MAX_WINDOW = 1 << 20  # sink, recent and flush are each at most this many tokens (a larger one is a damaged
+# manifest, not a setting: the tiers are allocated at that size for every layer and sequence)
 
 DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92

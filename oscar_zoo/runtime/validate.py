@@ -1,6 +1,6 @@
 """The one check of OSCAR rotation tensors before any runtime uses them: names, dtypes and shapes consistent, layer ids
-distinct and non-negative, every value finite (the centred codec's means included), rotations orthogonal, clip ratios
-in (0, 1].
+distinct and non-negative, every value finite (the centred codec's means too, and bounded: `check_mean`), rotations
+orthogonal, clip ratios in (0, 1].
 
 Every load path calls `check_rotation_tensors` (`oscar_zoo.artifacts` maps its ValueError to exit 4, `OscarCache.
 from_folder` raises it as is); the reference `.pt` reader uses `check_rotation` on its per-layer matrices. Comparisons
@@ -52,8 +52,11 @@ def check_rotation_tensors(tensors: Mapping[str, Tensor], tol: float = ORTHOGONA
             raise ValueError(f"{name} has shape {list(tensors[name].shape)}, expected {list(shape)} (k_rotation is "
                              f"{list(k.shape)} = [L, H, D, D])")
     layer_ids = check_layer_ids(tensors["layer_ids"])
-    for name in (*ROTATION_NAMES, *EIGENVALUE_NAMES, *CLIP_NAMES, *(n for n in MEAN_NAMES if n in names)):
+    for name in (*ROTATION_NAMES, *EIGENVALUE_NAMES, *CLIP_NAMES):
         check_finite(name, tensors[name], layer_ids)
+    for name in MEAN_NAMES:
+        if name in names:
+            check_mean(name, tensors[name], layer_ids)
     for name in ROTATION_NAMES:
         check_orthogonal(name, tensors[name], layer_ids, tol)
     for name in CLIP_NAMES:
@@ -105,6 +108,24 @@ def check_finite(name: str, t: Tensor, layer_ids: list[int]) -> None:
         index = [int(i) for i in bad.nonzero()[0].tolist()]
         value = t[tuple(index)].item()
         raise ValueError(f"{name} {_where(index, layer_ids)} holds {value} (every value must be finite)")
+
+
+MEAN_NORM_MAX = 2.0**14  # ‖μ‖₂ per (layer, head); see check_mean
+
+
+def check_mean(name: str, mean: Tensor, layer_ids: list[int]) -> None:
+    """A centred codec's mean [L, H, D]: finite, and ‖μ‖₂ ≤ 2^14 per (layer, head). The history stores x·M − μ·M
+    with float16 scales and zero points (at most 65,504), and every element of the rotated mean μ·M is at most ‖μ‖₂
+    (M orthogonal), so a mean within the bound leaves the rows' own range room; one far beyond it (a finite 1e6 does)
+    makes the history's float16 zero points infinite and every later attention output NaN. A mean of a real model's
+    keys or values is orders of magnitude below the bound. ValueError naming the layer and head otherwise."""
+    check_finite(name, mean, layer_ids)
+    norms = torch.linalg.vector_norm(mean.double(), dim=-1)
+    bad = ~(norms <= MEAN_NORM_MAX)
+    if bad.any():
+        index = [int(i) for i in bad.nonzero()[0].tolist()]
+        raise ValueError(f"{name} {_where(index, layer_ids)} has norm {norms[tuple(index)].item():.4g}, beyond "
+                         f"{MEAN_NORM_MAX:g} (its rotated rows would overflow the history's float16 zero points)")
 
 
 def check_orthogonal(name: str, M: Tensor, layer_ids: list[int], tol: float = ORTHOGONALITY_TOL) -> None:
