@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ import torch
 
 from .errors import InputError
 from .manifest import ModelIdentity
+from .runtime import layout
 
 DEMO = "demo"
 DEMO_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -78,34 +80,109 @@ def supported_model_types() -> str:
     return ", ".join(sorted(ARCHITECTURES))
 
 
-def arch_info(config) -> ArchInfo:
-    """Attention geometry of a transformers config; unknown families are a clear InputError."""
+def config_file_of(config) -> str:
+    """How error messages name where a config came from: `FOLDER/config.json` for a local folder, else the id."""
+    name = str(getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or "")
+    if not name:
+        return "the model's config"
+    return str(Path(name) / "config.json") if Path(name).is_dir() else f"the config.json of {name}"
+
+
+def _bad_field(where: str, field: str, value, expected: str) -> InputError:
+    return InputError(f"{where}: {field} is {value!r}, expected {expected}",
+                      "fix the model's config.json, or pick the right model")
+
+
+def _positive_int(config, field: str, where: str, optional: bool = False) -> int | None:
+    """A config field that must be a positive int (bools and floats are not); None when `optional` and unset."""
+    value = getattr(config, field, None)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad_field(where, field, value, "a positive integer")
+    return value
+
+
+def arch_info(config, source: str | None = None) -> ArchInfo:
+    """Attention geometry of a transformers config; unknown families, and values the runtime cannot use (layer and
+    head counts that are not positive integers, query heads not a multiple of KV heads, a head dim the INT2 format
+    cannot pack, an odd `architectures` or RoPE theta), are a one-line InputError naming the field and `source` (the
+    config file, by default found from the config itself)."""
+    where = source or config_file_of(config)
     model_type = getattr(config, "model_type", None)
-    spec = ARCHITECTURES.get(model_type)
+    spec = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
     if spec is None:
         raise InputError(
             f"model type {model_type!r} is not supported",
             f"supported model types: {supported_model_types()}",
         )
-    H_q = int(getattr(config, spec.q_heads_field))
-    H_kv = int(getattr(config, spec.kv_heads_field, None) or H_q)
-    head_dim = getattr(config, spec.head_dim_field, None) or config.hidden_size // H_q
+    num_layers = _positive_int(config, spec.layers_field, where)
+    H_q = _positive_int(config, spec.q_heads_field, where)
+    H_kv = _positive_int(config, spec.kv_heads_field, where, optional=True) or H_q  # unset: multi-head attention
     if H_q % H_kv:
-        raise InputError(f"{model_type}: {H_q} query heads are not a multiple of {H_kv} KV heads")
+        raise InputError(f"{where}: {spec.q_heads_field} {H_q} is not a multiple of {spec.kv_heads_field} {H_kv} "
+                         f"({model_type} shares each KV head among a whole group of query heads)",
+                         "fix the model's config.json, or pick the right model")
+    head_dim = _positive_int(config, spec.head_dim_field, where, optional=True)
+    derived = ""
+    if head_dim is None:  # what transformers' attention uses when the config gives none
+        hidden = _positive_int(config, "hidden_size", where)
+        head_dim, derived = hidden // H_q, f" (hidden_size {hidden} // {spec.q_heads_field} {H_q})"
+    if head_dim < layout.CODES_PER_BYTE or head_dim % layout.CODES_PER_BYTE:
+        raise InputError(f"{where}: {spec.head_dim_field} {head_dim}{derived} is not supported: the INT2 format packs "
+                         f"{layout.CODES_PER_BYTE} values per byte, so head_dim must be a positive multiple of "
+                         f"{layout.CODES_PER_BYTE}", "fix the model's config.json, or pick the right model")
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    theta = theta if theta is not None else getattr(config, "rope_theta", None)
+    theta_field = "rope_parameters.rope_theta"
+    if theta is None:
+        theta, theta_field = getattr(config, "rope_theta", None), "rope_theta"
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                              or not math.isfinite(theta) or theta <= 0):
+        raise _bad_field(where, theta_field, theta, "a positive number")
     architectures = getattr(config, "architectures", None) or [f"{spec.family}ForCausalLM"]
+    if not isinstance(architectures, (list, tuple)) or not all(isinstance(a, str) and a for a in architectures):
+        raise _bad_field(where, "architectures", architectures, 'a list of class names such as ["LlamaForCausalLM"]')
     return ArchInfo(
         model_type=model_type,
         architecture=architectures[0],
-        num_layers=int(getattr(config, spec.layers_field)),
+        num_layers=num_layers,
         num_q_heads=H_q,
         num_kv_heads=H_kv,
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         qk_norm=spec.qk_norm,
         rope_theta=float(theta) if theta is not None else None,
     )
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises while parsing a config.json it does not accept: strict-dataclass field checks
+    (huggingface_hub ≥ 1.0), ValueError (unknown model type, bad RoPE settings), TypeError / ArithmeticError /
+    KeyError from its own post-init arithmetic on odd values (`"layer_types": 5`, 0 heads with no head_dim)."""
+    errors: tuple[type[BaseException], ...] = (ValueError, TypeError, ArithmeticError, KeyError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: no strict dataclasses, transformers validates nothing more
+        return errors
+    return (StrictDataclassError, *errors)
+
+
+def load_config(source: str | Path, where: str | None = None, **kwargs):
+    """`AutoConfig.from_pretrained(source, **kwargs)`, with a config transformers refuses to parse reported as one
+    InputError line naming the file (`where`, by default `source/config.json` for a folder) instead of a traceback.
+    OSError (no such model, unreadable or non-JSON file) is left to the caller, which knows what was asked for."""
+    from transformers import AutoConfig
+
+    if where is None:
+        where = str(Path(source) / "config.json") if Path(source).is_dir() else f"the config.json of {source}"
+    try:
+        return AutoConfig.from_pretrained(source, **kwargs)
+    except _config_errors() as exc:
+        detail = " ".join(str(exc).split())
+        if not isinstance(exc, ValueError) and type(exc).__module__ == "builtins":  # "integer division…": say what
+            detail = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+        raise InputError(f"could not read {where}: {detail}",
+                         "fix the model's config.json, or pick the right model") from None
 
 
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "quantization_config", "architectures",
@@ -221,7 +298,7 @@ def load_model(
     """Load a causal LM and its tokenizer: `demo`, a local folder, a `.gguf` file, or a Hugging Face id.
     `placement(config)` runs before any weight is read (a memory check may refuse there); when it returns an
     accelerate device map, the weights load straight onto those devices (CPU/disk offload under `offload_folder`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # progress is ours to show
@@ -248,7 +325,7 @@ def load_model(
             if not path.is_file():
                 raise InputError(f"GGUF file {path} does not exist")
             if placement:
-                place(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+                place(load_config(path.parent, where=f"the metadata of {path}", gguf_file=path.name))
             if device_map is not None:
                 raise InputError("--device-map is not supported for .gguf files",
                                  "convert the model to a transformers folder first (save_pretrained)")
@@ -258,8 +335,8 @@ def load_model(
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 raise InputError(f"{path} is a folder without config.json; it is not a transformers model")
-            config = AutoConfig.from_pretrained(path)
-            arch_info(config)  # unsupported families fail before weights load
+            config = load_config(path)
+            arch_info(config)  # unsupported families and unusable geometry fail before weights load
             place(config)
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -267,7 +344,7 @@ def load_model(
             if name.startswith((".", "/", "~")) or name.count("/") > 1:
                 raise InputError(f"model path {name} does not exist", "pass an existing folder, a .gguf file, "
                                  "`demo`, or a Hugging Face id such as Qwen/Qwen3-8B")
-            config = AutoConfig.from_pretrained(name, revision=revision)
+            config = load_config(name, revision=revision)
             arch_info(config)
             place(config)
             model = AutoModelForCausalLM.from_pretrained(name, revision=revision, **kwargs)
@@ -281,5 +358,5 @@ def load_model(
     model.eval()
     if device_map is None:  # a device-mapped model stays where accelerate put it
         model.to(resolve_device(device))
-    return LoadedModel(model, tokenizer, arch_info(model.config), model_identity(model_id, revision, model.config),
-                       source)
+    info = arch_info(model.config, f"the metadata of {path}" if path.suffix == ".gguf" else None)
+    return LoadedModel(model, tokenizer, info, model_identity(model_id, revision, model.config), source)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..artifacts import check_model_matches, load_artifacts, write_manifest
@@ -55,7 +56,10 @@ def verify_command(
     = DEFAULT_THRESHOLDS.max_kl,
     min_top1: Annotated[float, typer.Option(help="Smallest top-1 agreement with BF16 past the windows.")]
     = DEFAULT_THRESHOLDS.min_top1,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG: per-layer attention error and KL by position.")]
+    plot: Annotated[Path | None, typer.Option(help="Write a plot: per-layer attention error and KL by position "
+                                                   "(the extension picks the format: .png, .pdf, .svg, …; none: "
+                                                   ".png; with --needle also NAME-needle.EXT). Checked before the "
+                                                   "run.")]
     = None,
     write: Annotated[bool, typer.Option("--write", help="Store the report in the manifest's `verification`.")]
     = False,
@@ -94,6 +98,13 @@ def verify_command(
         raise InputError(f"unknown baseline(s) {', '.join(unknown)}",
                          f"choose from {', '.join(ALL_BASELINES)}, or none")
     require_installed(tuple(b for b in chosen if b in PEERS))  # before the model loads
+    needle_plot = None
+    if plot is not None:  # a name matplotlib cannot write, or a folder, is refused now, not after the whole run
+        from ..evaluation.plot import check_plot_path
+
+        plot = check_plot_path(plot)
+        if needle:
+            needle_plot = check_plot_path(_needle_plot_path(plot), needle_of=plot)
 
     needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
                                        min_needle_accuracy, seed) if needle else None
@@ -135,13 +146,14 @@ def verify_command(
 
         write_plot(report, plot)
         if report.needle is not None:
-            write_needle_plot(report.needle, report.model, _needle_plot_path(plot))
+            write_needle_plot(report.needle, report.model, needle_plot)
     if write:
         write_manifest(artifacts, manifest.model_copy(update={"verification": report.model_dump(mode="json")}))
     if json_output:
         console.print_json(report.model_dump_json())
     else:
-        _print(report, plot, write, artifacts)
+        _print(report, [p for p in (plot, needle_plot if report.needle is not None else None) if p is not None],
+               write, artifacts)
     if not report.passed:
         what = f"{artifacts}{' as exported' if as_exported else ''}"
         raise VerificationFailed(f"{what} missed the thresholds: {'; '.join(report.failures)}",
@@ -195,6 +207,7 @@ def _filler(tokenizer, texts: list[str]) -> list[int]:
 
 
 def _needle_plot_path(plot: Path) -> Path:
+    """Where the needle heatmap goes beside the --plot file (whose extension `check_plot_path` has settled)."""
     return plot.with_name(f"{plot.stem}-needle{plot.suffix or '.png'}")
 
 
@@ -203,7 +216,7 @@ SHORT = {"bf16": "BF16", "oscar": "OSCAR", "naive": "naive INT2", "clip-only": "
          "hf-hqq-int2": "HF HQQ INT2", "hf-quanto-int4": "HF quanto INT4", "hf-hqq-int4": "HF HQQ INT4"}
 
 
-def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path) -> None:
+def _print(report: VerifyReport, plots: list[Path], write: bool, artifacts: Path) -> None:
     cut = report.positions_from
     table = Table(title=f"{report.model}: INT2 KV cache vs BF16 · {report.sequences}×{report.context} held-out tokens "
                         f"· sink {report.sink}, recent {report.recent}, group {report.group_size}")
@@ -244,8 +257,8 @@ def _print(report: VerifyReport, plot: Path | None, write: bool, artifacts: Path
     console.print(f"thresholds (OSCAR): Δ PPL ≥{cut} ≤ {100 * t.max_ppl_increase:.0f}%, KL ≤ {t.max_kl}, top-1 ≥ "
                   f"{100 * t.min_top1:.0f}% → {verdict} · backend {report.backend} on {report.device} · "
                   f"{report.wall_seconds:.0f} s", highlight=False)
-    if plot is not None:
-        console.print(f"[green]wrote[/] {plot}")
+    for path in plots:  # the files written, as named on disk (`--plot x` wrote x.png)
+        console.print(f"[green]wrote[/] {escape(str(path))}", highlight=False, soft_wrap=True)
     if write:
         console.print(f"[green]stored[/] the report in {artifacts}/manifest.json (verification)")
 

@@ -3,13 +3,20 @@ matplotlib (Agg backend) is imported lazily: it is an optional dependency (the `
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 
 from ..errors import InputError
 from .report import NeedleReport, VerifyReport
 
+DEFAULT_SUFFIX = ".png"  # what a --plot name without an extension gets (matplotlib's own default format)
+# what savefig raises for a format matplotlib lists but cannot write on this machine (pgf without LaTeX: RuntimeError;
+# a Pillow built without a codec: KeyError, OSError or ValueError), met when `check_plot_path` renders a tiny figure
+_PROBE_ERRORS = (RuntimeError, ValueError, OSError, KeyError, ImportError)
 
-def _pyplot(path: Path):
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -18,15 +25,79 @@ def _pyplot(path: Path):
     except ImportError:
         raise InputError("--plot needs matplotlib, which is not installed",
                          "pip install matplotlib (or install oscar-zoo with the `test` extra)") from None
-    if path.parent and not path.parent.exists():
-        raise InputError(f"cannot write the plot: folder {path.parent} does not exist")
     return plt
+
+
+def supported_formats() -> dict[str, str]:
+    """The file extensions matplotlib's Agg canvas writes, with their descriptions (asked of matplotlib)."""
+    plt = _pyplot()
+    fig = plt.figure(figsize=(0.5, 0.5))
+    try:
+        return dict(fig.canvas.get_supported_filetypes())
+    finally:
+        plt.close(fig)
+
+
+def _render(fig, fmt: str, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def check_plot_path(path: Path, needle_of: Path | None = None) -> Path:
+    """The file `--plot PATH` will write (or, with `needle_of`, the needle heatmap beside the `--plot` file
+    `needle_of`), checked before any model work so that a bad name never costs a whole run: PATH gets `.png` when it
+    has no extension (as matplotlib's savefig does); the extension must be a format matplotlib writes here (a tiny
+    figure is rendered to make sure: pgf needs LaTeX, for one); the path must not be an existing folder; the nearest
+    existing folder above it must be a folder we can write in (missing folders are made when the plot is written).
+    Returns the path to write and report; InputError (exit 2) naming the option otherwise."""
+    from ..artifacts import check_writable, nearest_existing
+
+    what = f"--plot {path}" if needle_of is None else f"--plot {needle_of}: its needle heatmap {path}"
+    given = Path(path).expanduser()
+    target = given if given.suffix else given.with_name(given.name + DEFAULT_SUFFIX)
+    for shown, folder in ((given, given), (target, Path(os.path.realpath(target)))):  # a symlink: where it points
+        if folder.is_dir():
+            named = "" if folder == given else f" ({folder})"
+            raise InputError(f"{what}{named} is a folder; the plot needs a file name",
+                             f"name a file in it, e.g. --plot {shown / ('verify' + DEFAULT_SUFFIX)}"
+                             if needle_of is None else "rename that folder, or pick another --plot name")
+    fmt = target.suffix[1:].lower()
+    formats = supported_formats()
+    if fmt not in formats:
+        raise InputError(f"{what}: matplotlib cannot write .{fmt} files",
+                         f"use one of the extensions {', '.join('.' + f for f in sorted(formats))} "
+                         f"(none: {DEFAULT_SUFFIX})")
+    plt = _pyplot()
+    fig = plt.figure(figsize=(0.5, 0.5))
+    fig.text(0.5, 0.5, "‖o − o_bf16‖ 1.0")  # text too: pgf lays it out with LaTeX, which may be missing
+    try:
+        _render(fig, fmt)
+    except _PROBE_ERRORS as exc:
+        raise InputError(f"{what}: matplotlib cannot write .{fmt} files here "
+                         f"({' '.join(str(exc).split()) or type(exc).__name__})",
+                         f"use another extension, such as {DEFAULT_SUFFIX} or .pdf") from None
+    finally:
+        plt.close(fig)
+    above = nearest_existing(Path(os.path.realpath(target)).parent)
+    if not above.is_dir():
+        raise InputError(f"{what} lies under {above}, which is a file", "pick another path")
+    check_writable(above, what)
+    return target
+
+
+def _save(fig, path: Path, **kwargs) -> None:
+    """The figure rendered in memory in the format of `path`'s extension, then written atomically (a temp file in the
+    same folder, renamed), missing folders made: readers never see half a plot, a failed write leaves the old one."""
+    from ..artifacts import atomic_write_bytes
+
+    data = _render(fig, Path(path).suffix[1:].lower() or DEFAULT_SUFFIX[1:], **kwargs)
+    atomic_write_bytes(Path(os.path.realpath(path)), data)
 
 
 def write_needle_plot(needle: NeedleReport, model: str, path: Path) -> None:
     """Heatmap of needle accuracy, length × depth, one panel per method."""
-    path = Path(path)
-    plt = _pyplot(path)
+    plt = _pyplot()
     n = len(needle.methods)
     fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 3.4), squeeze=False)
     for i, (ax, m) in enumerate(zip(axes[0], needle.methods)):
@@ -41,13 +112,16 @@ def write_needle_plot(needle: NeedleReport, model: str, path: Path) -> None:
     axes[0][0].set_ylabel("prompt tokens")
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     fig.suptitle(f"{model}: passkey retrieval through the runtime ({needle.trials} trial(s) per cell)")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        _save(fig, path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def write_plot(report: VerifyReport, path: Path) -> None:
-    path = Path(path)
-    plt = _pyplot(path)
+    """Per-layer attention error and mean KL by position, one line per method, to `path` (its extension gives the
+    format; `check_plot_path` first)."""
+    plt = _pyplot()
     methods = [m for m in report.methods if m.kind != "reference"]
     fig, (ax_layer, ax_pos) = plt.subplots(1, 2, figsize=(13, 4.8))
     for m in methods:
@@ -72,5 +146,7 @@ def write_plot(report: VerifyReport, path: Path) -> None:
     fig.suptitle(f"{report.model}: INT2 KV cache vs BF16 at {report.context} tokens "
                  f"(sink {report.sink}, recent {report.recent}, group {report.group_size})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        _save(fig, path, dpi=110)
+    finally:
+        plt.close(fig)

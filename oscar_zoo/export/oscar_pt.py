@@ -256,16 +256,14 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncen
 # -- import -----------------------------------------------------------------------------------------------------------
 def model_identity_for(model: str, revision: str | None = None) -> ModelIdentity:
     """The model's geometry from its config only (no weights): `demo`, a local folder, or a Hugging Face id."""
-    from transformers import AutoConfig
-
-    from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, ensure_demo_model, model_identity
+    from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, ensure_demo_model, load_config, model_identity
 
     model_id, source = model, model
     if model == DEMO:
         model_id, revision, source = DEMO_HF_ID, DEMO_REVISION, str(ensure_demo_model())
     try:
-        config = AutoConfig.from_pretrained(source, revision=None if Path(source).is_dir() else revision)
-    except (OSError, ValueError) as exc:
+        config = load_config(source, revision=None if Path(source).is_dir() else revision)
+    except OSError as exc:
         raise InputError(f"could not read the config of {model!r}: {str(exc).splitlines()[0]}",
                          "pass `demo`, a local model folder, or a Hugging Face id that is in the cache") from None
     return model_identity(model_id, revision, config)
