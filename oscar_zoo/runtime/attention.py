@@ -194,8 +194,8 @@ def oscar_mask(
     if q_length > 1 and not kwargs.get("allow_is_causal_skip", True):
         raise NotImplementedError(
             "oscar attention is plain causal attention and this call needs another mask (packed sequences whose "
-            "position ids restart, or a custom mask function): run it with the model's own attention, e.g. "
-            "model.set_attn_implementation('sdpa')"
+            "position ids restart, or a custom mask function): run it with the model's own attention "
+            "(model.set_attn_implementation('sdpa')) and without an OscarCache"
         )
     return None
 
@@ -222,7 +222,8 @@ def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tup
             )
         if module.layer_idx < len(cache.layers):
             cache.layers[module.layer_idx].bind_value_fold(getattr(module, "_oscar_v_fold", None))
-        cache.bound_layer = module.layer_idx  # this call's update comes from an "oscar" module (OscarCache.update)
+        if getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:  # not switched back since
+            cache.bound_layer = module.layer_idx  # this call's update comes from an "oscar" module (OscarCache.update)
     return args, kwargs
 
 

@@ -475,11 +475,13 @@ class OscarCache(Cache):
                 mean = torch.as_tensor(mean).float()
                 if mean.shape != (L, H, D):
                     raise ValueError(f"{name} must be [L, H, D] = [{L}, {H}, {D}], got {tuple(mean.shape)}")
-                check_mean(name, mean, list(range(L)))
             means.append(mean)
         ids = [int(i) for i in (range(L) if layer_ids is None else torch.as_tensor(layer_ids).flatten().tolist())]
         if len(ids) != L or len(set(ids)) != L or min(ids) < 0:
             raise ValueError(f"layer_ids must be {L} distinct non-negative model layer indices, got {ids}")
+        for name, mean in zip(("k_mean", "v_mean"), means):
+            if mean is not None:
+                check_mean(name, mean, ids)
         n_layers = num_layers if num_layers is not None else max(ids) + 1
         if max(ids) >= n_layers:
             raise ValueError(f"layer_ids {ids} reach past num_layers={n_layers}")
@@ -531,7 +533,8 @@ class OscarCache(Cache):
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         bound, self.bound_layer = self.bound_layer, None
-        if "kwargs" in kwargs and bound != layer_idx:  # called by a transformers attention module, not enable_oscar's
+        if (args or kwargs) and bound != layer_idx:  # a model's attention module (it passes its cache kwargs) that
+            # enable_oscar's hook did not mark as running "oscar" attention
             raise ValueError(
                 f"model layer {layer_idx} is not running \"oscar\" attention: call "
                 f"oscar_zoo.runtime.attention.enable_oscar(model) before using an OscarCache"

@@ -320,6 +320,9 @@ def test_misuses_are_refused_before_any_wrong_output():
     plain = _model("llama")
     with pytest.raises(ValueError, match='not running "oscar" attention'):
         _generate(plain, ids, OscarCache(_rotations(2), _rotations(2, 50)), 1)
+    enable_oscar(plain).set_attn_implementation("sdpa")  # hooks installed, attention switched back
+    with pytest.raises(ValueError, match='not running "oscar" attention'):
+        _generate(plain, ids, OscarCache(_rotations(2), _rotations(2, 50)), 1)
     model = enable_oscar(_model("llama"))
     with pytest.raises(ValueError, match="has 30 layers and the model 2"):
         _generate(model, ids, OscarCache(_rotations(30), _rotations(30, 50)), 1)
