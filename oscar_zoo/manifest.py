@@ -46,6 +46,17 @@ class ClipMode(str, Enum):
     FIXED = "fixed"
 
 
+_BIDI_OVERRIDES = set("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def line_breaker(text: str) -> str | None:
+    """The first character of `text` that may not stand in a one-line name written into a terminal or a shell file:
+    a control character (newline, carriage return, NUL, ESC, NEL, …), a Unicode line or paragraph separator, or a
+    bidi override/isolate (it reorders what a reader sees); None when there is none. Other format characters (ZWJ in
+    emoji, ZWNJ in Persian names) are allowed."""
+    return next((ch for ch in text if unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in _BIDI_OVERRIDES), None)
+
+
 class ModelIdentity(_Frozen):
     id: str
     revision: str | None = None
@@ -61,15 +72,15 @@ class ModelIdentity(_Frozen):
 
     @field_validator("id", "revision", "architecture", "model_type")
     @classmethod
-    def _one_printable_line(cls, value: str | None) -> str | None:
-        """Names that tools print and write into scripts (export --format sglang): at most 1,024 characters, none of
-        them a control, format (e.g. a bidi override) or line/paragraph-separator character."""
+    def _one_line(cls, value: str | None) -> str | None:
+        """Names that tools print and write into scripts (export --format sglang): at most 4,096 characters (a path),
+        none of them a control, line-break or bidi-override character (`line_breaker`)."""
         if value is not None:
-            if len(value) > 1024:
-                raise ValueError(f"is {len(value)} characters long (at most 1024)")
-            bad = next((ch for ch in value if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp")), None)
+            if len(value) > 4096:
+                raise ValueError(f"is {len(value)} characters long (at most 4096)")
+            bad = line_breaker(value)
             if bad is not None:
-                raise ValueError(f"holds {ascii(bad)}, a control or line-break character")
+                raise ValueError(f"holds {ascii(bad)}, a control, line-break or bidi-override character")
         return value
 
 

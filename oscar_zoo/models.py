@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
-from .manifest import ModelIdentity
+from .manifest import ModelIdentity, line_breaker
 from .runtime import layout
 
 DEMO = "demo"
@@ -195,8 +195,21 @@ def config_sha256(config) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def check_recordable(what: str, value: str | None) -> None:
+    """InputError unless a manifest may record `value` as a name (`ModelIdentity`: at most 4,096 characters, no
+    `manifest.line_breaker` character)."""
+    if value is not None and (len(value) > 4096 or line_breaker(value) is not None):
+        raise InputError(f"the {what} {ascii(value)[:200]} cannot be recorded in a manifest: it is over 4,096 "
+                         "characters or holds a control, line-break or bidi-override character",
+                         "rename or move the model folder, or fix its config.json")
+
+
 def model_identity(model_id: str, revision: str | None, config) -> ModelIdentity:
+    """What a manifest records of the model; a name it may not hold is an InputError naming it."""
     info = arch_info(config)
+    for what, value in (("model id", model_id), ("revision", revision), ("architecture", info.architecture),
+                        ("model type", info.model_type)):
+        check_recordable(what, value)
     return ModelIdentity(
         id=model_id,
         revision=revision,
@@ -298,6 +311,8 @@ def load_model(
     """Load a causal LM and its tokenizer: `demo`, a local folder, a `.gguf` file, or a Hugging Face id.
     `placement(config)` runs before any weight is read (a memory check may refuse there); when it returns an
     accelerate device map, the weights load straight onto those devices (CPU/disk offload under `offload_folder`)."""
+    check_recordable("model id", name)  # before any weight is read
+    check_recordable("revision", revision)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -48,8 +48,8 @@ BAD = {  # name -> (manifest bytes from the good text, words of the message)
                                "layer_ids"),
     "too big": (lambda t: t.replace('"test"', '"' + "x" * (2 << 20) + '"').encode(), "too many"),
     # a model id is written into shell files (export --format sglang): a newline there would start a command
-    "newline in the model id": (lambda t: _with_model_id(t, "org/tiny\ntouch /tmp/x"), "control or line-break"),
-    "bidi override in the model id": (lambda t: _with_model_id(t, "org/\u202etiny"), "control or line-break"),
+    "newline in the model id": (lambda t: _with_model_id(t, "org/tiny\ntouch /tmp/x"), "bidi-override character"),
+    "bidi override in the model id": (lambda t: _with_model_id(t, "org/\u202etiny"), "bidi-override character"),
     "flush of 10^15 tokens": (lambda t: t.replace('"flush": 8', '"flush": 1000000000000000').encode(),
                               "less than or equal to 1048576"),
 }

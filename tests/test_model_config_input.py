@@ -138,3 +138,20 @@ def test_import_oscar_refuses_a_config_transformers_rejects(run_cli, config_dir,
     folder = config_dir(**fields)
     code, stdout, err = run_cli("import-oscar", *reference_files, "--model", folder, "--out", tmp_path / "art")
     _assert_input_error(code, stdout, err, str(folder / "config.json"))
+
+
+def test_model_names_a_manifest_cannot_record_are_refused_before_loading(run_cli, tiny_model_dir, tmp_path):
+    """A model folder whose name holds a newline (it would end up in the manifest and in export's shell files) is
+    one line, exit 2, before any weight is read; names with joiners (emoji, Persian) are recorded as they are."""
+    import shutil
+
+    from oscar_zoo.manifest import line_breaker
+
+    assert line_breaker("/data/مدل‌ها/llama") is None and line_breaker("models/👨‍💻/llama") is None
+    assert line_breaker("org/\u202etiny") == "\u202e" and line_breaker("a\nb") == "\n"
+    bad = tmp_path / "tiny\nmodel"
+    shutil.copytree(tiny_model_dir, bad)
+    code, out, err = run_cli("calibrate", bad, "--device", "cpu", "--tokens", "256", "--seq-len", "64",
+                             "--out", tmp_path / "art")
+    assert code == 2 and "cannot be recorded in a manifest" in err and "Traceback" not in err, err
+    assert not (tmp_path / "art").exists()

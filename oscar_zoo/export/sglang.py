@@ -18,14 +18,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import InputError, IntegrityError
-from ..manifest import Manifest
+from ..manifest import Manifest, line_breaker
 from .staging import write_export_files
 
 ENV_FILE, LAUNCH_SCRIPT = "sglang.env", "launch_sglang.sh"
@@ -45,18 +44,17 @@ class SglangSettings:
         return " ".join(["python -m sglang.launch_server", "--model-path", *words])
 
 
-_BREAKS = {"Cc", "Zl", "Zp"}  # control characters (\n, \r, NUL, ESC, NEL, …) and Unicode line/paragraph separators
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 def shell_word(what: str, value: str) -> str:
-    """`value` as one `shlex.quote`d shell word. A control or line-breaking character is refused (IntegrityError, exit
-    4): inside quotes bash would keep it, but it has no place in a model id or setting, and a newline would split the
-    line for every other reader of the file. `what` names the value for the message (e.g. the manifest field)."""
-    bad = next((ch for ch in value if unicodedata.category(ch) in _BREAKS), None)
+    """`value` as one `shlex.quote`d shell word. A control, line-breaking or bidi-override character
+    (`manifest.line_breaker`) is refused (IntegrityError, exit 4): inside quotes bash would keep it, but it has no place
+    in a model id or setting, and a newline would split the line for every other reader of the file. `what` names the value for the message (e.g. the manifest field)."""
+    bad = line_breaker(value)
     if bad is not None:
-        raise IntegrityError(f"{what} {_shown(value)} holds {ascii(bad)}, a control or line-break character, which "
-                             "cannot be written into a shell file", "fix the manifest")
+        raise IntegrityError(f"{what} {_shown(value)} holds {ascii(bad)}, a control, line-break or bidi-override "
+                             "character, which cannot be written into a shell file", "fix the manifest")
     return shlex.quote(value)
 
 

@@ -93,24 +93,25 @@ def test_model_id_with_a_line_break_never_runs_a_command(art, run_cli, tmp_path,
     assert not (out / ENV_FILE).exists() and not (out / LAUNCH_SCRIPT).exists()
 
 
-@pytest.mark.parametrize("bad", ["\n", "\r", "\x00", "\x1b[2J", "\x85", "\u2029"])
+@pytest.mark.parametrize("bad", ["\n", "\r", "\x00", "\x1b[2J", "\x85", "\u2029", "\u202e"])
 def test_writer_refuses_control_characters_in_any_value(tmp_path, bad):
     """The writer holds on its own, whatever reaches it (a model id or a setting the manifest schema let through):
     IntegrityError before anything is written."""
     settings = SglangSettings({"SGLANG_ENABLE_MIXED_KV_WINDOWS": "1"}, ["--kv-cache-dtype", "int2"], (0.0, 0.0))
     bad_value = SglangSettings({"SGLANG_MIXED_KV_HP_DTYPE": f"bfloat16{bad}touch /tmp/x"}, [], (0.0, 0.0))
     for model, chosen in ((f"org/x{bad}touch /tmp/x", settings), ("org/x", bad_value)):
-        with pytest.raises(IntegrityError, match="control or line-break"):
+        with pytest.raises(IntegrityError, match="control, line-break or bidi-override"):
             write_sglang_files(tmp_path / "out", chosen, model)
         assert not (tmp_path / "out").exists()
 
 
 def test_printable_ids_with_shell_syntax_reach_the_server_as_one_exact_argument(tmp_path, fake_bin):
-    """Quotes, `$(…)`, backticks, `;`, spaces and a bidi override in a model id: sourcing and launching run nothing
-    of them, the server gets the id unchanged, and the `# model:` comment stays one line (the override escaped)."""
+    """Quotes, `$(…)`, backticks, `;`, spaces and a zero-width joiner in a model id: sourcing and launching run
+    nothing of them, the server gets the id unchanged, and the `# model:` comment stays one line (the joiner
+    escaped). (A bidi override is refused: test_writer_refuses_control_characters_in_any_value.)"""
     markers = [tmp_path / f"M{i}" for i in range(4)]
     model = (f"org/x'; touch {markers[0]}; echo ' $(touch {markers[1]}) `touch {markers[2]}` \"$HOME\" ;"
-             f"touch {markers[3]} \\ \u202etxt.exe")
+             f"touch {markers[3]} \\ \u200dtxt.exe")
     settings = SglangSettings({"SGLANG_OSCAR_K_ROTATION_PATH": K_FILE, "SGLANG_OSCAR_V_ROTATION_PATH": V_FILE,
                                "SGLANG_OSCAR_K_CLIP_RATIO": "0.96"}, ["--kv-cache-dtype", "int2"], (0.0, 0.0))
     out = tmp_path / "sg"
@@ -118,7 +119,7 @@ def test_printable_ids_with_shell_syntax_reach_the_server_as_one_exact_argument(
     for name in (ENV_FILE, LAUNCH_SCRIPT):
         subprocess.run(["bash", "-n", str(out / name)], check=True)
         comments = [line for line in (out / name).read_text().splitlines() if line.startswith("# model: ")]
-        assert len(comments) == 1 and "\u202e" not in comments[0] and "\\u202e" in comments[0]
+        assert len(comments) == 1 and "\u200d" not in comments[0] and "\\u200d" in comments[0]
     args = _source_and_launch(out, fake_bin)
     assert args[:4] == ["-m", "sglang.launch_server", "--model-path", model]
     assert args[4:] == ["--kv-cache-dtype", "int2"]
