@@ -29,7 +29,7 @@ from ..manifest import (CalibrationRecord, ClipSpec, Granularity, Manifest, Mode
 from ..runtime import layout
 from ..runtime.validate import check_finite, check_rotation
 from .sglang import ENV_FILE, LAUNCH_SCRIPT, SglangSettings, sglang_file_texts, sglang_settings
-from .staging import write_export_files
+from .staging import check_out, write_export_files
 
 K_FILE = "k_rotation_qqt_r_h_pbr.pt"
 V_FILE = "v_rotation_sst_r_h_pbr.pt"
@@ -246,6 +246,7 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncen
              V_FILE: oscar_pt_bytes(V_OBJECTIVE, layer_ids, v_rot, v_eig)}
     written = None
     if sglang:
+        check_out(out, (*files, ENV_FILE, LAUNCH_SCRIPT))  # the settings resolve paths under it: a loop is one line
         settings = sglang_settings(manifest, r.k_clip, r.v_clip, out / K_FILE, out / V_FILE, base=out)
         files.update((name, text.encode()) for name, text in sglang_file_texts(settings, manifest.model.id).items())
         written = SglangExport(settings, out / ENV_FILE, out / LAUNCH_SCRIPT)

@@ -5,9 +5,9 @@ there and leaves everything else alone, unlike an artifact folder, which is repl
 write_artifacts`). Every file is first written completely into a staging folder (`artifacts.staging_folder`: beside
 a new `--out`, which it then becomes by one rename; inside an existing one, so that the moves stay on its file
 system), then moved into place; a file already there is set aside in the staging folder until every new one is in
-place and put back if a move fails. Bad destinations are refused up front with one line (exit 2), having touched
-nothing: `--out` is a file or lies under one, cannot be resolved, is not writable, or holds a folder under one of the
-names to write.
+place and put back if a move fails (if putting back fails too, the error names the staging folder, which is kept: it
+holds the only copy). Bad destinations are refused up front with one line (exit 2), having touched nothing: `--out` is
+a file or lies under one, cannot be resolved, is not writable, or holds a folder under one of the names to write.
 """
 
 from __future__ import annotations
@@ -72,12 +72,17 @@ def write_export_files(out: Path, files: Mapping[str, bytes], executable: Collec
         if fresh and _rename_into_place(stage, dest):
             return dest
         _move_into(stage, dest, list(files), label, out)
+    except _UndoFailed:
+        raise  # the staging folder is kept: it holds the replaced files
     except OSError as exc:
+        shutil.rmtree(stage, ignore_errors=True)
         raise (write_failure(exc, dest) or
                InputError(f"cannot write the export into {label} {out}: {exc.strerror or exc}; nothing was changed")) \
             from None
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)  # gone already when it became `dest`
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
     return dest
 
 
@@ -95,26 +100,34 @@ def _rename_into_place(stage: Path, dest: Path) -> bool:
 
 def _move_into(stage: Path, dest: Path, names: list[str], label: str, out: Path) -> None:
     """Move the staged `names` into the existing folder `dest`. Files they replace wait in the staging folder; on any
-    failure every move made is undone (the new files taken back out, the old ones put back)."""
+    failure every move made is undone (the new files taken back out, every file set aside put back). An undo that
+    fails itself is an `_UndoFailed` naming the folder that still holds the replaced files (which is then kept)."""
     aside = stage / _SET_ASIDE
     aside.mkdir()
-    done: list[tuple[str, bool]] = []  # (name, whether a previous entry was set aside)
+    placed: list[str] = []  # names whose new file may be in `dest`
     try:
         for name in names:
             target = dest / name
             if target.is_dir() and not target.is_symlink():  # made since check_out: never move a folder away
                 raise InputError(f"{label} {out} holds a folder named {name} where export writes a file; nothing was "
                                  "changed", "move that folder away, or pick another --out")
-            had = os.path.lexists(target)
-            if had:
+            if os.path.lexists(target):
                 os.replace(target, aside / name)
-            done.append((name, had))
+            placed.append(name)
             os.replace(stage / name, target)
     except BaseException:
-        for name, had in reversed(done):
-            target = dest / name
-            if not (stage / name).exists() and os.path.lexists(target):
-                os.replace(target, stage / name)
-            if had:
-                os.replace(aside / name, target)
+        try:
+            for name in reversed(placed):
+                if not (stage / name).exists() and os.path.lexists(dest / name):
+                    os.replace(dest / name, stage / name)
+            for kept in os.listdir(aside):  # all of them: a file may be set aside before `placed` knows its name
+                os.replace(aside / kept, dest / kept)
+        except OSError as exc:
+            raise _UndoFailed(f"writing the export into {label} {out} failed and could not be undone "
+                              f"({exc.strerror or exc}): the files it replaced are in {aside}",
+                              "move them back by hand") from None
         raise
+
+
+class _UndoFailed(InputError):
+    """An export whose undo failed: the staging folder holds the only copy of the replaced files and is kept."""

@@ -14,6 +14,7 @@ import os
 import subprocess
 
 import pytest
+from pathlib import Path
 
 from oscar_zoo.errors import InputError, IntegrityError
 from oscar_zoo.export import staging
@@ -144,8 +145,9 @@ def test_out_that_cannot_be_resolved_is_exit_2(art, run_cli, tmp_path):
     (tmp_path / "loopA").symlink_to(tmp_path / "loopB")
     (tmp_path / "loopB").symlink_to(tmp_path / "loopA")
     for out in (tmp_path / "loopA", tmp_path / ("x" * 300)):
-        code, _, err = run_cli("export", art, "--format", "oscar-pt", "--out", out)
-        _one_line_error(code, err, 2)
+        for fmt in ("oscar-pt", "sglang"):
+            code, _, err = run_cli("export", art, "--format", fmt, "--out", out)
+            _one_line_error(code, err, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "loopA", "loopB"]
 
 
@@ -225,6 +227,38 @@ def test_a_failing_move_puts_everything_back(art, tmp_path, monkeypatch):
     assert len(moved_in) == 3
     assert _snapshot(out) == before
     _no_staging_left(out, tmp_path)
+
+
+def test_an_undo_that_fails_keeps_the_replaced_files_and_says_where(art, tmp_path, monkeypatch):
+    """The move of the second file fails, and so does every move back out of --out: the error says the export could
+    not be undone and names the folder that still holds every replaced file, which is kept (not deleted)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in (K_FILE, V_FILE):
+        (out / name).write_bytes(b"previous " + name.encode())
+    real = os.replace
+    calls = []
+
+    def failing(src, dst, *a, **kw):
+        from_stage = os.path.basename(os.path.dirname(str(src))).startswith(".oscar-export.")
+        if from_stage and os.path.dirname(str(dst)) == str(out):
+            calls.append(os.path.basename(str(dst)))
+            if len(calls) == 2:
+                raise OSError(errno.EIO, "Input/output error", str(dst))
+        to_stage = os.path.basename(os.path.dirname(str(dst))).startswith(".oscar-export.")
+        if os.path.dirname(str(src)) == str(out) and to_stage:
+            raise OSError(errno.EIO, "Input/output error", str(src))  # taking a new file back out fails
+        return real(src, dst, *a, **kw)
+
+    monkeypatch.setattr(staging.os, "replace", failing)
+    with pytest.raises(InputError, match="could not be undone") as raised:
+        export_oscar_pt(art, out, False)
+    monkeypatch.undo()
+    aside = Path(str(raised.value.message).split("the files it replaced are in ")[1])
+    assert "nothing was changed" not in raised.value.message
+    assert sorted(p.name for p in aside.iterdir()) == [K_FILE, V_FILE]  # V was set aside before its move failed
+    for name in (K_FILE, V_FILE):
+        assert (aside / name).read_bytes() == b"previous " + name.encode()
 
 
 # -- what succeeds ----------------------------------------------------------------------------------------------------
