@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import Rotations, atomic_write_bytes, load_artifacts, sha256_file, write_artifacts
+from ..artifacts import Rotations, load_artifacts, sha256_file, write_artifacts
 from ..errors import InputError, IntegrityError
 from ..manifest import (CalibrationRecord, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec, RotationSpec,
                         ValueTarget)
@@ -157,12 +157,6 @@ def oscar_pt_bytes(objective: str, layer_ids: list[int], rotation: torch.Tensor,
     buf = io.BytesIO()
     torch.save({"format_version": 1, "objective": objective, "source_grouping": "layer", "layers": layers}, buf)
     return buf.getvalue()
-
-
-def write_oscar_pt(path: Path, objective: str, layer_ids: list[int], rotation: torch.Tensor,
-                   eigenvalues: torch.Tensor) -> None:
-    """`oscar_pt_bytes`, written atomically to `path`."""
-    atomic_write_bytes(Path(path), oscar_pt_bytes(objective, layer_ids, rotation, eigenvalues))
 
 
 # -- per-head -> per-layer --------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from ..artifacts import (atomic_write_bytes, check_writable, remove_stale_staging, staging_folder, usual_mode,
-                         write_failure)
+from ..artifacts import (atomic_write_bytes, check_writable, nearest_existing, remove_stale_staging, staging_folder,
+                         usual_mode, write_failure)
 from ..errors import InputError
 
 STAGING_NAME = "oscar-export"  # inside an existing --out, staging folders are named `.oscar-export.<host>-<pid>.…`
@@ -32,7 +32,7 @@ def check_out(out: Path, names: Collection[str], label: str = "--out") -> Path:
     try:
         resolved = Path(out).expanduser().resolve()
         exists = resolved.exists()
-        above = resolved if exists else next(p for p in resolved.parents if p.exists())
+        above = nearest_existing(resolved)
         folders = [n for n in names if (resolved / n).is_dir() and not (resolved / n).is_symlink()] if exists else []
     except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before 3.13), a name too long, …
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oscar_zoo.artifacts import load_artifacts
-from oscar_zoo.export.oscar_pt import K_FILE, V_FILE, average_heads, head_agreement, write_oscar_pt
+from oscar_zoo.export.oscar_pt import K_FILE, V_FILE, average_heads, head_agreement, oscar_pt_bytes
 
 from ..hub.helpers import make_artifacts, random_rotations, run_cli
 
@@ -241,7 +241,7 @@ def test_write_then_read_accepts_int_and_str_keys(tmp_path):
     from oscar_zoo.export.oscar_pt import read_oscar_pt
 
     R = random_rotations(2, 1, 8)[:, 0]
-    write_oscar_pt(tmp_path / "k.pt", "qqt_r_h_pbr", [3, 7], R, torch.zeros(2, 8))
+    (tmp_path / "k.pt").write_bytes(oscar_pt_bytes("qqt_r_h_pbr", [3, 7], R, torch.zeros(2, 8)))
     got = read_oscar_pt(tmp_path / "k.pt", "qqt_r_h_pbr")
     assert got.layer_ids == [3, 7] and torch.equal(got.rotation, R)
 
