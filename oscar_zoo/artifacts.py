@@ -16,6 +16,7 @@ import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -283,9 +284,10 @@ def staging_folder(dest: Path, kind: str) -> Path:
     return folder
 
 
-def remove_stale_staging(dest: Path) -> None:
+def remove_stale_staging(dest: Path, recover: Callable[[Path], bool] | None = None) -> None:
     """Delete staging folders beside `dest` left by killed runs: made on this machine by a process that is gone.
-    Folders of live processes, of other machines (a shared filesystem) and anything else are left alone."""
+    Folders of live processes, of other machines (a shared filesystem) and anything else are left alone. `recover`
+    (when given) sees each such folder first and keeps it by returning False."""
     host = _owner_tag().split("-")[0]
     pattern = re.compile(rf"^\.{re.escape(dest.name)}\.{host}-(?P<pid>\d+)\.[a-z0-9_]+\.(?:tmp|pull)$")
     try:
@@ -295,7 +297,8 @@ def remove_stale_staging(dest: Path) -> None:
     for entry in entries:
         match = pattern.match(entry.name)
         if match and entry.is_dir() and not entry.is_symlink() and not _process_alive(int(match["pid"])):
-            shutil.rmtree(entry, ignore_errors=True)
+            if recover is None or recover(entry):
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 def _process_alive(pid: int) -> bool:

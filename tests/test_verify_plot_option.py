@@ -125,3 +125,8 @@ def test_the_file_written_is_the_file_reported(run_cli, artifacts, tiny_model_di
     code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", svg))
     assert code == 0, err
     assert b"<svg" in svg.read_bytes()[:2000] and f"wrote {svg}\n" in out
+
+
+def test_a_negative_generate_count_is_refused(run_cli, tmp_path):
+    code, out, err = run_cli("verify", tmp_path / "no-artifacts", "--generate", "-1")
+    assert code == 2 and "--generate must be ≥ 0" in err and "Traceback" not in err, err

@@ -92,6 +92,8 @@ def verify_command(
     for name, value in (("--context", context), ("--sequences", sequences)):
         if value <= 0:
             raise InputError(f"{name} must be positive, got {value}")
+    if generate < 0:
+        raise InputError(f"--generate must be ≥ 0 (0 skips the generation check), got {generate}")
     chosen = tuple(b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none")
     unknown = [b for b in chosen if b not in ALL_BASELINES]
     if unknown:

@@ -6,8 +6,9 @@ write_artifacts`). Every file is first written completely into a staging folder 
 a new `--out`, which it then becomes by one rename; inside an existing one, so that the moves stay on its file
 system), then moved into place; a file already there is set aside in the staging folder until every new one is in
 place and put back if a move fails (if putting back fails too, the error names the staging folder, which is kept: it
-holds the only copy). Bad destinations are refused up front with one line (exit 2), having touched nothing: `--out` is
-a file or lies under one, cannot be resolved, is not writable, or holds a folder under one of the names to write.
+holds the only copy; the files a killed run set aside are put back by the next export there). Bad destinations are
+refused up front with one line (exit 2), having touched nothing: `--out` is a file or lies under one, cannot be
+resolved, is not writable, or holds a folder under one of the names to write.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def write_export_files(out: Path, files: Mapping[str, bytes], executable: Collec
     try:
         if fresh:
             dest.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(anchor)
+        remove_stale_staging(anchor, _put_back)
         stage = staging_folder(anchor, "tmp")
     except OSError as exc:
         raise (write_failure(exc, dest) or exc) from None
@@ -84,6 +85,18 @@ def write_export_files(out: Path, files: Mapping[str, bytes], executable: Collec
         raise
     shutil.rmtree(stage, ignore_errors=True)
     return dest
+
+
+def _put_back(stale: Path) -> bool:
+    """A killed export's staging folder (inside --out): the files it had set aside go back where they were, undoing a
+    run that never finished; True when the folder may then be deleted (False keeps it, and what it holds)."""
+    aside = stale / _SET_ASIDE
+    try:
+        for name in os.listdir(aside) if aside.is_dir() else ():
+            os.replace(aside / name, stale.parent / name)
+    except OSError:
+        return False
+    return True
 
 
 def _rename_into_place(stage: Path, dest: Path) -> bool:

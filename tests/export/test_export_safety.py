@@ -261,6 +261,26 @@ def test_an_undo_that_fails_keeps_the_replaced_files_and_says_where(art, tmp_pat
         assert (aside / name).read_bytes() == b"previous " + name.encode()
 
 
+def test_a_killed_exports_set_aside_files_are_put_back(art, tmp_path):
+    """A run killed between setting a file aside and finishing left its staging folder inside --out, the old
+    sglang.env set aside there and a new one in place. The next export (oscar-pt: it writes no sglang.env) puts the old
+    file back before it removes the dead run's folder."""
+    from oscar_zoo.artifacts import _owner_tag
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    stale = out / f".{staging.STAGING_NAME}.{_owner_tag().split('-')[0]}-{dead.pid}.abc123.tmp"
+    (stale / ".replaced").mkdir(parents=True)
+    (stale / ".replaced" / ENV_FILE).write_bytes(b"old settings")
+    (out / ENV_FILE).write_bytes(b"half of a killed run")
+    export_oscar_pt(art, out, False)
+    assert (out / ENV_FILE).read_bytes() == b"old settings"
+    assert not stale.exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([ENV_FILE, K_FILE, V_FILE])
+
+
 # -- what succeeds ----------------------------------------------------------------------------------------------------
 def test_export_over_a_previous_one_replaces_only_its_files(art, run_cli, tmp_path, fake_bin):
     """A new nested --out, then again into the same folder (now holding other files too): exit 0 both times, the
