@@ -230,18 +230,7 @@ def check_destination(dest: Path, label: str) -> Path:
     not be the current folder or hold it (a swap would pull it out from under the shell), and the folder it is built
     in (its parent, or the nearest existing folder above) must be writable. Returns the resolved path; raises
     InputError (exit 2) otherwise, having touched nothing. `label` names the option in the message."""
-    try:
-        resolved = Path(dest).expanduser().resolve()
-    except RuntimeError:  # a symlink loop (Python < 3.13; later versions raise OSError ELOOP, mapped by the CLI)
-        raise InputError(f"{label} {dest} cannot be used: {PATH_ERRNOS[errno.ELOOP]}; nothing was changed",
-                         "pick another path") from None
-    if resolved.exists() and not resolved.is_dir():
-        raise InputError(f"{label} {dest} exists and is not a folder; nothing was changed",
-                         "pick a new or empty folder")
-    above = next(p for p in resolved.parents if p.exists())
-    if not resolved.exists() and not above.is_dir():
-        raise InputError(f"{label} {dest} lies under {above}, which is a file; nothing was changed")
-    check_writable(above, f"{label} {dest}")
+    resolved = folder_destination(dest, label, "pick a new or empty folder")
     if resolved.is_dir() and any(resolved.iterdir()):
         problem = artifact_folder_problem(resolved)
         if problem:
@@ -253,6 +242,26 @@ def check_destination(dest: Path, label: str) -> Path:
         raise InputError(f"{label} {dest} is the current folder or holds it: it is replaced by moving a new folder into"
                          " its place, which would leave this shell in a deleted folder; nothing was changed",
                          "name the folder from outside it (e.g. `cd ..` first)")
+    return resolved
+
+
+def folder_destination(dest: Path, label: str, advice: str) -> Path:
+    """`dest` resolved (`~`, `.`, `..`, symlinks), where a folder may be made or written into: an existing folder, or
+    a path with only folders above it, the nearest of them writable. InputError (exit 2) otherwise: a path that cannot
+    be looked up (a symlink loop, a name too long), an existing non-folder (`advice` says what to pick instead), a path
+    under a file, a folder we may not write in. `label` names the option in the messages."""
+    try:
+        resolved = Path(dest).expanduser().resolve()
+        above = nearest_existing(resolved)
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13), a name too long, …
+        why = (PATH_ERRNOS.get(exc.errno) or exc.strerror or str(exc)) if isinstance(exc, OSError) \
+            else PATH_ERRNOS[errno.ELOOP]
+        raise InputError(f"{label} {dest} cannot be used: {why}; nothing was changed", "pick another path") from None
+    if above == resolved and not resolved.is_dir():
+        raise InputError(f"{label} {dest} exists and is not a folder; nothing was changed", advice)
+    if not above.is_dir():
+        raise InputError(f"{label} {dest} lies under {above}, which is a file; nothing was changed")
+    check_writable(above, f"{label} {dest}")
     return resolved
 
 

@@ -18,8 +18,8 @@ import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from ..artifacts import (atomic_write_bytes, check_writable, nearest_existing, remove_stale_staging, staging_folder,
-                         usual_mode, write_failure)
+from ..artifacts import (atomic_write_bytes, folder_destination, remove_stale_staging, staging_folder, usual_mode,
+                         write_failure)
 from ..errors import InputError
 
 STAGING_NAME = "oscar-export"  # inside an existing --out, staging folders are named `.oscar-export.<host>-<pid>.…`
@@ -27,23 +27,11 @@ _SET_ASIDE = ".replaced"  # the files an export replaces wait here (inside the s
 
 
 def check_out(out: Path, names: Collection[str], label: str = "--out") -> Path:
-    """Resolve `out` and check that `names` can be written in it without a traceback or a partial result: it is an
-    existing folder (none of `names` a folder in it) or can be made (nothing but folders above it), and it is
-    writable. Returns the resolved path; InputError (exit 2) otherwise, having touched nothing."""
-    try:
-        resolved = Path(out).expanduser().resolve()
-        exists = resolved.exists()
-        above = nearest_existing(resolved)
-        folders = [n for n in names if (resolved / n).is_dir() and not (resolved / n).is_symlink()] if exists else []
-    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before 3.13), a name too long, …
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise InputError(f"{label} {out} cannot be used: {why}; nothing was changed", "pick another folder") from None
-    if exists and not resolved.is_dir():
-        raise InputError(f"{label} {out} exists and is not a folder; nothing was changed",
-                         "pick a new folder or an existing one")
-    if not above.is_dir():
-        raise InputError(f"{label} {out} lies under {above}, which is a file; nothing was changed")
-    check_writable(above, f"{label} {out}")
+    """Resolve `out` and check that `names` can be written in it without a traceback or a partial result: a writable
+    existing folder (none of `names` a folder in it) or one that can be made (`artifacts.folder_destination`).
+    Returns the resolved path; InputError (exit 2) otherwise, having touched nothing."""
+    resolved = folder_destination(out, label, "pick a new folder or an existing one")
+    folders = [n for n in names if (resolved / n).is_dir() and not (resolved / n).is_symlink()]
     if folders:
         raise InputError(f"{label} {out} holds a folder named {folders[0]} where export writes a file; nothing was "
                          "changed", "move that folder away, or pick another --out")

@@ -172,32 +172,25 @@ def test_a_folder_under_an_output_name_changes_nothing(art, run_cli, tmp_path, f
     _no_staging_left(out, tmp_path)
 
 
+@pytest.mark.parametrize("via", ["api", "cli"])
 @pytest.mark.parametrize("folder_name", [ENV_FILE, LAUNCH_SCRIPT])
-def test_sglang_export_is_all_or_nothing_api(art, tmp_path, folder_name):
-    """export_oscar_pt(…, sglang=True) writes the four files as one set: a folder where sglang.env or the launch
-    script goes leaves the old .pt files as they were."""
+def test_sglang_export_is_all_or_nothing(art, run_cli, tmp_path, folder_name, via):
+    """export_oscar_pt(…, sglang=True), and `export --format sglang`, write the four files as one set: a folder where
+    sglang.env or the launch script goes leaves the old .pt files as they were."""
     out = tmp_path / "out"
     out.mkdir()
     for name in (K_FILE, V_FILE):
         (out / name).write_bytes(b"previous")
     (out / folder_name).mkdir()
     before = _snapshot(out)
-    with pytest.raises(InputError, match=folder_name):
-        export_oscar_pt(art, out, False, sglang=True)
+    if via == "api":
+        with pytest.raises(InputError, match=folder_name):
+            export_oscar_pt(art, out, False, sglang=True)
+    else:
+        code, _, err = run_cli("export", art, "--format", "sglang", "--out", out)
+        _one_line_error(code, err, 2)
     assert _snapshot(out) == before
     _no_staging_left(out, tmp_path)
-
-
-def test_sglang_export_is_all_or_nothing_cli(art, run_cli, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    for name in (K_FILE, V_FILE):
-        (out / name).write_bytes(b"previous")
-    (out / LAUNCH_SCRIPT).mkdir()
-    before = _snapshot(out)
-    code, _, err = run_cli("export", art, "--format", "sglang", "--out", out)
-    _one_line_error(code, err, 2)
-    assert _snapshot(out) == before
 
 
 def test_a_failing_move_puts_everything_back(art, tmp_path, monkeypatch):
