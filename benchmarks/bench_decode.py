@@ -67,6 +67,21 @@ def time_rotating(calls) -> tuple[float, float, float]:
     return eager, graph, in_graph
 
 
+def graph_floor_us() -> float:
+    """What a CUDA-graph replay of one tiny kernel takes, timed like the rows' one-call-per-graph column: the part of
+    that column no kernel change can remove."""
+    x = torch.zeros(1, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        x.add_(1)
+    return triton.testing.do_bench(g.replay, warmup=25, rep=200) * 1e3
+
+
 def int2_cache(B, H_kv, D, L, gen):
     """A fresh random three-tier cache of L tokens (random codes and scale/zero: timing does not depend on values)."""
     sink, recent = layout.SINK, layout.RECENT
@@ -142,8 +157,8 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
 
 C = ops.DecodeConfig
 SWEEP = [  # ops.DECODE_CONFIGS candidates (tile tokens, warps, stages, programs per SM, register cap), each for both dims
-    C(64, 1, 3, 4, None), C(64, 1, 3, 6, None), C(64, 1, 3, 8, None), C(64, 1, 3, 10, 200), C(64, 1, 3, 11, 184),
-    C(64, 1, 3, 12, 168),
+    # (the one-warp settings with 4–12 programs per SM are in RESULTS.md, "Launch settings re-checked after v4.2")
+    C(64, 1, 3, 8, None), C(64, 1, 3, 12, 168), C(64, 2, 3, 8, 128), C(64, 2, 2, 8, 128), C(64, 2, 3, 10, 96),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
               ((9, 3, 64), 8, 32768)]  # fmt: skip
@@ -224,6 +239,20 @@ def sweep_merge(gen, copy_bw, values):
     return out
 
 
+def sweep_unroll(gen, copy_bw, values):
+    """Try `DecodeConfig.loop_unroll` values (on the settings in force for both head dims) on the headline rows, the
+    values interleaved twice so drift shows."""
+    out, cfg0 = [], dict(ops.DECODE_CONFIGS)
+    try:
+        for rep in range(2):
+            for unroll in values:
+                ops.DECODE_CONFIGS.update({d: dataclasses.replace(c, loop_unroll=unroll) for d, c in cfg0.items()})
+                _bench_rows(QUICK_ROWS, f"unroll {unroll}", dict(loop_unroll=unroll, rep=rep), gen, copy_bw, out)
+    finally:
+        ops.DECODE_CONFIGS.update(cfg0)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="headline rows only")
@@ -234,11 +263,15 @@ def main():
                     help="programmatic dependent launch off/on × rescale slack 0/8 on the headline rows, then stop")
     ap.add_argument("--sweep-merge", type=int, nargs="+", metavar="N",
                     help="try these ops.MERGE_TILE values on the headline rows, then stop")
+    ap.add_argument("--sweep-unroll", type=int, nargs="+", metavar="N",
+                    help="try these DecodeConfig.loop_unroll values on the headline rows, then stop")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
-    result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, torch=torch.__version__,
+    floor = graph_floor_us()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s, a one-kernel graph "
+          f"replay {floor:.1f} us", flush=True)  # fmt: skip
+    result = dict(device=torch.cuda.get_device_name(), copy_Bps=copy_bw, graph_floor_us=floor, torch=torch.__version__,
                   triton=triton.__version__, rows=[])  # fmt: skip
     if args.sweep_tiles is not None:
         result["sweep_tiles"] = sweep_tiles(gen, copy_bw, args.sweep_tiles or (2, 4, 8, 16))
@@ -248,10 +281,12 @@ def main():
         result["sweep_variants"] = sweep_variants(gen, copy_bw)
     if args.sweep_merge:
         result["sweep_merge"] = sweep_merge(gen, copy_bw, args.sweep_merge)
+    if args.sweep_unroll:
+        result["sweep_unroll"] = sweep_unroll(gen, copy_bw, args.sweep_unroll)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = QUICK_ROWS
-    if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge:
+    if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge or args.sweep_unroll:
         combos = []
     for (H_q, H_kv, D), B, L in combos:
         r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|kernels]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|profile]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -12,6 +12,9 @@
 # kernels: the quantize/pack, decode-kernel and merge GPU tests (≈ 7.5 min on a fresh machine: most of it is Triton
 #   compiling the tested variants), then the quantize/pack rows (both builds) and the headline decode rows: the first
 #   thing to run after a kernel change, within one 10-minute call
+# profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
+#   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
+#   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/oscar-gpu}
@@ -24,6 +27,27 @@ if [ "$mode" = peers ]; then
   python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-32768 100000} --batches 1 8 \
     --kinds oscar bf16graph hf-quanto-int2 hf-hqq-int2 --budget-contexts --phases 100000:1 \
     2>&1 | tee "$OUT/bench_generate_peers.log" | tail -30
+  exit 0
+fi
+if [ "$mode" = profile ]; then
+  metrics=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
+  metrics=$metrics,sm__warps_active.avg.per_cycle_active,launch__registers_per_thread
+  for cfg in 64,1,3,8,0 64,2,3,8,128; do
+    ncu --clock-control none -k regex:'_decode_kernel|_merge' --launch-skip 4 --launch-count 2 --metrics "$metrics" \
+      python3 benchmarks/profile_decode.py --context 100000 --config $cfg > "$OUT/ncu_metrics_${cfg//,/_}.log" 2>&1
+    echo "== $cfg"; grep -E "_decode_kernel|_merge|duration|issue_active|warps_active|registers" "$OUT/ncu_metrics_${cfg//,/_}.log"
+  done
+  for row in "1 100000" "32 32768"; do
+    set -- $row
+    ncu --clock-control none -k regex:'_decode_kernel' --launch-skip 4 --launch-count 1 --set full -o "$OUT/decode_b$1" \
+      python3 benchmarks/profile_decode.py --batch "$1" --context "$2" > "$OUT/ncu_b$1.log" 2>&1
+    ncu --import "$OUT/decode_b$1.ncu-rep" --page details --print-units base > "$OUT/details_b$1.txt" 2>&1
+    ncu --import "$OUT/decode_b$1.ncu-rep" --page raw --csv > "$OUT/raw_b$1.csv" 2>&1
+    echo "== batch $1, context $2"
+    grep -E "^    (Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Waves Per SM)" \
+      "$OUT/details_b$1.txt"
+    rm -f "$OUT/decode_b$1.ncu-rep"
+  done
   exit 0
 fi
 if [ "$mode" = decode ]; then

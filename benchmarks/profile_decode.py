@@ -21,7 +21,12 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=100_000)
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--config", help="ops.DecodeConfig for every head dim: block_n,warps,stages,programs_per_sm,"
+                    "maxnreg (maxnreg 0: none); default: the settings in force")
     args = ap.parse_args()
+    if args.config:
+        n, w, st, p, r = (int(x) for x in args.config.split(","))
+        ops.DECODE_CONFIGS.update({d: ops.DecodeConfig(n, w, st, p, r or None) for d in ops.DECODE_CONFIGS})
     H_q, H_kv, D = (int(x) for x in args.shape.split("/"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache = int2_cache(args.batch, H_kv, D, args.context, gen)
