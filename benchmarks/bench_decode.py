@@ -239,20 +239,6 @@ def sweep_merge(gen, copy_bw, values):
     return out
 
 
-def sweep_unroll(gen, copy_bw, values):
-    """Try `DecodeConfig.loop_unroll` values (on the settings in force for both head dims) on the headline rows, the
-    values interleaved twice so drift shows."""
-    out, cfg0 = [], dict(ops.DECODE_CONFIGS)
-    try:
-        for rep in range(2):
-            for unroll in values:
-                ops.DECODE_CONFIGS.update({d: dataclasses.replace(c, loop_unroll=unroll) for d, c in cfg0.items()})
-                _bench_rows(QUICK_ROWS, f"unroll {unroll}", dict(loop_unroll=unroll, rep=rep), gen, copy_bw, out)
-    finally:
-        ops.DECODE_CONFIGS.update(cfg0)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="headline rows only")
@@ -263,8 +249,6 @@ def main():
                     help="programmatic dependent launch off/on × rescale slack 0/8 on the headline rows, then stop")
     ap.add_argument("--sweep-merge", type=int, nargs="+", metavar="N",
                     help="try these ops.MERGE_TILE values on the headline rows, then stop")
-    ap.add_argument("--sweep-unroll", type=int, nargs="+", metavar="N",
-                    help="try these DecodeConfig.loop_unroll values on the headline rows, then stop")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -281,12 +265,10 @@ def main():
         result["sweep_variants"] = sweep_variants(gen, copy_bw)
     if args.sweep_merge:
         result["sweep_merge"] = sweep_merge(gen, copy_bw, args.sweep_merge)
-    if args.sweep_unroll:
-        result["sweep_unroll"] = sweep_unroll(gen, copy_bw, args.sweep_unroll)
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = QUICK_ROWS
-    if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge or args.sweep_unroll:
+    if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge:
         combos = []
     for (H_q, H_kv, D), B, L in combos:
         r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)

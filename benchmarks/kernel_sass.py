@@ -197,7 +197,6 @@ def main():
     ap.add_argument("--warps", type=int)
     ap.add_argument("--maxnreg", type=int, help="register cap (0: none)")
     ap.add_argument("--stages", type=int, help="software-pipeline depth of the INT2 loop")
-    ap.add_argument("--unroll", type=int, help="DecodeConfig.loop_unroll (INT2 loop trips unrolled into one)")
     ap.add_argument("--slack", type=float, help="DecodeConfig.rescale_slack (0: rescale whenever a maximum grows)")
     ap.add_argument("--group-size", type=int, default=0, help="scale/zero group (0: one per row)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
@@ -207,8 +206,7 @@ def main():
     cfg = dataclasses.replace(cfg, block_n=args.block_n or cfg.block_n,
                               warps=args.warps or cfg.warps, stages=args.stages or cfg.stages,
                               maxnreg=cfg.maxnreg if args.maxnreg is None else args.maxnreg or None,
-                              rescale_slack=cfg.rescale_slack if args.slack is None else args.slack,
-                              loop_unroll=args.unroll or cfg.loop_unroll)  # fmt: skip
+                              rescale_slack=cfg.rescale_slack if args.slack is None else args.slack)  # fmt: skip
     ops.DECODE_CONFIGS.update({d: cfg for d in ops.DECODE_CONFIGS})
     import tempfile
 
@@ -218,8 +216,7 @@ def main():
         res = resources(compiled.asm["cubin"], Path(tmp))
     # the INT2 loop: the one with the byte-permute unpack (the BF16 tiers' loop has none; at d = 256 it is the longer)
     int2 = max(found, key=lambda f: (f[1].get("PRMT", 0), f[1].get("HMMA", 0) > 0, f[0]))
-    # the common path (without the skippable rescale), per token-head: one trip is UNROLL tiles
-    per = (int2[0] - int2[2]) * warps / (kw["BLOCK_N"] * kw["UNROLL"])
+    per = (int2[0] - int2[2]) * warps / kw["BLOCK_N"]  # the common path: without the skippable rescale
     if args.json:
         print(json.dumps(dict(triton=triton.__version__, shared=compiled.metadata.shared, warps=warps, GP=kw["GP"],
                               BLOCK_N=kw["BLOCK_N"], loop_instructions=int2[0], skippable=int2[2],
@@ -229,8 +226,7 @@ def main():
     print(f"triton {triton.__version__}, sm_90, {H_q}/{H_kv} heads d={D}: one KV head per program, "
           f"GP {kw['GP']}, BLOCK_N {kw['BLOCK_N']}, {warps} warps, shared {compiled.metadata.shared} B, "
           f"{res['registers']} registers/thread, {res['stack']} B stack (spills)/thread")
-    print(f"INT2 loop: {int2[0]} instructions per warp per trip of {kw['UNROLL']} tile(s), {int2[2]} of them skippable "
-          f"(the lazy rescale) → "
+    print(f"INT2 loop: {int2[0]} instructions per warp per tile, {int2[2]} of them skippable (the lazy rescale) → "
           f"{per:.1f} warp instructions per token-head on the common path")
     print("  " + ", ".join(f"{op} {n}" for op, n in int2[1].most_common(12)))
     print(f"before it, once per program (the INT2 branch's entry to the first tile): {int2[3].total()} instructions")

@@ -32,9 +32,6 @@ class DecodeConfig:
     # online softmax: 0 rescales the running sums whenever a maximum grows; s > 0 keeps a stale maximum until one grows
     # by more than s (log2 units), so most tiles skip the rescale (the partial sums stay ≤ 2^s times larger)
     rescale_slack: float = 8.0
-    # INT2 loop trips unrolled into one (Triton's loop_unroll_factor): a warp interleaves the dependency chains of
-    # that many tiles
-    loop_unroll: int = 1
 
 
 # Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"; rescale_slack with
@@ -450,8 +447,8 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D, G),
         BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=cfg.stages, SLACK=cfg.rescale_slack, UNROLL=cfg.loop_unroll, PDL=pdl, num_warps=_warps(group, D),
-        maxnreg=cfg.maxnreg, launch_pdl=pdl,
+        STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=pdl, num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 

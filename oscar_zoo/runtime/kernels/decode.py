@@ -274,7 +274,6 @@ def _attend(
     b, h, GROUP, qk_scale,
     INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr, SLACK: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of one tier for KV head h and its GROUP query heads; writes (o, lse) of
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
@@ -376,7 +375,7 @@ def _attend(
     if INT2:
         # the split's whole tiles unmasked and software-pipelined, then its last, partial tile (if any) masked
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-        for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES, loop_unroll_factor=UNROLL):
+        for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
                 stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
@@ -443,7 +442,7 @@ def _decode_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
-    SLACK: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
+    SLACK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         # programmatic dependent launch: wait for the kernel before (it may have written q or the cache), then let
@@ -471,7 +470,7 @@ def _decode_kernel(
                 len_ptr, tl.where(in_sink, s, s - S_SINK - S_HIST), tl.where(in_sink, S_SINK, S_RECENT),
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h, GROUP, qk_scale,
-                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0, 1)
+                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0)
     else:
         _attend(q_ptr, stride_qb, stride_qh,
                 ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd,
@@ -479,4 +478,4 @@ def _decode_kernel(
                 hlen_ptr, s - S_SINK, S_HIST,
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h, GROUP, qk_scale,
-                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, UNROLL)
+                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK)
