@@ -245,5 +245,5 @@ def test_invalid_means_are_refused():
         OscarCache(Mk, Mk, k_mean=torch.zeros(2, H_KV, D - 1), v_mean=torch.zeros(2, H_KV, D))
     bad = torch.zeros(2, H_KV, D)
     bad[1, 2, 5] = math.nan
-    with pytest.raises(ValueError, match="v_mean at layer 1 head 2 \(index \[1, 2, 5\]\) holds nan"):
+    with pytest.raises(ValueError, match=r"v_mean at layer 1 head 2 \(index \[1, 2, 5\]\) holds nan"):
         OscarCache(Mk, Mk, k_mean=torch.zeros(2, H_KV, D), v_mean=bad)
