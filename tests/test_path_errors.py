@@ -35,3 +35,15 @@ def test_an_artifact_argument_with_a_name_too_long_is_an_input_error(run_cli, tm
     _one_line_exit_2(run_cli("inspect", LONG))
     _one_line_exit_2(run_cli("export", LONG, "--format", "oscar-pt", "--out", "exported"))
     assert not (tmp_path / "exported").exists()
+
+
+@pytest.mark.parametrize("command", [[], ["calibrate"], ["verify"], ["inspect"], ["push"], ["pull"], ["list"],
+                                     ["export"], ["import-oscar"]])  # fmt: skip
+def test_every_command_has_help(run_cli, command):
+    """`--help` exits 0 and prints the usage line (pull's help once read `[/SUBFOLDER]` as a closing markup tag and
+    crashed with exit 1)."""
+    code, out, err = run_cli(*command, "--help")
+    assert code == 0, err
+    assert "Usage:" in out
+    if command == ["pull"]:
+        assert "OWNER/REPO[/SUBFOLDER]" in out

@@ -15,7 +15,7 @@ from .options import Json
 
 
 def pull_command(
-    source: Annotated[str, typer.Argument(help="A catalog name (see `oscar-zoo list`) or OWNER/REPO[/SUBFOLDER].")],
+    source: Annotated[str, typer.Argument(help="A catalog name (see `oscar-zoo list`) or OWNER/REPO\\[/SUBFOLDER].")],
     hub: Annotated[str | None, typer.Option("--hub", help="`hf` or `modelscope` (default: hf for a repo id, the "
                                                           "first published location for a catalog name).")] = None,
     revision: Annotated[str | None, typer.Option(help="Branch, tag or commit (default: the catalog's pin or the "
