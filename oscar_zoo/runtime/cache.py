@@ -555,9 +555,11 @@ class OscarCache(Cache):
             layer.reserve(tokens)
 
     def static_step_key(self) -> tuple | None:
-        """What identifies the next single-token decode step as a static (capturable) one: (demotes, storage
-        versions); None when it is not static (a layer uninitialised, sink or recent window still filling, BF16
-        history switch). Reserves the history rows a demotion needs first, so the step itself never allocates."""
+        """What identifies the next single-token decode step as a static (capturable) one: (demotes, this cache's
+        identity with each layer's storage version and value fold); None when it is not static (a layer uninitialised,
+        sink or recent window still filling, BF16 history switch). A captured step replays fixed addresses and a fixed
+        fold, so a deep copy (same versions, other tensors) and a cache whose values were folded into o_proj since
+        must not match it. Reserves the history rows a demotion needs first, so the step itself never allocates."""
         live = [layer for layer in self.layers if layer.rotation is not None]
         if not live or not all(layer.is_initialized and layer.quantize and layer.is_static_step(1) for layer in live):
             return None
@@ -567,7 +569,7 @@ class OscarCache(Cache):
         if True in demote:
             for layer in live:
                 layer._ensure_history(layer.n_hist + layer.flush)
-        return (demote.pop(), tuple(layer.storage_version for layer in live))
+        return (demote.pop(), (id(self),) + tuple((layer.storage_version, layer.v_folded) for layer in live))
 
     def host_lengths(self) -> list[tuple[int, int, int]]:
         return [(layer.n_sink, layer.n_hist, layer.n_recent) for layer in self.layers]

@@ -34,7 +34,7 @@ class DecodeGraphs:
         self.fallback = fallback or model.__call__
         self.graphs: dict[tuple, _Step] = {}
         self.warm: set[tuple] = set()  # step kinds that have run eagerly once (kernels compiled, workspaces made)
-        self.versions: tuple | None = None  # storage versions the graphs were captured against
+        self.versions: tuple | None = None  # the cache, storage versions and value folds the graphs were captured for
         self.pool = None
         self.replays = self.captures = 0
 
@@ -101,8 +101,8 @@ class DecodeGraphs:
 
 class _Step:
     """One captured step: its static input tensors, the graph, and the logits buffer it writes. It keeps no
-    reference to the cache (a cache dropped by the user is freed; its graphs are never replayed again, because the
-    storage versions of a new cache are new)."""
+    reference to the cache (a cache dropped by the user is freed; its graphs are never replayed again: the step key
+    holds the cache's identity and storage versions, and a new cache's versions are new)."""
 
     def __init__(self, kwargs: dict):
         ids = kwargs["input_ids"]

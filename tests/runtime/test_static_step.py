@@ -7,6 +7,7 @@ Triton kernels; the GPU copies check capture + replay in generate() (marked gpu)
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3C
 from oscar_zoo.runtime import attention, layout, ops, reference
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache, OscarLayer
-from oscar_zoo.runtime.graph import DecodeGraphs
+from oscar_zoo.runtime.graph import DecodeGraphs, _Step
 
 D = 64
 
@@ -131,6 +132,60 @@ def test_step_is_not_static_while_the_windows_fill():
     assert cache.static_step_key() is None  # uninitialised
     cache.update(k, k, 0)
     assert cache.static_step_key() is None  # recent window 36 < 256: single tokens still go to the general path
+
+
+def test_a_deep_copy_or_a_value_fold_never_replays_another_steps_graph():
+    """Graphs replay fixed addresses: a deep copy of a prefilled cache (the prompt-reuse pattern: same storage
+    versions, other tensors) must not match the step key of the cache it was copied from, nor a cache whose values
+    were folded into o_proj since; consecutive steps of one cache keep their key (the captured graph is reused)."""
+    cache = _cache(1)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 3, 330, D, generator=g).bfloat16()
+    cache.update(k[:, :, :320], k[:, :, :320], 0)
+    a, b = copy.deepcopy(cache), copy.deepcopy(cache)
+    key_a = a.static_step_key()
+    assert b.static_step_key() != key_a and cache.static_step_key() != key_a
+    a.update(k[:, :, 320:321], k[:, :, 320:321], 0)
+    assert a.static_step_key() == key_a
+    a.layers[0].bind_value_fold(a.layers[0].v_fingerprint)  # what the attention hook does after fold_value_rotation
+    assert a.static_step_key() != key_a
+
+
+def test_decode_graphs_capture_anew_for_a_deep_copy(monkeypatch):
+    """DecodeGraphs' dispatch on CPU, with capture recording the cache it captured for: decoding two deep copies of one
+    prefilled cache replays only each copy's own graph (before, the second copy replayed the first's: on a GPU its
+    steps would have written into the first copy's tiers)."""
+    model = enable_oscar(_llama(layers=2))
+    graphs = DecodeGraphs(model)
+    replayed = []
+
+    class Recorded:  # stands in for a CUDA graph: replay records the cache it was captured for
+        def __init__(self, cache):
+            self.cache = cache
+
+        def replay(self):
+            replayed.append(self.cache)
+
+    def capture(cache, kwargs):
+        step = _Step(kwargs)
+        lengths = cache.host_lengths()
+        step.keep(model(**{**kwargs, **step.inputs}))
+        cache.restore_host_lengths(lengths)
+        step.graph = Recorded(cache)
+        return step
+
+    monkeypatch.setattr(graphs, "_step_kind", lambda kwargs: (tuple(kwargs["input_ids"].shape), ()))
+    monkeypatch.setattr(graphs, "_capture", capture)
+    base = _cache(2)
+    with torch.no_grad():
+        model(torch.randint(0, 512, (1, 330), generator=torch.Generator().manual_seed(1)), cache=base)
+        copies = copy.deepcopy(base), copy.deepcopy(base)
+        for cache in copies:
+            for t in range(3):
+                pos = torch.tensor([[cache.get_seq_length()]])
+                graphs(input_ids=torch.tensor([[7 + t]]), position_ids=pos, cache=cache, use_cache=True)
+    assert len(replayed) == 4  # per copy: one eager warm-up step, then a capture and two replays
+    assert all(c is copies[0] for c in replayed[:2]) and all(c is copies[1] for c in replayed[2:])
 
 
 # ------------------------------------------------------------------------------------------------------ binding
