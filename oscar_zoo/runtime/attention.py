@@ -30,17 +30,21 @@ ATTN_IMPLEMENTATION = "oscar"
 
 
 def dense_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None, q_offset: int | None = None
-) -> Tensor:
-    """Causal attention, q [B, H_q, n, D] at positions q_offset.. (default: the last n of k), k/v [B, H_kv, S, D].
-    SDPA in q's dtype (as transformers' sdpa path runs it); fp32 eager math when a logit softcap is set."""
+    q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None, q_offset: int | None = None,
+    causal: bool = True,
+) -> Tensor:  # fmt: skip
+    """Causal attention, q [B, H_q, n, D] at positions q_offset.. (default: the last n of k), k/v [B, H_kv, S, D]
+    (`causal` False: every query sees every key, as in an encoder). SDPA in q's dtype (as transformers' sdpa path
+    runs it); fp32 eager math when a logit softcap is set."""
     n, S = q.shape[2], k.shape[2]
     q_offset = S - n if q_offset is None else q_offset
     allowed = torch.arange(S, device=q.device)[None, :] <= (q_offset + torch.arange(n, device=q.device))[:, None]
+    if not causal:
+        allowed = torch.ones_like(allowed)
     g = q.shape[1] // k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
     if softcap is None:
-        if n == 1 and q_offset == S - 1:  # decode: every key is visible
+        if not causal or (n == 1 and q_offset == S - 1):  # every key is visible
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=g > 1)
         if q_offset == 0 and n == S:  # a fresh prefill chunk
             return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=g > 1)
@@ -87,8 +91,12 @@ def oscar_attention(
                 f"the context reached {total} tokens: OSCAR covers full-attention layers only; keep the context "
                 f"within the window or use a model without sliding-window layers"
             )
-    if pending is None:  # no OscarCache (e.g. use_cache=False): exact attention on the key/value given
-        out = dense_attention(query, key, value, scale, softcap)
+    if pending is None:  # no OscarCache (e.g. use_cache=False, or an encoder): exact attention on the key/value given
+        # a bidirectional module (a vision tower that `set_attn_implementation` switched too) says so as transformers'
+        # sdpa path reads it: the call's `is_causal`, else the module's
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        out = dense_attention(query, key, value, scale, softcap, causal=bool(causal))
         return out.transpose(1, 2).contiguous(), None
 
     n, H_q = query.shape[2], query.shape[1]

@@ -341,3 +341,24 @@ def test_a_reset_cache_takes_a_new_batch_size():
     cache.reset()
     ids = _prompt(B=2, T=330, seed=2)
     assert torch.equal(_generate(model, ids, cache, 3), _generate(model, ids, OscarCache(_rotations(2), _rotations(2, 50)), 3))
+
+
+@pytest.mark.parametrize("how", ["module", "call"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_bidirectional_modules_run_exact_bidirectional_attention(how, softcap):
+    """`enable_oscar` switches every sub-config (a vision tower's too); without an OscarCache "oscar" must then be
+    exact attention of the kind the module asks for: a bidirectional module (module.is_causal False, or is_causal=False
+    in the call) sees every key. Before, it ran causal attention and changed a Llava vision tower's output by 2 units.
+    Reference: float64 softmax attention over all keys."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 9, 64, generator=g).bfloat16() for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = how != "module"
+    kwargs = {"is_causal": False} if how == "call" else {}
+    out, _ = oscar_attention(module, q, k, v, None, scaling=0.125, softcap=softcap, **kwargs)
+    logits = (q.double() @ k.double().transpose(-1, -2)) * 0.125
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    ref = (torch.softmax(logits, -1) @ v.double()).transpose(1, 2)
+    assert out.shape == (2, 9, 6, 64)
+    assert (out.double() - ref).abs().max() <= 2 * 2**-8 * ref.abs().max()  # bf16 output rounding, twice
