@@ -38,9 +38,10 @@ def dense_attention(
     runs it); fp32 eager math when a logit softcap is set."""
     n, S = q.shape[2], k.shape[2]
     q_offset = S - n if q_offset is None else q_offset
-    allowed = torch.arange(S, device=q.device)[None, :] <= (q_offset + torch.arange(n, device=q.device))[:, None]
-    if not causal:
-        allowed = torch.ones_like(allowed)
+    if causal:
+        allowed = torch.arange(S, device=q.device)[None, :] <= (q_offset + torch.arange(n, device=q.device))[:, None]
+    else:
+        allowed = torch.ones(n, S, dtype=torch.bool, device=q.device)
     g = q.shape[1] // k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
     if softcap is None:
