@@ -80,12 +80,15 @@ def supported_model_types() -> str:
     return ", ".join(sorted(ARCHITECTURES))
 
 
+def _config_file(source: str | Path) -> str:
+    """How error messages name the config of `source`: `FOLDER/config.json` for a local folder, else the id's."""
+    return str(Path(source) / "config.json") if Path(source).is_dir() else f"the config.json of {source}"
+
+
 def config_file_of(config) -> str:
-    """How error messages name where a config came from: `FOLDER/config.json` for a local folder, else the id."""
+    """`_config_file` of where a loaded config came from (its `name_or_path`)."""
     name = str(getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or "")
-    if not name:
-        return "the model's config"
-    return str(Path(name) / "config.json") if Path(name).is_dir() else f"the config.json of {name}"
+    return _config_file(name) if name else "the model's config"
 
 
 def _bad_field(where: str, field: str, value, expected: str) -> InputError:
@@ -173,8 +176,7 @@ def load_config(source: str | Path, where: str | None = None, **kwargs):
     OSError (no such model, unreadable or non-JSON file) is left to the caller, which knows what was asked for."""
     from transformers import AutoConfig
 
-    if where is None:
-        where = str(Path(source) / "config.json") if Path(source).is_dir() else f"the config.json of {source}"
+    where = where or _config_file(source)
     try:
         return AutoConfig.from_pretrained(source, **kwargs)
     except _config_errors() as exc:

@@ -210,7 +210,7 @@ def _filler(tokenizer, texts: list[str]) -> list[int]:
 
 def _needle_plot_path(plot: Path) -> Path:
     """Where the needle heatmap goes beside the --plot file (whose extension `check_plot_path` has settled)."""
-    return plot.with_name(f"{plot.stem}-needle{plot.suffix or '.png'}")
+    return plot.with_name(f"{plot.stem}-needle{plot.suffix}")
 
 
 SHORT = {"bf16": "BF16", "oscar": "OSCAR", "naive": "naive INT2", "clip-only": "clip-only INT2",

@@ -28,20 +28,31 @@ def _pyplot():
     return plt
 
 
-def supported_formats() -> dict[str, str]:
-    """The file extensions matplotlib's Agg canvas writes, with their descriptions (asked of matplotlib)."""
-    plt = _pyplot()
-    fig = plt.figure(figsize=(0.5, 0.5))
-    try:
-        return dict(fig.canvas.get_supported_filetypes())
-    finally:
-        plt.close(fig)
-
-
 def _render(fig, fmt: str, **kwargs) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, **kwargs)
     return buffer.getvalue()
+
+
+def _check_format(fmt: str, what: str) -> None:
+    """InputError unless matplotlib writes `fmt` here: one of its Agg canvas's formats, and a tiny figure renders."""
+    plt = _pyplot()
+    fig = plt.figure(figsize=(0.5, 0.5))
+    try:
+        formats = fig.canvas.get_supported_filetypes()
+        if fmt not in formats:
+            raise InputError(f"{what}: matplotlib cannot write .{fmt} files",
+                             f"use one of the extensions {', '.join('.' + f for f in sorted(formats))} "
+                             f"(none: {DEFAULT_SUFFIX})")
+        fig.text(0.5, 0.5, "‖o − o_bf16‖ 1.0")  # text too: pgf lays it out with LaTeX, which may be missing
+        try:
+            _render(fig, fmt)
+        except _PROBE_ERRORS as exc:
+            raise InputError(f"{what}: matplotlib cannot write .{fmt} files here "
+                             f"({' '.join(str(exc).split()) or type(exc).__name__})",
+                             f"use another extension, such as {DEFAULT_SUFFIX} or .pdf") from None
+    finally:
+        plt.close(fig)
 
 
 def check_plot_path(path: Path, needle_of: Path | None = None) -> Path:
@@ -62,23 +73,8 @@ def check_plot_path(path: Path, needle_of: Path | None = None) -> Path:
             raise InputError(f"{what}{named} is a folder; the plot needs a file name",
                              f"name a file in it, e.g. --plot {shown / ('verify' + DEFAULT_SUFFIX)}"
                              if needle_of is None else "rename that folder, or pick another --plot name")
-    fmt = target.suffix[1:].lower()
-    formats = supported_formats()
-    if fmt not in formats:
-        raise InputError(f"{what}: matplotlib cannot write .{fmt} files",
-                         f"use one of the extensions {', '.join('.' + f for f in sorted(formats))} "
-                         f"(none: {DEFAULT_SUFFIX})")
-    plt = _pyplot()
-    fig = plt.figure(figsize=(0.5, 0.5))
-    fig.text(0.5, 0.5, "‖o − o_bf16‖ 1.0")  # text too: pgf lays it out with LaTeX, which may be missing
-    try:
-        _render(fig, fmt)
-    except _PROBE_ERRORS as exc:
-        raise InputError(f"{what}: matplotlib cannot write .{fmt} files here "
-                         f"({' '.join(str(exc).split()) or type(exc).__name__})",
-                         f"use another extension, such as {DEFAULT_SUFFIX} or .pdf") from None
-    finally:
-        plt.close(fig)
+    if needle_of is None:  # the needle heatmap has the --plot file's extension, checked by then
+        _check_format(target.suffix[1:].lower(), what)
     above = nearest_existing(Path(os.path.realpath(target)).parent)
     if not above.is_dir():
         raise InputError(f"{what} lies under {above}, which is a file", "pick another path")

@@ -205,7 +205,6 @@ class ExportResult:
     k_agreement: float
     v_agreement: float
     manifest: Manifest
-    rotations: Rotations
     sglang: SglangExport | None = None  # with sglang=True
 
 
@@ -245,7 +244,7 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncen
         files.update((name, text.encode()) for name, text in sglang_file_texts(settings, manifest.model.id).items())
         written = SglangExport(settings, out / ENV_FILE, out / LAUNCH_SCRIPT)
     write_export_files(out, files, executable={LAUNCH_SCRIPT})
-    return ExportResult(out / K_FILE, out / V_FILE, per_head, k_agree, v_agree, manifest, r, written)
+    return ExportResult(out / K_FILE, out / V_FILE, per_head, k_agree, v_agree, manifest, written)
 
 
 # -- import -----------------------------------------------------------------------------------------------------------
