@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration import clip_search
 from oscar_zoo.calibration.data import EVALUATION_PLAYS, load_texts, make_sequences
 from oscar_zoo.calibration.pipeline import (
@@ -48,6 +49,7 @@ from oscar_zoo.evaluation.baselines import (
     Kivi,
     Method,
     RotatedInt2,
+    build_methods,
     hadamard_rotation,
 )
 from oscar_zoo.evaluation.harness import Attender, _logits, quantizer
@@ -258,7 +260,8 @@ def history_bits(m: Method) -> float:
         return 16.0
     if isinstance(m, PeerCache):
         return m.history_bits()
-    return 2 + 32 / layout.resolve_group_size(m.head_dim, m.group_size)
+    key_bits = sum(m.key_bits) / len(m.key_bits) if getattr(m, "key_bits", None) else 2
+    return (key_bits + 2) / 2 + 32 / layout.resolve_group_size(m.head_dim, m.group_size)
 
 
 # -------------------------------------------------------------------------------------------------------- the loop
@@ -301,6 +304,9 @@ def main() -> None:
     ap.add_argument("--layer-probe", action="store_true", help="per-layer diagnostics even with --methods")
     ap.add_argument("--smoke", action="store_true", help="fixed clips instead of searches (a quick check of the loop)")
     ap.add_argument("--summarize", help="print the markdown tables of an existing result file and exit")
+    ap.add_argument("--artifact", action="append", default=[], metavar="NAME=FOLDER",
+                    help="also verify the OSCAR method of an artifact folder (its rotations, clips and key bits) as "
+                         "method NAME; repeatable")
     ap.add_argument("--reference", default="oscar", help="the method the paired columns compare with (summary)")
     args = ap.parse_args()
     if args.summarize:
@@ -410,6 +416,12 @@ def main() -> None:
     if keep is None or "kcenter" in keep:  # added after run B: the next-step probe of QUALITY.md
         k_mean = torch.stack([cal_large.heldout[f"{layer}.k"].float().mean(dim=(0, 2)) for layer in range(L)])
         methods.append(KeyCentered(methods[1], k_mean))
+    for spec in args.artifact:  # artifact folders, exactly as `verify` builds their OSCAR method
+        name, folder = spec.split("=", 1)
+        manifest, rot = load_artifacts(Path(folder))
+        m = build_methods(rot, L, D, manifest.quant.group_size, SINK, RECENT, (), manifest.key_bits)[1]
+        m.name, m.kind, m.label = name, "variant", f"{m.label} [{folder}]"
+        methods.append(m)
     diag_methods = [rotated(name, label, cal, kind=kind, D=D, **kw) for name, label, cal, kw, kind in diag_specs]
     log(f"rotations and clip searches: {time.perf_counter() - t0:.0f} s")
 

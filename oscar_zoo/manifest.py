@@ -17,8 +17,10 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 from .errors import IntegrityError
 from .runtime.layout import MAX_WINDOW
 
-SCHEMA_VERSION = 2  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean
-READ_VERSIONS = (1, 2)  # what it reads: a version-1 manifest is an uncentred artifact, loaded exactly as before
+SCHEMA_VERSION = 3  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
+# quant.key_bits (per layer: 2- or 3-bit history keys)
+READ_VERSIONS = (1, 2, 3)  # what it reads: a version-1 manifest is an uncentred artifact and versions 1–2 have 2-bit
+# keys everywhere, loaded exactly as before
 MANIFEST_NAME = "manifest.json"
 ROTATIONS_NAME = "rotations.safetensors"
 ARTIFACT_FILES = (ROTATIONS_NAME,)  # the files a manifest may list: the format has no others (the model card that push
@@ -94,6 +96,9 @@ class QuantSpec(_Frozen):
     # (docs/format.md §6a); "none": no centring, no mean tensors. Schema 2 only (a version-1 manifest has no such field
     # and means "none").
     centring: Literal["none", "mean"] = "none"
+    # Bits of the history keys per layer of rotation.layer_ids (2 or 3; docs/format.md §6b), values always `bits`.
+    # Schema 3 only; absent (None) means 2 everywhere: today's INT2 codec, and what versions 1–2 mean.
+    key_bits: list[Literal[2, 3]] | None = None
     sink: int = Field(ge=0, le=MAX_WINDOW)
     recent: int = Field(ge=0, le=MAX_WINDOW)
     flush: int = Field(ge=1, le=MAX_WINDOW)
@@ -155,7 +160,7 @@ class ArtifactFile(_Frozen):
 
 
 class Manifest(_Frozen):
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
     tool: Literal["oscar-zoo"] = "oscar-zoo"
     model: ModelIdentity
     quant: QuantSpec
@@ -196,7 +201,25 @@ class Manifest(_Frozen):
             raise ValueError(f"rotation.layer_ids {outside[:4]} reach past model.num_layers {m.num_layers}")
         if self.schema_version == 1 and q.centring != "none":
             raise ValueError("quant.centring needs schema_version 2 (a version-1 artifact is uncentred)")
+        if q.key_bits is not None:
+            if self.schema_version < 3:
+                raise ValueError(f"quant.key_bits needs schema_version 3 (version {self.schema_version} artifacts "
+                                 "have 2-bit keys)")
+            if len(q.key_bits) != len(self.rotation.layer_ids):
+                raise ValueError(f"quant.key_bits has {len(q.key_bits)} entries for "
+                                 f"{len(self.rotation.layer_ids)} rotation layers")
         return self
+
+    @property
+    def key_bits(self) -> list[int]:
+        """Bits of the history keys of each rotation layer (2 everywhere before schema 3)."""
+        return list(self.quant.key_bits) if self.quant.key_bits is not None else [2] * len(self.rotation.layer_ids)
+
+    @property
+    def mean_key_bits(self) -> float:
+        """The mean of `key_bits` over the layers: what bits per element count for the keys."""
+        bits = self.key_bits
+        return sum(bits) / len(bits)
 
     @property
     def centred(self) -> bool:
@@ -208,8 +231,11 @@ class Manifest(_Frozen):
         """A version-1 manifest is written as version 1 wrote it (no quant.centring), wherever it is dumped: its own
         file, or a catalog entry that embeds it, so both stay byte-identical."""
         data = handler(self)
-        if self.schema_version == 1 and isinstance(data.get("quant"), dict):
-            data["quant"].pop("centring", None)
+        if isinstance(data.get("quant"), dict):
+            if self.schema_version == 1:
+                data["quant"].pop("centring", None)
+            if self.quant.key_bits is None:  # versions 1–2 (and 2-bit keys) are written without the field
+                data["quant"].pop("key_bits", None)
         return data
 
     def to_json(self) -> str:

@@ -35,15 +35,18 @@ def calibrated(run_cli, tiny_model_dir, text_file, tmp_path, monkeypatch):
     return out, json.loads(stdout)
 
 
-def _check_k_clips_minimise_the_logit_error(cache, rot, grid):
+def _check_k_clips_minimise_the_logit_error(cache, rot, grid, key_bits=None):
     """Recompute the K clip choice independently of the clip search's code: for each (layer, KV head) and grid ratio,
     quantize the held-out keys in the rotated space, rotate the error δk back (δk·Mᵀ) and take the mean squared logit
     error E[(q·δk)²] = δkᵀ C_Q δk in float64, C_Q the calibration queries' second moment from the pass-1 sums. The
-    stored ratio must attain the smallest error, and the errors must tell the ratios apart (else nothing is checked)."""
+    stored ratio must attain the smallest error, and the errors must tell the ratios apart (else nothing is checked).
+    With `key_bits` (the manifest's): the layers with 3-bit keys are exactly the round((2.7 − 2)·L) whose unclipped
+    INT2 error (ratio 1.0, summed over heads) is largest, and their keys are not clipped (ratio 1.0)."""
     (store,) = (cache / "calibration").iterdir()  # the one accumulator store of this run
     pass1, heldout = load_tensors(store / "pass1.safetensors"), load_tensors(store / "heldout.safetensors")
     C_Q = pass1["key.sums"] / pass1["key.weights"][..., None, None]  # [L, H_kv, D, D] float64
     L, H = rot.k_clip.shape
+    noise = [0.0] * L
     for layer in range(L):
         k = heldout[f"{layer}.k"]  # [S, H_kv, T, D] unrotated held-out keys
         for h in range(H):
@@ -53,9 +56,16 @@ def _check_k_clips_minimise_the_logit_error(cache, rot, grid):
             for r in grid:
                 dk = (R.fake_quant(rows, r) - rows).double() @ M.double().T
                 errors.append(torch.einsum("nd,de,ne->n", dk, C_Q[layer, h], dk).mean().item())
+            noise[layer] += errors[grid.index(1.0)]
+            assert max(errors) > 1.5 * min(errors), (layer, h, errors)
+            if key_bits is not None and key_bits[layer] == 3:
+                assert rot.k_clip[layer, h].item() == 1.0
+                continue
             chosen = min(range(len(grid)), key=lambda i: abs(grid[i] - rot.k_clip[layer, h].item()))
             assert errors[chosen] <= min(errors) * (1 + 1e-6), (layer, h, grid[chosen], errors)
-            assert max(errors) > 1.5 * min(errors), (layer, h, errors)
+    if key_bits is not None:
+        loudest = sorted(range(L), key=lambda i: -noise[i])[: round(0.7 * L)]
+        assert [3 if i in loudest else 2 for i in range(L)] == key_bits, (noise, key_bits)
 
 
 def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_model_dir, text_file, tmp_path):
@@ -66,9 +76,11 @@ def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_mo
     assert rot.k_rotation.shape == (2, 2, 64, 64) and rot.k_clip.shape == (2, 2)
     for clips in (rot.k_clip, rot.v_clip):  # values come from the grid (stored as float32)
         assert all(min(abs(c - g) for g in manifest.clip.grid) < 1e-6 for c in clips.flatten().tolist())
-    _check_k_clips_minimise_the_logit_error(tmp_path / "cache", rot, manifest.clip.grid)
+    assert manifest.key_bits.count(3) == 1 and summary["key_bits"] == manifest.key_bits  # round(0.7·2) layers
+    _check_k_clips_minimise_the_logit_error(tmp_path / "cache", rot, manifest.clip.grid, manifest.key_bits)
     assert manifest.calibration.tokens == 256 and manifest.calibration.sequences == 4
-    assert manifest.bits_per_element["131072"] == pytest.approx(2.533, abs=1e-3)  # head_dim 64: 2 + 32/64 + windows
+    # head_dim 64: 2 + 32/64 + windows for V; keys 2.5 + 32/64 (one layer of two at 3 bits); K and V averaged
+    assert manifest.bits_per_element["131072"] == pytest.approx(2.533 + 0.25 * (131072 - 320) / 131072, abs=1e-3)
     assert summary["forward_passes"] == ["pass1", "heldout", "pass2"] and len(summary["layers"]) == 2
 
     code, stdout, _ = run_cli("inspect", out)
@@ -80,7 +92,9 @@ def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_mo
     again = json.loads(stdout)
     assert code == 0 and again["forward_passes"] == []
     manifest2, rot2 = load_artifacts(out)
-    assert rot2.k_rotation.shape == (2, 1, 64, 64) and torch.all(rot2.k_clip == torch.tensor(0.96))
+    three = torch.tensor(manifest2.key_bits) == 3
+    assert rot2.k_rotation.shape == (2, 1, 64, 64) and torch.all(rot2.k_clip[~three] == torch.tensor(0.96))
+    assert torch.all(rot2.k_clip[three] == 1.0) and three.sum() == 1  # the 3-bit layer's keys are not clipped
 
 
 def test_interrupted_calibration_resumes_to_the_same_result(tiny_model_dir, text_file, tmp_path):
@@ -279,7 +293,7 @@ def test_calibrate_defaults_to_uncentred_and_centring_mean_still_writes_means(ca
     out, summary = calibrated
     manifest, rot = load_artifacts(out)
     assert summary["centring"] == "none"
-    assert manifest.schema_version == 2 and manifest.quant.centring == "none" and not manifest.centred
+    assert manifest.schema_version == 3 and manifest.quant.centring == "none" and not manifest.centred
     assert rot.k_mean is None and rot.v_mean is None
     assert not {"k_mean", "v_mean"} & set(load_tensors(out / "rotations.safetensors"))
     assert not OscarCache.from_folder(out).centred

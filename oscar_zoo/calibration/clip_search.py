@@ -108,6 +108,30 @@ def objectives(sample: LayerSample, k_rotation: Tensor, v_rotation: Tensor, key_
     return key, value
 
 
+def key_noise(sample: LayerSample, k_rotation: Tensor, key_target: Tensor, group_size: int,
+              k_mean: Tensor | None = None) -> Tensor:
+    """The logit noise INT2 keys add in one layer: mean δkᵀ (Mᵀ C_Q M) δk of unclipped 2-bit keys per rotation head
+    (H_kv per-head, or summed into one for a per-layer rotation) → [H] float64. It ranks the layers for 3-bit keys
+    (`choose_key_bits`): a layer whose 2-bit keys move the attention logits most gains most from the third bit."""
+    metric = k_rotation.double().transpose(-1, -2) @ key_target.double() @ k_rotation.double()
+    noise = key_objective(_rows(sample.k, k_rotation, k_mean), metric, 1.0, group_size)
+    return noise.sum(-1, keepdim=True) if k_rotation.shape[0] == 1 else noise
+
+
+def choose_key_bits(noise: Tensor, mean_bits: float) -> list[int]:
+    """Key bits per layer for a mean of `mean_bits` over the L layers (2 ≤ mean_bits ≤ 3): the round((mean_bits − 2)·L)
+    layers with the largest INT2 key noise (`key_noise`, [L, H] or [L]; summed over heads) get 3 bits, the rest 2;
+    ties go to the earlier layer."""
+    if not 2 <= mean_bits <= 3:
+        raise ValueError(f"the mean key bits must lie in [2, 3], got {mean_bits}")
+    per_layer = noise.double().reshape(noise.shape[0], -1).sum(-1)
+    L = per_layer.shape[0]
+    n3 = round((mean_bits - 2) * L + 1e-9)
+    order = sorted(range(L), key=lambda i: (-per_layer[i].item(), i))
+    three = set(order[:n3])
+    return [3 if i in three else 2 for i in range(L)]
+
+
 def pick(table: Tensor, grid: list[float]) -> Tensor:
     """The grid ratio minimising each column of an objective table [R, H] → float32 [H]."""
     return torch.tensor(grid, dtype=torch.float32)[table.argmin(dim=0)]

@@ -38,6 +38,7 @@ from .targets import FirstMoment, SecondMoment, centred_target, group_heads, key
 Progress = Callable[..., None]  # progress(description, done, total, rate="")
 Info = Callable[[str], None]  # one line for the user (resumed from where, reused what)
 BPE_CONTEXTS = (2048, 32768, 131072)
+DEFAULT_KEY_BITS = 2.7  # benchmarks/QUALITY.md "Retrieval": the needle at BF16's level for ≤ 3.0 bits/element at D = 64
 CENTRINGS = ("mean", "none")
 
 
@@ -50,6 +51,8 @@ class CalibrationSettings:
     v_clip: float = layout.DEFAULT_V_CLIP
     grid: tuple[float, ...] = clip_search.DEFAULT_GRID
     group_size: int = 0
+    key_bits: float = DEFAULT_KEY_BITS  # mean history-key bits over the layers: the round((key_bits − 2)·L) layers
+    # whose INT2 keys add the most logit noise get 3-bit, unclipped keys (docs/format.md §6b; 2 = the INT2 codec)
     sink: int = layout.SINK
     recent: int = layout.RECENT
     flush: int = layout.FLUSH
@@ -321,6 +324,9 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         raise InputError(f"--centring {settings.centring!r} is not one of {', '.join(CENTRINGS)}")
     if settings.centred_value_target and settings.value_target != ValueTarget.WEIGHTED.value:
         raise InputError("a centred value target is defined for the weighted value target only")
+    if not 2 <= settings.key_bits <= 3:
+        raise InputError(f"--key-bits {settings.key_bits} is outside [2, 3]",
+                         "2 keeps INT2 keys everywhere, 3 gives every layer 3-bit keys")
     key, value, soft, heldout, ran, (k_sum, v_sum, v_wsum) = accumulate(loaded, seqs, settings, store, progress, dp,
                                                                         note)
 
@@ -351,33 +357,40 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
 
     H = k_rot.shape[1]
     grid = clip_search.search_grid(settings.grid)
+    search = settings.clip == ClipMode.SEARCH.value
+    # a layer's search runs where the layer runs; with a device map the layers are visited round-robin over the
+    # devices, so while one layer's inputs are copied to its GPU (a copy that waits for that GPU's queue) the
+    # searches already queued on the other GPUs run
+    devices = layer_devices(loaded.model)
+    by_device: dict[torch.device, list[int]] = {}
+    for layer in mine:
+        by_device.setdefault(devices.get(layer, torch.device("cpu")), []).append(layer)
+    order = [layer for turn in itertools.zip_longest(*by_device.values()) for layer in turn if layer is not None]
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    noises: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(order):
+        progress("clip search", i, len(mine))
+        on = devices.get(layer, torch.device("cpu"))
+        means = {} if k_mean is None else {
+            "k_mean": reference.rotate_mean(k_mean[layer], k_rot[layer]).to(on),
+            "v_mean": reference.rotate_mean(v_mean[layer], v_rot[layer]).to(on)}
+        sample = sample_on(layer_sample(heldout, layer), on)
+        noises[layer] = clip_search.key_noise(sample, k_rot[layer].to(on), key_target[layer].to(on),
+                                              settings.group_size, means.get("k_mean"))
+        if search:
+            tables[layer] = clip_search.objectives(sample, k_rot[layer].to(on), v_rot[layer].to(on),
+                                                   key_target[layer].to(on), grid, settings.group_size, **means)
+    progress("clip search", len(mine), len(mine))
+    R = len(grid)
+    key_noise = torch.zeros(L, H, dtype=torch.float64)
+    for layer, noise in noises.items():
+        key_noise[layer] = noise.cpu()
     key_tables = value_tables = None
-    if settings.clip == ClipMode.SEARCH.value:
-        # a layer's search runs where the layer runs; with a device map the layers are visited round-robin over the
-        # devices, so while one layer's inputs are copied to its GPU (a copy that waits for that GPU's queue) the
-        # searches already queued on the other GPUs run
-        devices = layer_devices(loaded.model)
-        by_device: dict[torch.device, list[int]] = {}
-        for layer in mine:
-            by_device.setdefault(devices.get(layer, torch.device("cpu")), []).append(layer)
-        order = [layer for turn in itertools.zip_longest(*by_device.values()) for layer in turn if layer is not None]
-        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, layer in enumerate(order):
-            progress("clip search", i, len(mine))
-            on = devices.get(layer, torch.device("cpu"))
-            means = {} if k_mean is None else {
-                "k_mean": reference.rotate_mean(k_mean[layer], k_rot[layer]).to(on),
-                "v_mean": reference.rotate_mean(v_mean[layer], v_rot[layer]).to(on)}
-            tables[layer] = clip_search.objectives(sample_on(layer_sample(heldout, layer), on), k_rot[layer].to(on),
-                                                   v_rot[layer].to(on), key_target[layer].to(on), grid,
-                                                   settings.group_size, **means)
-        progress("clip search", len(mine), len(mine))
-        R = len(grid)
-        # [L, R, H] float64 (the objectives' dtype), filled by the layers' owners
+    if search:  # [L, R, H] float64 (the objectives' dtype), filled by the layers' owners
         key_tables, value_tables = (torch.zeros(L, R, H, dtype=torch.float64) for _ in range(2))
         for layer, (kt, vt) in tables.items():  # the first wait for a search result
             key_tables[layer], value_tables[layer] = kt.cpu(), vt.cpu()
-    (k_rot, k_ev, v_rot, v_ev) = (gather(t) for t in (k_rot, k_ev, v_rot, v_ev))
+    (k_rot, k_ev, v_rot, v_ev, key_noise) = (gather(t) for t in (k_rot, k_ev, v_rot, v_ev, key_noise))
     if key_tables is not None:
         key_tables, value_tables = gather(key_tables), gather(value_tables)
     if dp and not dp.is_main:
@@ -388,27 +401,31 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     else:
         k_clip = torch.full((L, H), settings.k_clip, dtype=torch.float32)
         v_clip = torch.full((L, H), settings.v_clip, dtype=torch.float32)
+    key_bits = clip_search.choose_key_bits(key_noise, settings.key_bits)
+    k_clip[torch.tensor(key_bits) == 3] = 1.0  # 3-bit keys are not clipped: a clip costs retrieval (QUALITY.md)
 
     rotations = Rotations(k_rotation=k_rot, v_rotation=v_rot, k_eigenvalues=k_ev, v_eigenvalues=v_ev,
                           k_clip=k_clip, v_clip=v_clip, layer_ids=torch.arange(L, dtype=torch.int32),
                           k_mean=k_mean, v_mean=v_mean)
     manifest = build_manifest(loaded, seqs, settings, grid, mixing=reference.mixing_matrix(info.head_dim)[1],
-                              wall_seconds=time.perf_counter() - t0)
+                              wall_seconds=time.perf_counter() - t0, key_bits=key_bits)
     return CalibrationResult(manifest, rotations, spectrum_ratio(k_ev).mean(-1), spectrum_ratio(v_ev).mean(-1),
                              key_tables, value_tables, grid, ran)
 
 
 def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, grid: list[float],
-                   mixing: str, wall_seconds: float) -> Manifest:
+                   mixing: str, wall_seconds: float, key_bits: list[int] | None = None) -> Manifest:
     import transformers
 
     info, param = loaded.info, next(loaded.model.parameters())
     device = model_device(loaded.model)
     G = layout.resolve_group_size(info.head_dim, settings.group_size)
+    key_bits = key_bits if key_bits and max(key_bits) > 2 else None  # 2-bit keys everywhere: the field stays absent
+    mean_key_bits = sum(key_bits) / len(key_bits) if key_bits else layout.BITS
     return Manifest(
         model=loaded.identity,
         quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=settings.flush,
-                        centring=settings.centring),
+                        centring=settings.centring, key_bits=key_bits),
         rotation=RotationSpec(granularity=Granularity(settings.granularity),
                               value_target=ValueTarget(settings.value_target), hadamard=mixing,
                               layer_ids=list(range(info.num_layers))),
@@ -425,6 +442,6 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
             versions={"oscar-zoo": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_seconds=round(wall_seconds, 3),
         ),
-        bits_per_element={str(c): round(layout.bits_per_element(c, G, settings.sink, settings.recent), 4)
-                          for c in BPE_CONTEXTS},
+        bits_per_element={str(c): round(layout.kv_bits_per_element(c, G, settings.sink, settings.recent,
+                                                                   mean_key_bits), 4) for c in BPE_CONTEXTS},
     )

@@ -17,8 +17,8 @@ from ..artifacts import check_destination, check_writable, nearest_existing, wri
 from ..calibration.clip_search import DEFAULT_GRID
 from ..calibration import distributed, memory
 from ..calibration.data import load_texts, make_sequences
-from ..calibration.pipeline import (CalibrationResult, CalibrationSettings, calibrate, checkpoint_state,
-                                    default_store_dir)
+from ..calibration.pipeline import (DEFAULT_KEY_BITS, CalibrationResult, CalibrationSettings, calibrate,
+                                    checkpoint_state, default_store_dir)
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError
 from ..manifest import ClipMode, Granularity, ValueTarget
@@ -63,6 +63,10 @@ def calibrate_command(
     v_clip: Annotated[float, typer.Option(help="Fixed value clip ratio (used by --clip fixed).")] =
     layout.DEFAULT_V_CLIP,
     group_size: Annotated[int, typer.Option(help="Quantization group along head_dim; 0 = one group per row.")] = 0,
+    key_bits: Annotated[float, typer.Option(help="Mean bits of the history keys over the layers, in [2, 3]: the "
+                        "layers whose INT2 keys add the most logit noise get 3-bit unclipped keys (docs/format.md "
+                        "§6b); 2 keeps INT2 keys everywhere (the schema-2 codec). The default keeps needle retrieval "
+                        "at BF16's level (benchmarks/QUALITY.md).")] = DEFAULT_KEY_BITS,
     centring: Annotated[Centring, typer.Option(help="none (default): uncentred rows. mean: store K/V rows minus their "
                         "calibrated per-(layer, KV head) mean (docs/format.md §6a): lower KL at 2K, worse needle "
                         "retrieval (benchmarks/QUALITY.md) — measure with `verify --needle` before adopting.")] =
@@ -93,7 +97,8 @@ def calibrate_command(
     """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact folder."""
     start = time.perf_counter()
     check_options(tokens=tokens, seq_len=seq_len, heldout=heldout, clip=clip, k_clip=k_clip, v_clip=v_clip,
-                  group_size=group_size, sink=sink, recent=recent, batch_size=batch_size, nproc=nproc)
+                  group_size=group_size, sink=sink, recent=recent, batch_size=batch_size, nproc=nproc,
+                  key_bits=key_bits)
     n_sequences = tokens // seq_len
     out = out or Path("artifacts") / _slug(model_id_of(model))
     check_destination(out, "--out")  # before any model work: refuse to replace someone else's folder (exit 2)
@@ -128,7 +133,8 @@ def calibrate_command(
         settings = CalibrationSettings(granularity=granularity.value, value_target=value_target.value,
                                        clip=clip.value, k_clip=k_clip, v_clip=v_clip, grid=DEFAULT_GRID,
                                        group_size=group_size, sink=sink, recent=recent, batch_size=batch_size,
-                                       seed=seed, accumulate_on=accumulate_on.value, centring=centring.value)
+                                       seed=seed, accumulate_on=accumulate_on.value, centring=centring.value,
+                                       key_bits=key_bits)
         store_dir = default_store_dir(loaded, seqs)
         with progress_reporter(enabled=not json_output and is_main) as report:
             result = calibrate(loaded, seqs, settings, progress=report, store_dir=store_dir, dp=dp, note=say)
@@ -152,7 +158,7 @@ def calibrate_command(
     reused = "all accumulators reused from the cache" if not result.forward_passes else \
         f"forward passes run: {', '.join(result.forward_passes)}"
     console.print(f"BPE: {manifest.bits_per_element['32768']:.3f} at 32K, {manifest.bits_per_element['131072']:.3f} "
-                  f"at 128K · {'centred' if manifest.centred else 'uncentred'} · {seqs.input_ids.numel():,} tokens · "
+                  f"at 128K · keys {manifest.mean_key_bits:.2f} bits · {'centred' if manifest.centred else 'uncentred'} · {seqs.input_ids.numel():,} tokens · "
                   f"{reused} · {wall:.1f} s")
     console.print(f"[green]wrote[/] {out}/ (manifest.json, rotations.safetensors)")
     console.print(f"next: [bold]oscar-zoo verify {out}[/] (quality vs BF16), [bold]oscar-zoo inspect {out}[/]")
@@ -163,7 +169,8 @@ MAX_WINDOWS = 32768  # sink + recent must stay below the 32K context of the BPE 
 
 
 def check_options(*, tokens: int, seq_len: int, heldout: int, clip: ClipMode, k_clip: float, v_clip: float,
-                  group_size: int, sink: int, recent: int, batch_size: int, nproc: int) -> None:
+                  group_size: int, sink: int, recent: int, batch_size: int, nproc: int,
+                  key_bits: float = DEFAULT_KEY_BITS) -> None:
     """Every numeric option, before any work: InputError (exit 2) naming the option, its value and what is expected.
 
     The sink and recent windows are not used by the calibration itself (the clip search scores every held-out
@@ -182,6 +189,7 @@ def check_options(*, tokens: int, seq_len: int, heldout: int, clip: ClipMode, k_
     for option, value in (("--k-clip", k_clip), ("--v-clip", v_clip)):
         need(0 < value <= 1, option, value, "a clip ratio in (0, 1]")
     need(group_size >= 0, "--group-size", group_size, "0 (one group per row) or a divisor of the model's head_dim")
+    need(2 <= key_bits <= 3, "--key-bits", key_bits, "a mean key bit width in [2, 3]")
     need(sink >= 0, "--sink", sink, "a number of full-precision sink tokens ≥ 0")
     need(recent >= 0, "--recent", recent, "a number of full-precision recent tokens ≥ 0")
     need(sink + recent < MAX_WINDOWS, "--sink + --recent", f"{sink} + {recent}", f"less than {MAX_WINDOWS:,} tokens "
@@ -241,6 +249,7 @@ def _summary(result: CalibrationResult, out: Path, wall: float) -> dict:
         "value_target": m.rotation.value_target.value,
         "clip": m.clip.mode.value,
         "centring": m.quant.centring,
+        "key_bits": m.key_bits,
         "tokens": m.calibration.tokens,
         "bits_per_element": m.bits_per_element,
         "forward_passes": result.forward_passes,
@@ -256,10 +265,11 @@ def _summary(result: CalibrationResult, out: Path, wall: float) -> dict:
 def _table(result: CalibrationResult) -> Table:
     r = result.rotations
     table = Table(title=f"{result.manifest.model.id}: OSCAR rotations ({result.manifest.rotation.granularity.value})")
-    for col in ("layer", "K λmax/λmean", "V λmax/λmean", "K clip", "V clip"):
+    for col in ("layer", "K λmax/λmean", "V λmax/λmean", "K bits", "K clip", "V clip"):
         table.add_column(col, justify="right")
-    for lid, ks, vs, kc, vc in zip(r.layer_ids, result.k_spectrum, result.v_spectrum, r.k_clip, r.v_clip):
-        table.add_row(str(int(lid)), f"{ks:.1f}", f"{vs:.1f}", _clips(kc), _clips(vc))
+    for lid, ks, vs, kb, kc, vc in zip(r.layer_ids, result.k_spectrum, result.v_spectrum, result.manifest.key_bits,
+                                       r.k_clip, r.v_clip):
+        table.add_row(str(int(lid)), f"{ks:.1f}", f"{vs:.1f}", str(kb), _clips(kc), _clips(vc))
     return table
 
 

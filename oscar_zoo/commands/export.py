@@ -28,8 +28,9 @@ def export_command(
     out: Annotated[Path, typer.Option(help="Output folder.")],
     average_heads: Annotated[bool, typer.Option(help="Allow per-head artifacts: average each layer's heads and "
                                                      "re-orthogonalise (polar factor). Quality may drop.")] = False,
-    accept_degraded: Annotated[bool, typer.Option(help="Allow centred artifacts (schema 2, quant.centring mean): the "
-                                                       "exported form has no means. Quality drops.")] = False,
+    accept_degraded: Annotated[bool, typer.Option(help="Allow centred artifacts (quant.centring mean) and 3-bit keys "
+                                                       "(quant.key_bits): the exported form has no means and INT2 "
+                                                       "keys everywhere. Quality drops.")] = False,
     json_output: Json = False,
 ) -> None:
     """Write `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""

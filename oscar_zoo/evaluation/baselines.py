@@ -22,10 +22,12 @@ KIVI_GROUP = 32  # KIVI-2: keys per channel over groups of 32 tokens, values per
 QuantizePack = Callable[..., tuple[Tensor, Tensor]]
 
 
-def fake_quant_with(quantize_pack: QuantizePack, x: Tensor, clip: float | Tensor, group_size: int = 0) -> Tensor:
-    """What attention reads back from INT2 rows: quantize_pack (kernel or reference) → dequantize_unpack, fp32."""
-    packed, scale_zero = quantize_pack(x, clip, group_size)
-    return reference.dequantize_unpack(packed, scale_zero)
+def fake_quant_with(quantize_pack: QuantizePack, x: Tensor, clip: float | Tensor, group_size: int = 0,
+                    bits: int = layout.BITS) -> Tensor:
+    """What attention reads back from history rows of `bits`-bit codes: quantize_pack (kernel or reference) →
+    dequantize_unpack, fp32."""
+    packed, scale_zero = quantize_pack(x, clip, group_size, bits=bits)
+    return reference.dequantize_unpack(packed, scale_zero, bits)
 
 
 @dataclass
@@ -74,12 +76,14 @@ class RotatedInt2(Method):
     un-rotate: OSCAR and its ablations, exactly as the runtime's tiers store and read them (docs/format.md §6a).
 
     k_rotation/v_rotation float32 [L, H, D, D] (H = H_kv or 1) indexed by model layer; clips float32 [L, H] (0 = none);
-    k_mean/v_mean float32 [L, H, D] in the model's basis (None: uncentred; needs rotations)."""
+    k_mean/v_mean float32 [L, H, D] in the model's basis (None: uncentred; needs rotations); key_bits: the history
+    keys' bits per model layer (None: 2 everywhere)."""
 
     def __init__(self, name: str, label: str, kind: str, k_rotation: Tensor | None, v_rotation: Tensor | None,
                  k_clip: Tensor, v_clip: Tensor, group_size: int, sink: int, recent: int,
-                 k_mean: Tensor | None = None, v_mean: Tensor | None = None):
+                 k_mean: Tensor | None = None, v_mean: Tensor | None = None, key_bits: list[int] | None = None):
         self.name, self.label, self.kind = name, label, kind
+        self.key_bits = key_bits
         self.k_rotation, self.v_rotation = k_rotation, v_rotation
         self.k_mean, self.v_mean = k_mean, v_mean
         self.k_clip, self.v_clip = k_clip.float(), v_clip.float()
@@ -112,24 +116,25 @@ class RotatedInt2(Method):
             out_rotation = M_v.transpose(-1, -2).repeat_interleave(g, dim=0)  # [H_q, D, D] M_Vᵀ
             if mu_v is not None:
                 out_mean = mu_v if mu_v.shape[0] == 1 else mu_v.repeat_interleave(g, dim=0)  # [H_q, D]
-        k_hat = self._history(quantize_pack, k, k_clip)
+        k_hat = self._history(quantize_pack, k, k_clip, self.key_bits[layer] if self.key_bits else layout.BITS)
         v_hat = self._history(quantize_pack, v, v_clip)
         return LayerKV(q, k, v, k_hat, v_hat, out_rotation, out_mean)
 
-    def _history(self, quantize_pack: QuantizePack, x: Tensor, clip: Tensor) -> Tensor:
+    def _history(self, quantize_pack: QuantizePack, x: Tensor, clip: Tensor, bits: int = layout.BITS) -> Tensor:
         """x [B, H, T, D] with rows sink ≤ j < T − recent fake-quantized (the only rows any query reads as INT2)."""
         T = x.shape[2]
         lo = min(self.sink, T)
         hi = max(lo, T - self.recent)
         out = x.float().clone()
         if hi > lo:
-            out[:, :, lo:hi] = fake_quant_with(quantize_pack, x[:, :, lo:hi], clip, self.group_size)
+            out[:, :, lo:hi] = fake_quant_with(quantize_pack, x[:, :, lo:hi], clip, self.group_size, bits)
         return out
 
     def bits(self, context):
         G = layout.resolve_group_size(self.head_dim, self.group_size)
-        b = layout.bits_per_element(context, G, self.sink, self.recent)
-        return b, b
+        key_bits = sum(self.key_bits) / len(self.key_bits) if self.key_bits else layout.BITS
+        return (layout.bits_per_element(context, G, self.sink, self.recent, key_bits),
+                layout.bits_per_element(context, G, self.sink, self.recent))
 
 
 class Kivi(Method):
@@ -170,9 +175,10 @@ def hadamard_rotation(num_layers: int, head_dim: int) -> Tensor:
 
 
 def build_methods(rotations, num_layers: int, head_dim: int, group_size: int, sink: int, recent: int,
-                  baselines: tuple[str, ...]) -> list[Method]:
-    """BF16, the artifact's OSCAR rotations (`rotations`: artifacts.Rotations, indexed by model layer), then the
-    requested baselines in the order of BASELINES. Baselines use the artifact's group size and windows."""
+                  baselines: tuple[str, ...], key_bits: list[int] | None = None) -> list[Method]:
+    """BF16, the artifact's OSCAR rotations (`rotations`: artifacts.Rotations, indexed by model layer; `key_bits` per
+    entry of its layer_ids, None: 2 everywhere), then the requested baselines in the order of BASELINES. Baselines
+    use the artifact's group size and windows, and INT2 keys."""
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise ValueError(f"unknown baselines {unknown}; choose from {', '.join(BASELINES)}")
@@ -182,12 +188,14 @@ def build_methods(rotations, num_layers: int, head_dim: int, group_size: int, si
     fixed_v = torch.full((L, 1), layout.DEFAULT_V_CLIP)
     no_clip = torch.zeros(L, 1)
     H = rotations.k_rotation.shape[1]
+    layer_bits = None if key_bits is None or max(key_bits) == layout.BITS else [key_bits[i] for i in order.tolist()]
+    three = f", 3-bit keys in {layer_bits.count(3)}/{len(layer_bits)} layers" if layer_bits else ""
     oscar = RotatedInt2(
         "oscar", f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, calibrated clips"
-        f"{', centred' if rotations.k_mean is not None else ''})", "artifact",
+        f"{', centred' if rotations.k_mean is not None else ''}{three})", "artifact",
         rotations.k_rotation[order], rotations.v_rotation[order], rotations.k_clip[order], rotations.v_clip[order],
         group_size, sink, recent, *((None, None) if rotations.k_mean is None else
-                                    (rotations.k_mean[order], rotations.v_mean[order])))
+                                    (rotations.k_mean[order], rotations.v_mean[order])), key_bits=layer_bits)
     methods: list[Method] = [Exact(), oscar]
     for b in BASELINES:
         if b not in baselines:

@@ -119,7 +119,7 @@ def all_methods(config, rotations, num_layers: int, head_dim: int, quant, baseli
         raise InputError(f"unknown baselines {unknown}", f"choose from {', '.join(BASELINES + tuple(PEERS))}")
     peers = build_peers(tuple(b for b in baselines if b in PEERS), config, head_dim)  # first: a missing package
     methods = build_methods(rotations, num_layers, head_dim, quant.group_size, quant.sink, quant.recent,
-                            tuple(b for b in baselines if b in BASELINES))
+                            tuple(b for b in baselines if b in BASELINES), quant.key_bits)
     return methods + peers
 
 
@@ -244,7 +244,7 @@ def _cache_for(method: RotatedInt2, manifest, num_layers: int, head_dim: int):
     q = manifest.quant
     return OscarCache(rot_k, rot_v, method.k_clip, method.v_clip, torch.arange(num_layers),
                       group_size=q.group_size, sink=q.sink, recent=q.recent, flush=q.flush, num_layers=num_layers,
-                      k_mean=method.k_mean, v_mean=method.v_mean)
+                      k_mean=method.k_mean, v_mean=method.v_mean, key_bits=method.key_bits)
 
 
 def _cache_kwarg() -> str:

@@ -127,7 +127,8 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
             raise InputError(f"needle length {length} + {settings.new_tokens} answer tokens exceeds the model's "
                              f"{limit} positions", f"use --needle-lengths up to {limit - settings.new_tokens}")
     methods = [m for m in build_methods(rotations, info.num_layers, info.head_dim, q.group_size, q.sink, q.recent,
-                                        tuple(b for b in baselines if b in BASELINES)) if isinstance(m, RotatedInt2)]
+                                        tuple(b for b in baselines if b in BASELINES), q.key_bits)
+               if isinstance(m, RotatedInt2)]
     methods += build_peers(tuple(b for b in baselines if b in PEERS), model.config, info.head_dim)
     names = ["bf16"] + [m.name for m in methods]
     right = {n: [[0] * len(settings.depths) for _ in settings.lengths] for n in names}

@@ -4,7 +4,8 @@ The reference SGLang runtime takes one rotation per layer, no means, and one cli
 `as_exported` turns loaded artifacts into that form with export's own code: per-head rotations become each layer's
 `average_heads` polar factor, shared by every KV head (the .pt files export writes); k_mean/v_mean are dropped and
 the codec is uncentred (the .pt format has no means); every (layer, head) clip becomes the median K or V ratio that
-`export --format sglang` writes to `sglang.env` (`reference_clip_ratios`). Not modelled: the reference runtime's
+`export --format sglang` writes to `sglang.env` (`reference_clip_ratios`); 3-bit keys become INT2 (the reference
+runtime's only codec), keeping their clip of 1.0 in the medians' input. Not modelled: the reference runtime's
 float32 scales (oscar-zoo's cache stores float16 ones), and whatever else differs in its kernels.
 """
 
@@ -26,6 +27,7 @@ class ExportedForm:
     rotations: Rotations  # [L, 1, …]: one rotation and clip per layer, no means
     averaged: bool  # the heads were averaged (a per-head artifact)
     uncentred: bool  # the artifact's means were dropped (a centred artifact)
+    int2_keys: bool  # the artifact's 3-bit keys became INT2
     k_clip: float
     v_clip: float
 
@@ -33,6 +35,7 @@ class ExportedForm:
         """What the transform changed, for the report's artifact label."""
         parts = ["heads averaged per layer (polar factor)" if self.averaged else "one rotation per layer",
                  "means dropped" if self.uncentred else "no means",
+                 *(["3-bit keys served as INT2"] if self.int2_keys else []),
                  f"one clip K {self.k_clip:g} / V {self.v_clip:g} (medians)"]
         return "as exported: " + ", ".join(parts)
 
@@ -51,9 +54,10 @@ def as_exported(manifest: Manifest, r: Rotations) -> ExportedForm:
         layer_ids=r.layer_ids.clone(), k_mean=None, v_mean=None)
     exported = manifest.model_copy(update={
         "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
-        "quant": manifest.quant.model_copy(update={"centring": "none"}),
+        "quant": manifest.quant.model_copy(update={"centring": "none", "key_bits": None}),
         "clip": manifest.clip.model_copy(update={"mode": ClipMode.FIXED, "grid": [], "k_default": k_ratio,
                                                  "v_default": v_ratio,
                                                  "objective": "the medians export --format sglang writes"}),
         "verification": None})
-    return ExportedForm(exported, rotations, per_head, r.k_mean is not None, k_ratio, v_ratio)
+    return ExportedForm(exported, rotations, per_head, r.k_mean is not None, max(manifest.key_bits) > 2, k_ratio,
+                        v_ratio)

@@ -208,14 +208,22 @@ class ExportResult:
     sglang: SglangExport | None = None  # with sglang=True
 
 
-def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_uncentred: bool = False,
+def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degraded: bool = False,
                     sglang: bool = False) -> ExportResult:
     """Write the two reference `.pt` files into the folder `out` (and with `sglang` the runtime's `sglang.env` and
-    `launch_sglang.sh`, `export.sglang`): every refusal (the artifacts, per-head without `allow_average`, centred
-    without `allow_uncentred`, the sglang windows and shell values, a bad `out`) comes before anything is written, and
+    `launch_sglang.sh`, `export.sglang`): every refusal (the artifacts, per-head without `allow_average`, centred or
+    3-bit keys without `allow_degraded`, the sglang windows and shell values, a bad `out`) comes before anything is written, and
     the files land together or not at all (`staging.write_export_files`)."""
     manifest, r = load_artifacts(artifacts)
-    if manifest.centred and not allow_uncentred:
+    if max(manifest.key_bits) > layout.BITS and not allow_degraded:
+        raise InputError(f"{artifacts} stores 3-bit keys in {manifest.key_bits.count(3)} of {len(manifest.key_bits)} "
+                         "layers (docs/format.md §6b); the reference runtime quantizes every key to INT2, so the "
+                         "exported rotations would be served with 2-bit, unclipped keys in those layers (needle "
+                         "retrieval drops: benchmarks/QUALITY.md)",
+                         "pass --accept-degraded to export them anyway, or calibrate with --key-bits 2 for a faithful "
+                         f"export; measure the exported form first with `oscar-zoo verify "
+                         f"{shlex.quote(str(artifacts))} --as-exported`")
+    if manifest.centred and not allow_degraded:
         raise InputError(f"{artifacts} uses the centred codec (k_mean/v_mean, docs/format.md §6a); the OSCAR .pt "
                          "format and the reference runtime have no means, so the exported rotations would be served "
                          "uncentred, with clips searched for centred rows",

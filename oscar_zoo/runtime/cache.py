@@ -45,6 +45,7 @@ class Rotation:
     # this (OscarCache holds its own copies)
     k_min_clip: float | None = None
     v_min_clip: float | None = None
+    k_bits: int = layout.BITS  # bits of the history keys (2 or 3; docs/format.md §6b); values always layout.BITS
 
     def __post_init__(self):
         for name in ("k", "v"):
@@ -56,7 +57,7 @@ class Rotation:
     def to(self, device: torch.device) -> Rotation:
         return Rotation(*(None if t is None else t.to(device)
                           for t in (self.k, self.v, self.k_clip, self.v_clip, self.k_mean, self.v_mean)),
-                        self.k_min_clip, self.v_min_clip)
+                        self.k_min_clip, self.v_min_clip, self.k_bits)
 
     def per_query_head(self, M: Tensor, n_q_heads: int) -> Tensor:
         """M [H, D, D] → [H_q, D, D], GQA convention (query head j uses KV head j // g); shared stays [1, D, D]."""
@@ -132,8 +133,9 @@ class OscarLayer(CacheLayerMixin):
         self.sink_v = torch.zeros(B, H, self.sink, D, **bf16)
         self.recent_k = torch.zeros(B, H, self.recent + self.flush, D, **bf16)
         self.recent_v = torch.zeros(B, H, self.recent + self.flush, D, **bf16)
-        if self.quantize:  # INT2 codes [B, H, T_cap, D/4] (V's token-major) + float16 scale/zero [B, H, T_cap, D/G, 2]
-            self.hist_k = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device)
+        if self.quantize:  # codes [B, H, T_cap, packed] (K: packed_dim(D, k_bits); V: D/4, token-major) + float16
+            # scale/zero [B, H, T_cap, D/G, 2]
+            self.hist_k = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, bits=self.rotation.k_bits)
             self.hist_v = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, tokens_contiguous=True)
             self.sz_k = torch.zeros(B, H, HISTORY_CHUNK, D // G, 2, dtype=layout.SCALE_DTYPE, device=self.device)
             self.sz_v = torch.zeros(B, H, HISTORY_CHUNK, D // G, 2, dtype=layout.SCALE_DTYPE, device=self.device)
@@ -286,7 +288,9 @@ class OscarLayer(CacheLayerMixin):
         for tier, hist, sz, clip, min_clip in ((self.recent_k, self.hist_k, self.sz_k, rot.k_clip, rot.k_min_clip),
                                                (self.recent_v, self.hist_v, self.sz_v, rot.v_clip, rot.v_min_clip)):  # fmt: skip
             if self.quantize:
-                codes, scale_zero = ops.quantize_pack(tier[:, :, :F], clip, self.group_size, min_ratio=min_clip)
+                bits = rot.k_bits if hist is self.hist_k else layout.BITS
+                codes, scale_zero = ops.quantize_pack(tier[:, :, :F], clip, self.group_size, min_ratio=min_clip,
+                                                      bits=bits)
                 hist.index_copy_(2, rows, codes)
                 sz.index_copy_(2, rows, scale_zero)
             else:
@@ -336,7 +340,8 @@ class OscarLayer(CacheLayerMixin):
         if self.quantize:
             rot = self.rotation
             self.hist_k[:, :, rows], self.sz_k[:, :, rows] = ops.quantize_pack(k, rot.k_clip, self.group_size,
-                                                                               min_ratio=rot.k_min_clip)
+                                                                               min_ratio=rot.k_min_clip,
+                                                                               bits=rot.k_bits)
             self.hist_v[:, :, rows], self.sz_v[:, :, rows] = ops.quantize_pack(v, rot.v_clip, self.group_size,
                                                                                min_ratio=rot.v_min_clip)
         else:
@@ -350,7 +355,7 @@ class OscarLayer(CacheLayerMixin):
         rows = slice(0, self.n_hist)
         if not self.quantize:
             return self.hist_k[:, :, rows].float(), self.hist_v[:, :, rows].float()
-        k = reference.dequantize_unpack(self.hist_k[:, :, rows], self.sz_k[:, :, rows])
+        k = reference.dequantize_unpack(self.hist_k[:, :, rows], self.sz_k[:, :, rows], self.rotation.k_bits)
         v = reference.dequantize_unpack(self.hist_v[:, :, rows], self.sz_v[:, :, rows])
         return k, v
 
@@ -449,6 +454,7 @@ class OscarCache(Cache):
         num_layers: int | None = None,
         k_mean: Tensor | None = None,
         v_mean: Tensor | None = None,
+        key_bits: list[int] | None = None,
     ):
         k_rotation, v_rotation = k_rotation.float(), v_rotation.float()
         square = k_rotation.dim() == 4 and k_rotation.shape[-1] == k_rotation.shape[-2]
@@ -476,6 +482,9 @@ class OscarCache(Cache):
                 if mean.shape != (L, H, D):
                     raise ValueError(f"{name} must be [L, H, D] = [{L}, {H}, {D}], got {tuple(mean.shape)}")
             means.append(mean)
+        key_bits = [layout.BITS] * L if key_bits is None else [int(b) for b in key_bits]
+        if len(key_bits) != L or any(b not in layout.KEY_BITS for b in key_bits):
+            raise ValueError(f"key_bits must be {L} entries of {' or '.join(map(str, layout.KEY_BITS))}, got {key_bits}")
         ids = [int(i) for i in (range(L) if layer_ids is None else torch.as_tensor(layer_ids).flatten().tolist())]
         if len(ids) != L or len(set(ids)) != L or min(ids) < 0:
             raise ValueError(f"layer_ids must be {L} distinct non-negative model layer indices, got {ids}")
@@ -494,7 +503,7 @@ class OscarCache(Cache):
                 mu_k, mu_v = (None if m is None else reference.rotate_mean(m[i], r[i])
                               for m, r in zip(means, (k_rotation, v_rotation)))
                 rot = Rotation(k_rotation[i], v_rotation[i], clips[0][i].reshape(H, 1), clips[1][i].reshape(H, 1),
-                               mu_k, mu_v)
+                               mu_k, mu_v, k_bits=key_bits[i])
             layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize))
         super().__init__(layers=layers)
         self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush)

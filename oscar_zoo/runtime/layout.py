@@ -22,6 +22,7 @@ import torch
 
 BITS = 2
 LEVELS = 2**BITS - 1  # largest code: 3
+KEY_BITS = (2, 3)  # bit widths a layer's history keys may use (values always use BITS); docs/format.md §6b
 CODES_PER_BYTE = 8 // BITS  # 4
 CODE_DTYPE = torch.uint8
 SCALE_DTYPE = torch.float16  # scale and zero are stored as float16 (the paper's 2.28 bits/element)
@@ -71,34 +72,53 @@ def resolve_group_size(head_dim: int, group_size: int = 0) -> int:
     return G
 
 
-def packed_dim(head_dim: int) -> int:
-    """Bytes per packed row of `head_dim` INT2 codes."""
-    return head_dim // CODES_PER_BYTE
+def packed_dim(head_dim: int, bits: int = BITS) -> int:
+    """Bytes per packed row of `head_dim` codes of `bits` bits: the low two bits quartered (D/4 bytes), then for 3-bit
+    codes the third bit of every dim as a bit plane (D/8 bytes; `reference.pack_codes`)."""
+    check_bits(bits)
+    return head_dim // CODES_PER_BYTE + (head_dim // 8 if bits == 3 else 0)
 
 
-def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_contiguous: bool = False) -> torch.Tensor:
-    """A zeroed INT2 history [B, H, T_cap, D/4]. tokens_contiguous (the cache's V codes): stored as [B, H, D/4, T_cap]
+def check_bits(bits: int) -> int:
+    if bits not in KEY_BITS:
+        raise ValueError(f"a cached row holds {' or '.join(map(str, KEY_BITS))}-bit codes, not {bits}")
+    return bits
+
+
+def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_contiguous: bool = False,
+                  bits: int = BITS) -> torch.Tensor:
+    """A zeroed history [B, H, T_cap, packed_dim(D, bits)] (tokens_contiguous: INT2 only). tokens_contiguous (the cache's V codes): stored as [B, H, D/4, T_cap]
     and returned as its transposed view, so each packed column of consecutive tokens is contiguous. The decode kernel
     contracts P·V over tokens with the codes as the tensor-core operand whose reduction axis is then contiguous in
     memory, as K's is (bytes of consecutive dims): no byte gathers. Readers index the view; only strides differ."""
     if tokens_contiguous:
         return torch.zeros(B, H, packed_dim(head_dim), T_cap, dtype=CODE_DTYPE, device=device).transpose(2, 3)
-    return torch.zeros(B, H, T_cap, packed_dim(head_dim), dtype=CODE_DTYPE, device=device)
+    return torch.zeros(B, H, T_cap, packed_dim(head_dim, bits), dtype=CODE_DTYPE, device=device)
 
 
-def bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT) -> float:
-    """Average bits per cached K/V element at `context` tokens (docs/format.md §7), float16 scale and zero per group."""
+def bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT,
+                     bits: float = BITS) -> float:
+    """Average bits per cached element at `context` tokens (docs/format.md §7) of rows coded with `bits` bits (a
+    mean over layers may be fractional), float16 scale and zero per group."""
     if context <= 0:
         raise ValueError(f"context must be positive, got {context}")
     full = min(context, sink + recent)
     quant = context - full
     scale_bits = 2 * 16 / group_size
-    return (quant * (BITS + scale_bits) + full * 16) / context
+    return (quant * (bits + scale_bits) + full * 16) / context
 
 
-def bytes_per_token(head_dim: int, group_size: int) -> int:
-    """Bytes of one INT2 row (one token, one KV head, K or V): packed codes + float16 scale/zero per group."""
-    return packed_dim(head_dim) + 2 * 2 * (head_dim // group_size)
+def kv_bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT,
+                        key_bits: float = BITS) -> float:
+    """The mean of K's and V's bits per element (`bits_per_element`): keys at `key_bits` (the mean of the layers'
+    key bit widths), values at BITS. key_bits = 2 is `bits_per_element` itself."""
+    k = bits_per_element(context, group_size, sink, recent, key_bits)
+    return (k + bits_per_element(context, group_size, sink, recent)) / 2
+
+
+def bytes_per_token(head_dim: int, group_size: int, bits: int = BITS) -> int:
+    """Bytes of one history row (one token, one KV head, K or V): packed codes + float16 scale/zero per group."""
+    return packed_dim(head_dim, bits) + 2 * 2 * (head_dim // group_size)
 
 
 def is_power_of_two(n: int) -> bool:

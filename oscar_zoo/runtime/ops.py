@@ -189,9 +189,10 @@ def _ratio_scalar(ratio: float, device: torch.device) -> Tensor:
 
 def quantize_pack(
     x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, rotation: Tensor | None = None,
-    min_ratio: float | None = None,
+    min_ratio: float | None = None, bits: int = layout.BITS,
 ) -> tuple[Tensor, Tensor]:
-    """x [B, H_kv, T, D] → packed uint8 [B, H_kv, T, D/4], scale_zero float16 [B, H_kv, T, D/G, 2].
+    """x [B, H_kv, T, D] → packed uint8 [B, H_kv, T, layout.packed_dim(D, bits)] (D/4 bytes for 2-bit codes, 3D/8 for
+    3-bit: the quartered low bits, then the third bits' plane), scale_zero float16 [B, H_kv, T, D/G, 2].
     `clip_ratio`: float or [H_kv, 1] tensor; `rotation`: optional [H_kv, D, D] applied first (result rounded to x's
     dtype, as the cache stores it). `min_ratio` (a tensor `clip_ratio` only): a host-side bound, every positive ratio
     in the tensor is ≥ it; it lets the kernel take the top-8 or top-16 build instead of the per-row dispatch (fewer
@@ -201,6 +202,8 @@ def quantize_pack(
     _check(x.dim() >= 1, "x must have at least one dim")
     D = x.shape[-1]
     G = layout.resolve_group_size(D, group_size)
+    bits = layout.check_bits(bits)
+    _check(bits == 2 or D % 8 == 0, lambda: f"3-bit codes need a head dim that is a multiple of 8, got {D}")
     if rotation is not None:
         _check(isinstance(rotation, Tensor), lambda: f"rotation must be a tensor [H_kv, D, D] or [D, D], got {type(rotation)}")
         _check(
@@ -215,7 +218,7 @@ def quantize_pack(
             )
     kernel_ok = layout.is_power_of_two(D) and D >= 16 and x.numel() > 0
     if not (_use_kernel(x) and kernel_ok):
-        return reference.quantize_pack_ref(x, clip_ratio, group_size, rotation)
+        return reference.quantize_pack_ref(x, clip_ratio, group_size, rotation, bits)
 
     # view x as [B, H, T, D] (leading dims folded into B)
     x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
@@ -237,7 +240,7 @@ def quantize_pack(
         raise ValueError(
             f"clip_ratio of shape {tuple(ratio.shape)} does not broadcast to the rows of x {tuple(x.shape[:-1])}"
         ) from err
-    codes = _alloc((B, H, T, D // layout.CODES_PER_BYTE), layout.CODE_DTYPE, x.device)
+    codes = _alloc((B, H, T, layout.packed_dim(D, bits)), layout.CODE_DTYPE, x.device)
     scale_zero = _alloc((B, H, T, D // G, 2), layout.SCALE_DTYPE, x.device)
 
     qp = _kernels()[0]
@@ -258,11 +261,11 @@ def quantize_pack(
         x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r3.stride(),
         D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
         MAX_M=max_m, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
-        C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2],
+        C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2], BITS=bits,
         num_warps=warps,
     )  # fmt: skip
     out_shape = tuple(x.shape[:-1])
-    return codes.reshape(*out_shape, D // 4), scale_zero.reshape(*out_shape, D // G, 2)
+    return codes.reshape(*out_shape, layout.packed_dim(D, bits)), scale_zero.reshape(*out_shape, D // G, 2)
 
 
 def _max_m_build(D: int, min_ratio: float | None) -> int:
@@ -412,7 +415,7 @@ def _strides(t: Tensor, n: int) -> tuple[int, ...]:
 def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0):
     """The one decode launch: `s_sink` splits over sink = (k, v, len), `s_hist` over hist = (codes_k, sz_k, codes_v,
     sz_v, len), `s_recent` over recent = (k, v, len), into o [B, H_q, S, D] / lse [B, H_q, S] (S = the sum).
-    An absent tier gets 0 splits and placeholders."""
+    An absent tier gets 0 splits and placeholders. codes_k's width says its keys' bits (`_key_bits`)."""
     decode = _kernels()[1]
     B, H_q, D = q.shape
     dev = q.device
@@ -425,11 +428,13 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         ck = _last_contiguous(ck, 1)
         cv = cv if 1 in cv.stride()[2:] else cv.contiguous()  # token-major (the cache's) or dims-major
         szk, szv = _pairs_as_words(_last_contiguous(szk, 2)), _pairs_as_words(_last_contiguous(szv, 2))
-        H_kv, G = ck.shape[1], D // szk.shape[-2]
+        H_kv, G, key_bits = ck.shape[1], D // szk.shape[-2], _key_bits(ck, D)
+        if key_bits == 3 and any(st % 8 for n, st in zip(ck.shape[:3], ck.stride()[:3]) if n > 1):
+            ck = ck.contiguous()  # the kernel reads 3-bit rows (3D/8 bytes) with strides that are multiples of 8
     else:
         ck = cv = _dummy(dev, layout.CODE_DTYPE)
         szk = szv = _dummy(dev, layout.SCALE_DTYPE)
-        hlen, H_kv, G = any_bf16[2], any_bf16[0].shape[1], D
+        hlen, H_kv, G, key_bits = any_bf16[2], any_bf16[0].shape[1], D, layout.BITS
     if not any_bf16:  # placeholders made only when a tier is absent (never inside a captured decode step)
         sink = (_dummy(dev, torch.bfloat16), _dummy(dev, torch.bfloat16), hlen)
     sink, recent = sink or recent, recent or sink
@@ -447,17 +452,33 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D, G),
         BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=pdl, num_warps=_warps(group, D), maxnreg=cfg.maxnreg,
-        launch_pdl=pdl,
+        STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, num_warps=_warps(group, D),
+        maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )  # fmt: skip
 
 
+def _key_bits(codes_k: Tensor, D: int) -> int:
+    """The bits of a history's key codes from their packed width: D/4 bytes → 2, 3D/8 (`layout.packed_dim`) → 3."""
+    width = codes_k.shape[-1]
+    if width == layout.packed_dim(D):
+        return layout.BITS
+    _check(D % 8 == 0 and width == layout.packed_dim(D, 3),
+           lambda: f"codes_k must end in {layout.packed_dim(D)} (2-bit keys)"
+           + (f" or {layout.packed_dim(D, 3)} (3-bit keys)" if D % 8 == 0 else "")
+           + f" bytes for head dim {D}, got shape {tuple(codes_k.shape)}")  # fmt: skip
+    return 3
+
+
 def _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len):
+    """Checks the history tier; returns H_kv, the group size G, hist_len as int32 and the keys' bits (2 or 3)."""
     B, H_q, D = _check_q(q)
     _check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
-    H_kv = _check_kv("codes_k", codes_k, q, (D // 4,), layout.CODE_DTYPE)
-    _check(codes_v.shape == codes_k.shape, lambda: f"codes_v {tuple(codes_v.shape)} != codes_k {tuple(codes_k.shape)}")
+    _check_tensor("codes_k", codes_k, 4, layout.CODE_DTYPE)
+    key_bits = _key_bits(codes_k, D)
+    H_kv = _check_kv("codes_k", codes_k, q, (layout.packed_dim(D, key_bits),), layout.CODE_DTYPE)
     _check_kv("codes_v", codes_v, q, (D // 4,), layout.CODE_DTYPE)
+    _check(codes_v.shape[:3] == codes_k.shape[:3],
+           lambda: f"codes_v {tuple(codes_v.shape)} does not match codes_k {tuple(codes_k.shape)}")  # fmt: skip
     _check_tensor("scale_zero_k", scale_zero_k, 5, layout.SCALE_DTYPE)
     NG = scale_zero_k.shape[-2]
     _check(NG > 0 and D % NG == 0, lambda: f"scale_zero_k has {NG} groups, which does not divide head dim {D}")
@@ -465,7 +486,7 @@ def _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len):
         _check_kv(name, sz, q, (NG, 2), layout.SCALE_DTYPE)
         _check(sz.shape[:3] == codes_k.shape[:3], lambda: f"{name} {tuple(sz.shape)} does not match codes {tuple(codes_k.shape)}")
     hist_len = _check_lengths("hist_len", hist_len, B, q.device)
-    return H_kv, D // NG, hist_len
+    return H_kv, D // NG, hist_len, key_bits
 
 
 def decode_int2_partial(
@@ -479,22 +500,23 @@ def decode_int2_partial(
     num_splits: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Split-K attention over the INT2 history: partial o fp32 [B, H_q, S, D] and lse fp32 [B, H_q, S] (normalised
-    per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`."""
-    H_kv, G, hist_len = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
+    per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`. `codes_k` [..., D/4] holds
+    2-bit keys, [..., 3D/8] 3-bit keys (`layout.packed_dim`); values are 2-bit."""
+    H_kv, G, hist_len, key_bits = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     B, H_q, D = q.shape
     S = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, num_splits)
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
-        return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S)
+        return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S, key_bits)
     o = _alloc((B, H_q, S, D), torch.float32, q.device)
     lse = _alloc((B, H_q, S), torch.float32, q.device)
     _launch_decode(q, o, lse, sm_scale, hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len), s_hist=S)
     return o, lse
 
 
-def _int2_partial_ref(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, S):
+def _int2_partial_ref(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, S, key_bits=layout.BITS):
     """Reference fallback of `decode_int2_partial`: the whole history as split 0, the other splits empty."""
     B, H_q, D = q.shape
-    k, v = reference.dequantize_unpack(codes_k, sz_k), reference.dequantize_unpack(codes_v, sz_v)
+    k, v = reference.dequantize_unpack(codes_k, sz_k, key_bits), reference.dequantize_unpack(codes_v, sz_v)
     o0, lse0 = reference.attention_partial_ref(q, k, v, hist_len, sm_scale)
     o = torch.zeros(B, H_q, S, D, dtype=torch.float32, device=q.device)
     lse = torch.full((B, H_q, S), -math.inf, dtype=torch.float32, device=q.device)
@@ -607,12 +629,13 @@ def tiered_decode_attention(
     v_mean: Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
-    """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`), exact softmax over their
-    union. q [B, H_q, D] already rotated by M_K. Returns o [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
+    """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`; the history's keys 2- or 3-bit
+    by codes_k's width, `layout.packed_dim`), exact softmax over their union. q [B, H_q, D] already rotated by M_K.
+    Returns o [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
     Two launches: the split-K decode kernel over all three tiers, then the merge; lengths are read on the device (no
     host sync). The merge also finishes the output: `v_mean` [H_q, D] or [1, D] (the centred codec's μ_V·M_V per query
     head, `reference.add_value_mean`) is added in float32, and o is rounded once to `out_dtype`."""
-    H_kv, G, hist_len_i = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
+    H_kv, G, hist_len_i, key_bits = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     sink_len_i, recent_len_i = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
     _check(sink_k.shape[1] == H_kv, lambda: f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
     B, H_q, D = q.shape
@@ -622,7 +645,7 @@ def tiered_decode_attention(
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         o, lse = reference.tiered_decode_attention_ref(
             q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
-            recent_k, recent_v, recent_len, sm_scale,
+            recent_k, recent_v, recent_len, sm_scale, key_bits=key_bits,
         )  # fmt: skip
         return reference.add_value_mean(o.unsqueeze(2), v_mean)[:, :, 0].to(out_dtype), lse
     s_hist = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None)

@@ -151,22 +151,24 @@ def clip_rows(x: Tensor, ratio: float | Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------- INT2 codec
 
 
-def quantize(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]:
-    """Asymmetric min-max INT2 per group of G along the last dim.
+def quantize(x: Tensor, group_size: int = 0, bits: int = layout.BITS) -> tuple[Tensor, Tensor]:
+    """Asymmetric min-max quantization to `bits` bits (2: INT2, levels 0..3; 3: levels 0..7) per group of G along the
+    last dim.
 
-    Returns codes uint8 [..., D] in {0..3} and scale_zero float16 [..., D/G, 2]. Codes are computed with the stored
-    (float16-rounded) scale and zero, so dequantization reproduces exactly what was rounded: q = clamp(⌊x/s + z + ½⌋).
-    """
+    Returns codes uint8 [..., D] in {0..2^bits − 1} and scale_zero float16 [..., D/G, 2]. Codes are computed with the
+    stored (float16-rounded) scale and zero, so dequantization reproduces exactly what was rounded:
+    q = clamp(⌊x/s + z + ½⌋)."""
+    levels = 2 ** layout.check_bits(bits) - 1
     D = x.shape[-1]
     G = layout.resolve_group_size(D, group_size)
     xg = x.float().reshape(*x.shape[:-1], D // G, G)
     lo, hi = xg.amin(-1), xg.amax(-1)
     amax = torch.maximum(lo.abs(), hi.abs())
     rng = torch.maximum(hi - lo, amax * layout.RANGE_REL_FLOOR).clamp(min=layout.RANGE_ABS_FLOOR)
-    scale = (rng / layout.LEVELS).to(layout.SCALE_DTYPE)
+    scale = (rng / levels).to(layout.SCALE_DTYPE)
     zero = (-lo / scale.float()).to(layout.SCALE_DTYPE)
     s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
-    q = torch.floor(xg / s + z + 0.5).clamp(0, layout.LEVELS)
+    q = torch.floor(xg / s + z + 0.5).clamp(0, levels)
     return q.to(layout.CODE_DTYPE).reshape(x.shape), torch.stack([scale, zero], -1)
 
 
@@ -178,41 +180,57 @@ def dequantize(codes: Tensor, scale_zero: Tensor) -> Tensor:
     return ((q - z) * s).reshape(codes.shape)
 
 
-def pack_codes(codes: Tensor) -> Tensor:
-    """Quartered packing: [..., D] codes → [..., D/4] bytes; byte b holds dims b, b+D/4, b+D/2, b+3D/4 in bits 0/2/4/6."""
+def pack_codes(codes: Tensor, bits: int = layout.BITS) -> Tensor:
+    """[..., D] codes → [..., packed_dim(D, bits)] bytes. The low two bits are quartered: byte b holds dims b, b+D/4,
+    b+D/2, b+3D/4 in bits 0/2/4/6 (the whole row for INT2). 3-bit codes append a bit plane of their third bits: byte
+    D/4 + j holds dims j, j+D/8, …, j+7D/8 in bits 0..7 (so quarter k of the row is bits 2k and 2k+1 of those bytes)."""
     D = codes.shape[-1]
-    quarters = codes.to(torch.uint8).reshape(*codes.shape[:-1], layout.CODES_PER_BYTE, D // layout.CODES_PER_BYTE)
+    c = codes.to(torch.uint8)
+    quarters = (c & layout.LEVELS).reshape(*codes.shape[:-1], layout.CODES_PER_BYTE, D // layout.CODES_PER_BYTE)
     out = torch.zeros(quarters.shape[:-2] + quarters.shape[-1:], dtype=torch.uint8, device=codes.device)
     for i in range(layout.CODES_PER_BYTE):
         out |= quarters[..., i, :] << (layout.BITS * i)
-    return out
+    if layout.check_bits(bits) == 2:
+        return out
+    eighths = (c >> layout.BITS).reshape(*codes.shape[:-1], 8, D // 8)
+    plane = torch.zeros(eighths.shape[:-2] + eighths.shape[-1:], dtype=torch.uint8, device=codes.device)
+    for i in range(8):
+        plane |= eighths[..., i, :] << i
+    return torch.cat([out, plane], dim=-1)
 
 
-def unpack_codes(packed: Tensor) -> Tensor:
-    """Inverse of `pack_codes`: [..., D/4] bytes → [..., D] codes."""
-    shifts = [layout.BITS * i for i in range(layout.CODES_PER_BYTE)]
-    return torch.cat([(packed >> s) & layout.LEVELS for s in shifts], dim=-1)
+def unpack_codes(packed: Tensor, bits: int = layout.BITS) -> Tensor:
+    """Inverse of `pack_codes`: [..., packed_dim(D, bits)] bytes → [..., D] codes."""
+    n = packed.shape[-1] if layout.check_bits(bits) == 2 else packed.shape[-1] * 2 // 3  # D/4 bytes of low bits
+    low = packed[..., :n]
+    codes = torch.cat([(low >> (layout.BITS * i)) & layout.LEVELS for i in range(layout.CODES_PER_BYTE)], dim=-1)
+    if bits == 2:
+        return codes
+    plane = packed[..., n:]
+    return codes | (torch.cat([(plane >> i) & 1 for i in range(8)], dim=-1) << layout.BITS)
 
 
 def quantize_pack_ref(
-    x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, rotation: Tensor | None = None
+    x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, rotation: Tensor | None = None,
+    bits: int = layout.BITS,
 ) -> tuple[Tensor, Tensor]:
-    """Rotate (optional, rounded to x's dtype) → clip → quantize → pack. Returns packed uint8 [..., D/4], float16
-    scale_zero [..., D/G, 2]. This is the twin of the fused quantize/pack kernel used for prefill and demotion."""
+    """Rotate (optional, rounded to x's dtype) → clip → quantize → pack. Returns packed uint8
+    [..., packed_dim(D, bits)], float16 scale_zero [..., D/G, 2]. This is the twin of the fused quantize/pack kernel
+    used for prefill and demotion."""
     if rotation is not None:
         x = rotate(x, rotation)
-    codes, scale_zero = quantize(clip_rows(x, clip_ratio), group_size)
-    return pack_codes(codes), scale_zero
+    codes, scale_zero = quantize(clip_rows(x, clip_ratio), group_size, bits)
+    return pack_codes(codes, bits), scale_zero
 
 
-def dequantize_unpack(packed: Tensor, scale_zero: Tensor) -> Tensor:
-    """Packed INT2 rows back to fp32 values [..., D]."""
-    return dequantize(unpack_codes(packed), scale_zero)
+def dequantize_unpack(packed: Tensor, scale_zero: Tensor, bits: int = layout.BITS) -> Tensor:
+    """Packed rows back to fp32 values [..., D]."""
+    return dequantize(unpack_codes(packed, bits), scale_zero)
 
 
-def fake_quant(x: Tensor, clip_ratio: float | Tensor, group_size: int = 0) -> Tensor:
-    """clip → quantize → dequantize, fp32: what attention reads from an INT2 row."""
-    codes, scale_zero = quantize(clip_rows(x, clip_ratio), group_size)
+def fake_quant(x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, bits: int = layout.BITS) -> Tensor:
+    """clip → quantize → dequantize, fp32: what attention reads from a history row."""
+    codes, scale_zero = quantize(clip_rows(x, clip_ratio), group_size, bits)
     return dequantize(codes, scale_zero)
 
 
@@ -270,9 +288,11 @@ def fake_quant_tiers(
     group_size: int = 0,
     sink: int = layout.SINK,
     recent: int = layout.RECENT,
+    bits: int = layout.BITS,
 ) -> Tensor:
     """A cached K or V [..., T, D] as the three tiers present it: positions < sink and the last `recent` positions
-    exact, the history in between fake-quantized. Returns x's dtype. `clip_ratio` broadcasts to x.shape[:-2]."""
+    exact, the history in between fake-quantized (`bits`-bit codes). Returns x's dtype. `clip_ratio` broadcasts to
+    x.shape[:-2]."""
     T = x.shape[-2]
     lo, hi = min(sink, T), max(min(sink, T), T - recent)
     if hi <= lo:
@@ -280,7 +300,7 @@ def fake_quant_tiers(
     ratio = torch.as_tensor(clip_ratio, dtype=torch.float64)
     ratio = ratio.reshape(ratio.shape + (1,)) if ratio.dim() else ratio  # per-row ratio over the token dim
     out = x.clone()
-    out[..., lo:hi, :] = fake_quant(x[..., lo:hi, :], ratio, group_size).to(x.dtype)
+    out[..., lo:hi, :] = fake_quant(x[..., lo:hi, :], ratio, group_size, bits).to(x.dtype)
     return out
 
 
@@ -329,12 +349,13 @@ def tiered_decode_attention_ref(
     recent_v: Tensor,
     recent_len: Tensor,
     sm_scale: float,
+    key_bits: int = layout.BITS,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over the three tiers laid out as in `layout` (history dequantized densely), merged by lse.
 
-    q [B, H_q, D] is already rotated by M_K; the output is in M_V space (un-rotate with M_Vᵀ). Returns o [B, H_q, D]
-    and lse [B, H_q], fp32."""
-    hist_k = dequantize_unpack(codes_k, scale_zero_k)
+    q [B, H_q, D] is already rotated by M_K; the output is in M_V space (un-rotate with M_Vᵀ). `codes_k` holds
+    `key_bits`-bit codes ([..., packed_dim(D, key_bits)]). Returns o [B, H_q, D] and lse [B, H_q], fp32."""
+    hist_k = dequantize_unpack(codes_k, scale_zero_k, key_bits)
     hist_v = dequantize_unpack(codes_v, scale_zero_v)
     parts = [
         attention_partial_ref(q, sink_k, sink_v, sink_len, sm_scale),

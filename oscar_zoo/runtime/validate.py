@@ -170,9 +170,9 @@ def _where(index: list[int], layer_ids: list[int]) -> str:
     return f"at layer {layer}{head} (index {index})"
 
 
-def read_quant_settings(manifest: Path) -> dict[str, int]:
+def read_quant_settings(manifest: Path) -> dict[str, int | list[int]]:
     """The quant settings a runtime takes from an artifact folder's `manifest.json`: quant.{group_size, sink, recent,
-    flush} that are present and not null, each an integer. ValueError naming the file when it is not a UTF-8 JSON
+    flush} that are present and not null, each an integer, and quant.key_bits (schema 3) when present. ValueError naming the file when it is not a UTF-8 JSON
     object (of sane size and depth) or a setting is not an integer; the values themselves are the cache's to check."""
     quant = _read_quant(manifest)
     settings = {}
@@ -183,6 +183,11 @@ def read_quant_settings(manifest: Path) -> dict[str, int]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{manifest}: quant.{key} is {str(value)[:40]!r}, expected an integer")
         settings[key] = value
+    key_bits = (quant or {}).get("key_bits")
+    if key_bits is not None:  # schema 3: per rotation layer, 2 or 3
+        if not isinstance(key_bits, list) or any(b not in (2, 3) or isinstance(b, bool) for b in key_bits):
+            raise ValueError(f"{manifest}: quant.key_bits is {str(key_bits)[:40]!r}, expected a list of 2s and 3s")
+        settings["key_bits"] = key_bits
     return settings
 
 

@@ -69,3 +69,36 @@ def test_per_layer_rotation_sums_heads_into_one_column():
     per_head_k, per_head_v = clip_search.objectives(s, M.expand(2, D, D), M.expand(2, D, D), key_target, grid, 0)
     assert kt.shape == (2, 1)
     assert torch.allclose(kt[:, 0], per_head_k.sum(-1)) and torch.allclose(vt[:, 0], per_head_v.sum(-1))
+
+
+def test_key_noise_is_the_unclipped_logit_error_and_ranks_layers_for_three_bits():
+    """key_noise equals the direct mean of (q·δk)² over (query, key) pairs with unclipped INT2 keys; choose_key_bits
+    gives 3 bits to the noisiest layers, round((mean − 2)·L) of them, and 2 everywhere at mean 2."""
+    s = _sample(seed=3)
+    H_kv, D = 2, 64
+    qg = group_heads(s.q, H_kv).double()
+    key_target = torch.einsum("hnd,hne->hde", qg, qg) / qg.shape[1]
+    torch.manual_seed(2)
+    M_K = torch.stack([torch.linalg.qr(torch.randn(D, D))[0] for _ in range(H_kv)])
+    noise = clip_search.key_noise(s, M_K, key_target, 0)
+    for h in range(H_kv):
+        qh = (s.q[:, 3 * h : 3 * h + 3].reshape(-1, D) @ M_K[h]).double()
+        kh = s.k[:, h].reshape(-1, D) @ M_K[h]
+        dk = (R.fake_quant(kh, 1.0) - kh).double()  # ratio 1.0: τ = max|x|, nothing clipped
+        assert torch.equal(R.fake_quant(kh, 1.0), R.fake_quant(kh, 0.0))
+        assert torch.allclose(noise[h], ((qh @ dk.T) ** 2).mean(), rtol=1e-4)
+    # a sample scaled by 3 has 9× the noise: it must be chosen first
+    loud = clip_search.LayerSample(s.q, s.k * 3, s.v, s.scaling)
+    per_layer = torch.stack([noise, clip_search.key_noise(loud, M_K, key_target, 0), noise * 0.5, noise * 2])
+    assert torch.allclose(per_layer[1], noise * 9, rtol=1e-3)
+    assert clip_search.choose_key_bits(per_layer, 2.0) == [2, 2, 2, 2]
+    assert clip_search.choose_key_bits(per_layer, 2.25) == [2, 3, 2, 2]
+    assert clip_search.choose_key_bits(per_layer, 2.5) == [2, 3, 2, 3]
+    assert clip_search.choose_key_bits(per_layer, 2.7) == [3, 3, 2, 3]  # round(0.7·4) = 3
+    assert clip_search.choose_key_bits(per_layer, 3.0) == [3, 3, 3, 3]
+    for bad in (1.9, 3.1, float("nan")):
+        try:
+            clip_search.choose_key_bits(per_layer, bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} was accepted")

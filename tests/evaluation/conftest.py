@@ -130,8 +130,8 @@ def expected(model64, heldout_ids, good_artifacts, bad_artifacts):
 
     out = {}
     for name, folder in (("good", good_artifacts), ("bad", bad_artifacts)):
-        _, rot = load_artifacts(folder)
-        out[name] = expected_metrics(model64, heldout_ids, rot, SINK, RECENT)
+        manifest, rot = load_artifacts(folder)
+        out[name] = expected_metrics(model64, heldout_ids, rot, SINK, RECENT, key_bits=manifest.key_bits)
     return out
 
 

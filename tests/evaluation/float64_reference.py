@@ -7,7 +7,8 @@ the rotated row k·M_K (v·M_V), with the artifact's per-(layer, head) clip rati
 KV head (query head j → KV head j // g) and outputs un-rotated by M_Vᵀ. A centred artifact (k_mean, v_mean;
 docs/format.md §6a) is computed in the uncentred frame, without relying on softmax's shift invariance: the stored row is
 x·M − μ·M (rounded to the model's dtype, as the cache stores it), what attention reads is that row (or its INT2 round
-trip) plus μ·M, so neither the logits nor the output need a correction. Then, over scored positions (those at or past
+trip) plus μ·M, so neither the logits nor the output need a correction. Keys of a layer with 3-bit keys
+(docs/format.md §6b, `key_bits`) take the 3-bit round trip. Then, over scored positions (those at or past
 sink + recent): KL(exact ‖ method) per position, top-1 agreement, and the perplexity ratio, all in float64.
 """
 
@@ -37,8 +38,9 @@ class _Attention:
     """rotations None: exact causal attention; else (k_rotation, v_rotation [L, H, D, D], k_clip, v_clip [L, H],
     k_mean, v_mean [L, H, D] or None)."""
 
-    def __init__(self, rotations, sink: int, recent: int, group_size: int):
+    def __init__(self, rotations, sink: int, recent: int, group_size: int, key_bits: list[int] | None = None):
         self.rotations, self.sink, self.recent, self.group_size = rotations, sink, recent, group_size
+        self.key_bits = key_bits
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         q, k, v = query.double(), key.double(), value.double()  # [B, H_q, T, D], [B, H_kv, T, D]
@@ -57,16 +59,17 @@ class _Attention:
                                                             for t in self.rotations)  # [H, D, D], [H], [H, D]
             Mk, Mv = k_rot.double().expand(H_kv, D, D), v_rot.double().expand(H_kv, D, D)  # shared: one for all heads
             ck, cv = k_clip.expand(H_kv), v_clip.expand(H_kv)
+            kb = self.key_bits[module.layer_idx] if self.key_bits else 2
             kr, vr = torch.einsum("bhtd,hde->bhte", k, Mk), torch.einsum("bhtd,hde->bhte", v, Mv)
             if k_mean is None:
                 # the INT2 round trip, from the rotated rows in the model's dtype (as the cache stores them), per head
-                k_hat = reference.fake_quant(kr.to(key.dtype), ck[None, :, None], self.group_size).double()
+                k_hat = reference.fake_quant(kr.to(key.dtype), ck[None, :, None], self.group_size, kb).double()
                 v_hat = reference.fake_quant(vr.to(value.dtype), cv[None, :, None], self.group_size).double()
             else:  # μ·M [1, H, 1, D]; stored rows x·M − μ·M in the model's dtype; read back with μ·M added
                 mk = torch.einsum("hd,hde->he", k_mean.double().expand(H_kv, D), Mk)[None, :, None]
                 mv = torch.einsum("hd,hde->he", v_mean.double().expand(H_kv, D), Mv)[None, :, None]
                 k_st, v_st = (kr - mk).to(key.dtype), (vr - mv).to(value.dtype)
-                k_hat = reference.fake_quant(k_st, ck[None, :, None], self.group_size).double() + mk
+                k_hat = reference.fake_quant(k_st, ck[None, :, None], self.group_size, kb).double() + mk
                 v_hat = reference.fake_quant(v_st, cv[None, :, None], self.group_size).double() + mv
                 kr, vr = k_st.double() + mk, v_st.double() + mv
             exact = (j < self.sink) | (j > i - self.recent)  # [T, T]
@@ -93,15 +96,16 @@ def _logprobs(model, ids: torch.Tensor, attention: _Attention) -> torch.Tensor:
     return torch.log_softmax(logits, -1)
 
 
-def expected_metrics(model64, ids: torch.Tensor, rotations, sink: int, recent: int, group_size: int = 0) -> Expected:
+def expected_metrics(model64, ids: torch.Tensor, rotations, sink: int, recent: int, group_size: int = 0,
+                     key_bits: list[int] | None = None) -> Expected:
     """model64: the model in float64; ids [N, T]; rotations: artifacts.Rotations indexed by model layer (layer_ids
-    0..L-1 in order). KL, top-1 and the perplexity increase past the windows (positions ≥ sink + recent)."""
+    0..L-1 in order); key_bits per layer (None: INT2 keys). KL, top-1 and the perplexity increase past the windows (positions ≥ sink + recent)."""
     assert rotations.layer_ids.tolist() == list(range(rotations.k_rotation.shape[0]))
     tensors = (rotations.k_rotation, rotations.v_rotation, rotations.k_clip, rotations.v_clip, rotations.k_mean,
                rotations.v_mean)
     start = sink + recent
     ref = _logprobs(model64, ids, _Attention(None, sink, recent, group_size))[:, start:]  # [N, P, V]
-    got = _logprobs(model64, ids, _Attention(tensors, sink, recent, group_size))[:, start:]
+    got = _logprobs(model64, ids, _Attention(tensors, sink, recent, group_size, key_bits))[:, start:]
     targets = ids[:, start + 1 :, None]
     kl = (ref.exp() * (ref - got)).sum(-1)  # [N, P]
     top1 = (ref.argmax(-1) == got.argmax(-1)).double()

@@ -50,14 +50,15 @@ def _kv(T: int, dtype=torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, torc
     return k.to(dtype), v.to(dtype)
 
 
-@pytest.mark.parametrize("group_size", [0, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tiers_equal_requantized_rotated_history(group_size, dtype):
+@pytest.mark.parametrize("group_size,dtype,key_bits", [(0, torch.bfloat16, 2), (16, torch.bfloat16, 2),
+                                                        (0, torch.float32, 2), (16, torch.float32, 2),
+                                                        (0, torch.bfloat16, 3), (16, torch.float32, 3)])
+def test_tiers_equal_requantized_rotated_history(group_size, dtype, key_bits):
     """After a 400-token prefill and 37 decode steps (4 demotions), the tiers hold exactly: sink = first 64 rotated
-    rows, history = quantize_pack_ref of the rotated rows in between (codes and scale/zero bit-exact), recent = the
-    rest, 256..263 of them."""
+    rows, history = quantize_pack_ref of the rotated rows in between (codes and scale/zero bit-exact; keys with the
+    layer's key bits, 3-bit rows 3D/8 bytes wide), recent = the rest, 256..263 of them."""
     T_prompt, steps = 400, 37
-    cache, Mk, Mv, k_clip, v_clip = _cache(group_size=group_size)
+    cache, Mk, Mv, k_clip, v_clip = _cache(group_size=group_size, key_bits=[key_bits])
     k, v = _kv(T_prompt + steps, dtype)
     recent_lens = []
     _feed(cache, k, v, T_prompt, on_step=lambda layer: recent_lens.append(layer.n_recent))
@@ -71,8 +72,9 @@ def test_tiers_equal_requantized_rotated_history(group_size, dtype):
     assert (layer.n_hist - (T_prompt - 64 - 256)) % layout.FLUSH == 0  # demotions come 8 at a time
     assert torch.equal(layer.sink_k, rk[:, :, :64]) and torch.equal(layer.sink_v, rv[:, :, :64])
     lo, hi = 64, 64 + layer.n_hist
-    codes_k, sz_k = reference.quantize_pack_ref(rk[:, :, lo:hi], k_clip[0].reshape(H, 1), group_size)
+    codes_k, sz_k = reference.quantize_pack_ref(rk[:, :, lo:hi], k_clip[0].reshape(H, 1), group_size, bits=key_bits)
     codes_v, sz_v = reference.quantize_pack_ref(rv[:, :, lo:hi], v_clip[0].reshape(H, 1), group_size)
+    assert codes_k.shape[-1] == layout.packed_dim(D, key_bits) and codes_v.shape[-1] == D // 4
     assert torch.equal(layer.hist_k[:, :, : layer.n_hist], codes_k)
     assert torch.equal(layer.hist_v[:, :, : layer.n_hist], codes_v)
     assert torch.equal(layer.sz_k[:, :, : layer.n_hist], sz_k)
@@ -226,6 +228,16 @@ def test_from_folder_reads_rotations_and_manifest(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"quant": {"group_size": 32, "sink": 16, "recent": 64}}))
     cache = OscarCache.from_folder(tmp_path, flush=4)
     assert cache.quant_spec == layout.QuantSpec(group_size=32, sink=16, recent=64, flush=4)
+    assert [cache.layers[i].rotation.k_bits for i in (1, 3)] == [2, 2]  # no key_bits: INT2 keys (schema 1–2)
+    (tmp_path / "manifest.json").write_text(json.dumps({"quant": {"group_size": 32, "key_bits": [3, 2]}}))
+    cache = OscarCache.from_folder(tmp_path)
+    assert [cache.layers[i].rotation.k_bits for i in (1, 3)] == [3, 2]
+    for bad in ([3], [2, 4], "3"):
+        (tmp_path / "manifest.json").write_text(json.dumps({"quant": {"key_bits": bad}}))
+        with pytest.raises(ValueError, match="key_bits"):
+            OscarCache.from_folder(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"quant": {"group_size": 32, "sink": 16, "recent": 64}}))
+    cache = OscarCache.from_folder(tmp_path, flush=4)
     k, v = _kv(4)
     with pytest.raises(ValueError, match="no OSCAR rotation"):
         cache.update(k, v, 0)

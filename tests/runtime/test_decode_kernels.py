@@ -26,11 +26,12 @@ def _tier_lengths(L: int) -> tuple[int, int, int]:
 
 
 def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths=None, key_ramp=None,
-           v_token_major=True):
+           v_token_major=True, key_bits=2):
     """A random three-tier cache for per-batch contexts (or explicit per-batch (sink, history, recent) `lengths`);
     memory past each length holds garbage (NaN for the kernel, finite for the reference, whose masked einsum would
     turn 0·NaN into NaN). `key_ramp` = (first, last) scales the history keys linearly over the token axis.
-    V's codes are token-major as the cache stores them (`layout.history_codes`) unless `v_token_major` is False."""
+    V's codes are token-major as the cache stores them (`layout.history_codes`) unless `v_token_major` is False.
+    `key_bits` = 3: the history keys are 3-bit codes ([..., 3D/8] bytes, `reference.pack_codes`)."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lengths or [_tier_lengths(L) for L in contexts], dtype=torch.int32)  # [B, 3]
     B = lens.shape[0]
@@ -45,7 +46,7 @@ def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths
     hist_k = rand(B, H_kv, T_cap, D) * scale
     if key_ramp is not None:
         hist_k = hist_k * torch.linspace(*key_ramp, T_cap)[:, None]
-    ck, szk = reference.quantize_pack_ref(hist_k, 0.96, group_size)
+    ck, szk = reference.quantize_pack_ref(hist_k, 0.96, group_size, bits=key_bits)
     cv, szv = reference.quantize_pack_ref(rand(B, H_kv, T_cap, D), 0.92, group_size)
     if v_token_major:
         cv = layout.history_codes(B, H_kv, T_cap, D, "cpu", tokens_contiguous=True).copy_(cv)
@@ -71,7 +72,7 @@ def _attention(q, c, sm_scale, dtype, tiers=("sink", "hist", "recent"), drop=Non
     ks, vs, valid = [], [], []
     for t in tiers:
         if t == "hist":
-            k = reference.dequantize_unpack(c["codes_k"], c["scale_zero_k"])
+            k = reference.dequantize_unpack(c["codes_k"], c["scale_zero_k"], _key_bits(c))
             v = reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"])
         else:
             k, v = c[f"{t}_k"].float(), c[f"{t}_v"].float()
@@ -86,6 +87,12 @@ def _attention(q, c, sm_scale, dtype, tiers=("sink", "hist", "recent"), drop=Non
     lse = torch.logsumexp(logits, -1)
     p = torch.softmax(logits, -1).nan_to_num(0.0)
     return torch.einsum("bht,bhtd->bhd", p, vx).double(), lse.double()
+
+
+def _key_bits(c) -> int:
+    """The bits of a cache's history keys, from their packed width (D/4 bytes: 2, 3D/8: 3)."""
+    D = c["sink_k"].shape[-1]
+    return 3 if c["codes_k"].shape[-1] == layout.packed_dim(D, 3) else 2
 
 
 def _check_rule(o, lse, q, clean, sm_scale, tiers=("sink", "hist", "recent"), boundary=None):
@@ -271,37 +278,48 @@ def test_bad_inputs_raise():
         ops.tiered_decode_attention(q, **{**clean, "hist_len": clean["hist_len"].float()}, sm_scale=0.125)
     with pytest.raises(ValueError, match="scale_zero_v"):
         ops.tiered_decode_attention(q, **{**clean, "scale_zero_v": clean["scale_zero_v"][:, :, :3]}, sm_scale=0.125)
+    # keys are D/4 (2-bit) or 3D/8 (3-bit) bytes wide, values D/4 only
+    for width in (8, 20, 32):
+        with pytest.raises(ValueError, match=r"codes_k must end in 16 \(2-bit keys\) or 24 \(3-bit keys\)"):
+            ops.tiered_decode_attention(q, **{**clean, "codes_k": clean["codes_k"][..., :1].expand(-1, -1, -1, width)},
+                                        sm_scale=0.125)  # fmt: skip
+    wide = torch.zeros(*clean["codes_v"].shape[:3], 24, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="codes_v"):
+        ops.tiered_decode_attention(q, **{**clean, "codes_k": wide, "codes_v": wide}, sm_scale=0.125)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_bits", [2, 3])
 @pytest.mark.parametrize("L", [4096, 40000])
-def test_long_contexts_cuda(L):
+def test_long_contexts_cuda(L, key_bits):
     H_kv, group, D = 8, 4, 128
-    clean, dirty = _cache([L, L // 3], H_kv, D, "cuda", seed=L)
+    clean, dirty = _cache([L, L // 3], H_kv, D, "cuda", seed=L, key_bits=key_bits)
     _check_against_reference(_query(2, H_kv * group, D, "cuda", L), clean, dirty, D**-0.5)
 
 
-@pytest.mark.parametrize("D, group", [(64, 4), (128, 4), (256, 4), (128, 8)])
-def test_scores_keep_the_documented_q_precision(device, D, group):
+@pytest.mark.parametrize("D, group, key_bits", [(64, 4, 2), (128, 4, 2), (256, 4, 2), (128, 8, 2), (64, 4, 3),
+                                                (128, 8, 3)])  # fmt: skip
+def test_scores_keep_the_documented_q_precision(device, D, group, key_bits):
     """One history token per batch row, so each head's lse is its score, against float64 with float32 queries.
     With a group of 4 the score dots are integer at every D (two tokens per row), with a group of 8 from D = 128 (one
     token per row); int8 codes against q's int8 high and low parts (`kernels/decode.py`): each element of q is exact
-    to 1 / (2·127·Q_LO) of its head's largest |q| (Q_LO = min(128, 8192 / D)). The bound is the worst case of that
-    rounding (plus float32 slack); keeping only q's high int8 part breaks it (computed here, and checked by editing
-    the low part out). One token per row also leaves each pair's second token out of range (masked)."""
+    to 1 / (2·127·Q_LO) of its head's largest |q| (Q_LO = min(128, 8192 / D); min(128, 4096 / D) for 3-bit keys,
+    whose codes reach 7). The bound is the worst case of that rounding (plus float32 slack); keeping only q's high int8
+    part breaks it (computed here, and checked by editing the low part out). One token per row also leaves each pair's
+    second token out of range (masked)."""
     B, H_kv = 32, 2
     g = torch.Generator().manual_seed(D + group)
     keys = torch.randn(B, H_kv, 8, D, generator=g) * (torch.rand(B, H_kv, 1, 1, generator=g) + 0.5)
-    ck, szk = reference.quantize_pack_ref(keys, 0.96, 0)
+    ck, szk = reference.quantize_pack_ref(keys, 0.96, 0, bits=key_bits)
     cv, szv = reference.quantize_pack_ref(torch.randn(B, H_kv, 8, D, generator=g), 0.92, 0)
     q = torch.randn(B, H_kv * group, D, generator=g) * (1 + 7 * (torch.rand(B, H_kv * group, D, generator=g) > 0.95))
     ones = torch.ones(B, dtype=torch.int32)
     _, lse = ops.decode_int2_partial(q.to(device), ck.to(device), szk.to(device), cv.to(device), szv.to(device),
                                      ones.to(device), D**-0.5, num_splits=1)  # fmt: skip
-    k_hat = reference.dequantize_unpack(ck, szk).double()[:, :, 0].repeat_interleave(group, dim=1)  # [B, H_q, D]
+    k_hat = reference.dequantize_unpack(ck, szk, key_bits).double()[:, :, 0].repeat_interleave(group, 1)  # [B, H_q, D]
     qd = q.double()
     want = (qd * k_hat).sum(-1) * D**-0.5
-    per_elem = qd.abs().amax(-1, keepdim=True) / (2 * 127 * min(128, 8192 // D))
+    per_elem = qd.abs().amax(-1, keepdim=True) / (2 * 127 * min(128, (8192 if key_bits == 2 else 4096) // D))
     bound = (per_elem * k_hat.abs()).sum(-1) * D**-0.5
     s_k = szk[:, :, 0, 0, 0].double().repeat_interleave(group, 1)  # the float32 sums run over codes biased by ≤ 128
     slack = 1e-6 * D**-0.5 * qd.abs().sum(-1) * (k_hat.abs().amax(-1) + 128 * s_k)
@@ -311,3 +329,105 @@ def test_scores_keep_the_documented_q_precision(device, D, group):
     step = qd.abs().amax(-1, keepdim=True) / 127
     coarse = ((qd / step).round() * step * k_hat).sum(-1) * D**-0.5
     assert ((coarse - want).abs() > bound + slack).any()
+
+
+# 3-bit keys (docs/format.md §6b): each path of the score dot — integer (GQA groups of 4 at D = 64 and 128, two tokens
+# per row; a group of 8 at D = 128), bfloat16 (groups of 1 and 2, a group of 8 at D = 64) and per-group scales (G < D)
+# — with masked last tiles (histories no multiple of the interpreter's 16-token tile), through the tiered call. `pad`
+# widens each stored key row (0xFF bytes): 8 keeps the row stride a multiple of 8 (the kernel reads the view as it is),
+# 3 does not (`ops` copies it).
+@pytest.mark.parametrize("D, group, group_size, lengths, pad", [
+    (64, 4, 0, [(64, 45, 3), (5, 17, 0)], 0),
+    (64, 4, 0, [(64, 29, 0)], 8),
+    (128, 4, 0, [(64, 37, 9)], 0),
+    (128, 8, 0, [(64, 33, 2)], 0),
+    (64, 1, 0, [(64, 45, 3), (0, 29, 1)], 3),
+    (64, 2, 0, [(64, 21, 5)], 0),
+    (64, 8, 0, [(64, 39, 0)], 0),
+    (64, 2, 16, [(64, 27, 4)], 0),
+    (128, 4, 32, [(64, 19, 3)], 0),
+], ids=["int8-pair-64", "int8-pair-64-padded", "int8-pair-128", "int8-128", "bf16-g1-odd-stride", "bf16-g2",
+        "bf16-g8-64", "G16", "G32-128"])  # fmt: skip
+def test_three_bit_keys(device, D, group, group_size, lengths, pad):
+    H_kv, seed = 2, D + group + group_size + pad
+    clean, dirty = _cache(None, H_kv, D, device, seed=seed, lengths=lengths, group_size=group_size, key_bits=3)
+    assert clean["codes_k"].shape[-1] == 3 * D // 8 and clean["codes_v"].shape[-1] == D // 4
+    if pad:
+        ck = dirty["codes_k"]
+        wide = torch.full((*ck.shape[:3], ck.shape[3] + pad), 0xFF, dtype=ck.dtype, device=ck.device)
+        wide[..., : ck.shape[3]] = ck
+        dirty["codes_k"] = wide[..., : ck.shape[3]]
+        assert dirty["codes_k"].stride(2) == 3 * D // 8 + pad
+    q = _query(len(lengths), H_kv * group, D, device, seed)
+    _check_against_reference(q, clean, dirty, D**-0.5, boundary=("hist", 16) if D == 64 else None)
+    # the reference twin (3-bit keys by `key_bits`) passes the same rule
+    o_ref, lse_ref = reference.tiered_decode_attention_ref(q.cpu(), **clean, sm_scale=D**-0.5, key_bits=3)
+    _check_rule(o_ref, lse_ref, q, clean, D**-0.5)
+
+
+@pytest.mark.parametrize("D, group, group_size", [(64, 4, 0), (128, 8, 0), (64, 1, 0), (64, 2, 16)],
+                         ids=["int8-pair", "int8", "bf16", "G16"])  # fmt: skip
+def test_three_bit_plane_order_known_answer(device, D, group, group_size):
+    """Tokens 2d and 2d + 1 of a 2D-token history differ only in the third bit of dim d (codes 3 and 7; scale 1,
+    zero 0; every other code 0), packed by hand from the format: the low bits quartered, then byte D/4 + j of the plane
+    holds the third bit of dim j + i·D/8 in bit i. Token 2d + 1's value is 3 in dim d, every other value 0; five
+    garbage rows (0xFF codes, NaN scales) follow the history. Each query head's q is a permutation of distinct n/128,
+    n integers in [−127, 127] (so the integer path's q parts are exact). By hand, in float64: scores 3·q_d and 7·q_d,
+    o[d] = 3·p(2d + 1). A plane read in another bit order (bits reversed, bits of consecutive dims, or no third bit)
+    gives an answer far outside the tolerance (2^-8 relative, the bfloat16 p of a GPU's P·V, plus 2^-12; checked)."""
+    T, D4, D8, G = 2 * D, D // 4, D // 8, group_size or D
+    ck = torch.full((1, 1, T + 5, 3 * D8), 0xFF, dtype=torch.uint8)
+    cv = torch.full((1, 1, T + 5, D4), 0xFF, dtype=torch.uint8)
+    ck[:, :, :T], cv[:, :, :T] = 0, 0
+    codes = torch.zeros(T, D, dtype=torch.uint8)
+    for d in range(D):
+        low = 3 << (2 * (d // D4))
+        ck[0, 0, 2 * d : 2 * d + 2, d % D4] = low
+        ck[0, 0, 2 * d + 1, D4 + d % D8] = 1 << (d // D8)
+        cv[0, 0, 2 * d + 1, d % D4] = low
+        codes[2 * d, d], codes[2 * d + 1, d] = 3, 7
+    assert torch.equal(reference.pack_codes(codes, 3), ck[0, 0, :T])  # the hand packing is the reference's
+    sz = torch.full((1, 1, T + 5, D // G, 2), float("nan"), dtype=torch.float16)
+    sz[:, :, :T, :, 0], sz[:, :, :T, :, 1] = 1.0, 0.0
+    cv = layout.history_codes(1, 1, T + 5, D, "cpu", tokens_contiguous=True).copy_(cv)
+    n = torch.linspace(-127, 127, D, dtype=torch.float64).round()
+    assert n.unique().numel() == D
+    g = torch.Generator().manual_seed(D + group)
+    qd = torch.stack([n[torch.randperm(D, generator=g)] / 128 for _ in range(group)])[None]  # [1, group, D], exact bf16
+    hist_len = torch.tensor([T], dtype=torch.int32)
+    o, lse = ops.decode_int2_partial(qd.bfloat16().to(device), ck.to(device), sz.to(device), cv.to(device),
+                                     sz.to(device), hist_len.to(device), sm_scale=1.0)  # fmt: skip
+    o, lse = reference.merge_partials_ref(o.cpu(), lse.cpu())
+
+    def by_hand(third):  # third[d]: the dim whose q token 2d + 1's third bit meets (None: no third bit)
+        s = torch.empty(1, group, T, dtype=torch.float64)
+        s[..., 0::2] = 3 * qd
+        s[..., 1::2] = 3 * qd + (4 * qd[..., third] if third is not None else 0)
+        return 3 * torch.softmax(s, -1)[..., 1::2], torch.logsumexp(s, -1)
+
+    want, want_lse = by_hand(torch.arange(D))
+    tol = 2.0**-8 * want.abs() + 2.0**-12  # + the float32 (GPU: tensor-core) sums of the values' +128 bias, undone
+    assert ((o.double() - want).abs() <= tol).all(), f"max error {(o.double() - want).abs().max():.3g}"
+    assert ((lse.double() - want_lse).abs() <= 1e-5 * want_lse.abs() + 1e-5).all()
+    d = torch.arange(D)
+    for third in (d // D8 * 0 + d % D8 + (7 - d // D8) * D8, d % D8 * 8 + d // D8, None):  # reversed, consecutive, none
+        alt, _ = by_hand(third)
+        assert ((alt - want).abs() > 10 * tol).any()
+
+
+@pytest.mark.parametrize("D, group", [(64, 4), (128, 4), (128, 8), (256, 4)])
+def test_three_bit_scores_at_the_integer_bound(device, D, group):
+    """The integer score dots' worst case with 3-bit keys: every code 7 against a q whose elements all equal its
+    largest |q| (±1), one history token. Σ c·(q_hi·Q_LO + q_lo) = ±7·D·127·Q_LO, below 2^22 only with the 3-bit
+    Q_LO = min(128, 4096 / D) (the 2-bit min(128, 8192 / D) doubles it past the float32 trick's range at D ≤ 128)."""
+    H_kv = 2
+    ck = reference.pack_codes(torch.full((1, H_kv, 1, D), 7, dtype=torch.uint8), 3)
+    cv = torch.zeros(1, H_kv, 1, D // 4, dtype=torch.uint8)
+    sz = torch.tensor([0.25, 0.0], dtype=torch.float16).expand(1, H_kv, 1, 1, 2).contiguous()
+    q = torch.ones(1, H_kv * group, D)
+    q[:, 1::2] = -1  # heads of either sign
+    _, lse = ops.decode_int2_partial(q.bfloat16().to(device), ck.to(device), sz.to(device), cv.to(device),
+                                     sz.to(device), torch.ones(1, dtype=torch.int32, device=device), D**-0.5,
+                                     num_splits=1)  # fmt: skip
+    want = q.double().sum(-1) * 7 * 0.25 * D**-0.5  # one token: lse is its score
+    assert torch.allclose(lse[..., 0].cpu().double(), want, rtol=1e-6, atol=1e-6), (lse[..., 0], want)

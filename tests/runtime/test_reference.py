@@ -198,3 +198,90 @@ def test_bits_per_element_matches_the_paper():
     assert layout.bits_per_element(32768, 128) == pytest.approx(2.3843, abs=1e-4)
     assert layout.bits_per_element(100, 128) == 16.0
     assert layout.bytes_per_token(128, 128) == 36  # 32 code bytes + fp16 scale + fp16 zero (72 B for K and V)
+
+
+# ------------------------------------------------------------------------------------- 3-bit keys (docs/format.md §6b)
+
+
+@pytest.mark.parametrize("D", [8, 64, 128])
+def test_three_bit_packing_by_hand(D):
+    """Low two bits quartered as INT2, then the third bit of dims j, j+D/8, …, j+7D/8 in bits 0..7 of byte D/4 + j."""
+    torch.manual_seed(3)
+    c = torch.randint(0, 8, (5, D), dtype=torch.uint8)
+    packed = R.pack_codes(c, 3)
+    assert packed.shape == (5, layout.packed_dim(D, 3)) == (5, 3 * D // 8)
+    q, e = D // 4, D // 8
+    for r in range(5):
+        row = [int(v) for v in c[r]]
+        low = [(row[b] & 3) | (row[b + q] & 3) << 2 | (row[b + 2 * q] & 3) << 4 | (row[b + 3 * q] & 3) << 6
+               for b in range(q)]
+        plane = [sum(((row[j + m * e] >> 2) & 1) << m for m in range(8)) for j in range(e)]
+        assert packed[r].tolist() == low + plane
+    assert torch.equal(R.unpack_codes(packed, 3), c)
+    # the low bytes are exactly the INT2 packing of the low bits: a 2-bit reader of the first D/4 bytes sees c & 3
+    assert torch.equal(packed[:, :q], R.pack_codes(c & 3))
+
+
+def test_three_bit_quantize_known_answer_float64():
+    """Levels 0..7 with scale = range/7: a row spanning [−1, 6] in unit steps is coded exactly (scale 1, zero 1), and
+    every code of random rows equals the float64 formula with the float16-rounded scale and zero."""
+    x = torch.tensor([[-1.0, 0, 1, 2, 3, 4, 5, 6]])
+    codes, sz = R.quantize(x, 0, bits=3)
+    assert codes.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert sz.float().tolist() == [[[1.0, 1.0]]]
+    assert torch.equal(R.dequantize(codes, sz), x)
+    torch.manual_seed(4)
+    x = torch.randn(256, 64) * 2
+    codes, sz = R.quantize(x, 0, bits=3)
+    xd = x.double()
+    lo, hi = xd.min(-1, keepdim=True).values, xd.max(-1, keepdim=True).values
+    scale = ((hi - lo) / 7).to(torch.float16).double()
+    zero = (-lo / scale).to(torch.float16).double()
+    q = torch.floor(xd / scale + zero + 0.5).clamp(0, 7)
+    assert int(codes.max()) == 7 and (q.to(torch.uint8) != codes).float().mean() < 1e-3
+    # the third bit buys precision: the error bound is half a step of range/7 (vs range/3 for INT2)
+    err3 = (R.fake_quant(x, 0.0, bits=3) - x).abs().amax(-1)
+    err2 = (R.fake_quant(x, 0.0) - x).abs().amax(-1)
+    bound = (hi - lo).squeeze(-1).float() / 14 * (1 + 2e-3) + 1e-6
+    assert torch.all(err3 <= bound) and err3.mean() < 0.5 * err2.mean()
+
+
+def test_two_bit_budget_is_todays_codec_bit_for_bit():
+    """bits=2 everywhere (the default) is the INT2 codec: same codes, scales and bytes as the plain calls."""
+    torch.manual_seed(5)
+    x = torch.randn(3, 40, 64, dtype=torch.bfloat16)
+    for clip in (0.9, 1.0, 0.0):
+        a = R.quantize_pack_ref(x, clip, 0, bits=2)
+        b = R.quantize_pack_ref(x, clip)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape[-1] == 16
+    with pytest.raises(ValueError, match="2 or 3"):
+        R.quantize(x, 0, bits=4)
+
+
+def test_tiered_decode_reads_three_bit_keys():
+    """The tiered reference with 3-bit keys equals dense float64 attention over the dequantized 3-bit history."""
+    torch.manual_seed(6)
+    B, Hq, Hkv, D, T = 1, 4, 2, 64, 50
+    q = torch.randn(B, Hq, D)
+    k, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    ck, szk = R.quantize_pack_ref(k, 0.0, bits=3)
+    cv, szv = R.quantize_pack_ref(v, 0.0)
+    empty = torch.zeros(B, Hkv, 0, D)
+    zero, n = torch.zeros(B, dtype=torch.int32), torch.full((B,), T, dtype=torch.int32)
+    o, _ = R.tiered_decode_attention_ref(q, empty, empty, zero, ck, szk, cv, szv, n, empty, empty, zero, 0.125,
+                                         key_bits=3)
+    kd = R.dequantize(R.unpack_codes(ck, 3), szk).double().repeat_interleave(2, 1)
+    vd = R.dequantize(R.unpack_codes(cv), szv).double().repeat_interleave(2, 1)
+    p = torch.softmax(torch.einsum("bhd,bhtd->bht", q.double(), kd) * 0.125, -1)
+    assert torch.allclose(o.double(), torch.einsum("bht,bhtd->bhd", p, vd), atol=1e-5)
+    # and the 3-bit history is closer to the exact keys than INT2 would be
+    assert (kd[:, ::2] - k.double()).abs().mean() < 0.5 * (R.fake_quant(k, 0.0) - k).abs().mean()
+
+
+def test_bits_per_element_with_three_bit_keys():
+    """Keys at a mean of 2.7 bits add 0.7/2 bits per element in the history, windows unchanged."""
+    base = layout.bits_per_element(32768, 64)
+    hist = (32768 - 320) / 32768
+    assert layout.kv_bits_per_element(32768, 64, key_bits=2.7) == pytest.approx(base + 0.35 * hist, abs=1e-12)
+    assert layout.kv_bits_per_element(32768, 64) == base
+    assert layout.bytes_per_token(128, 128, bits=3) == 48 + 4

@@ -32,6 +32,16 @@ scale and zero):
       q·k̂ = s·(Σ_k (q_k / f_k)·(128 + c_k f_k) − 128·Σ_k Σq_k / f_k − z·Σq)
       Σ_t p_t v̂_t[quarter k] = (Σ_t (p_t s_t)(128 + c_t f_k) − 128·Σ_t p_t s_t) / f_k − Σ_t (p_t s_t) z_t
 With G < D every element is dequantized with its group's scale before the dot.
+
+3-bit keys (KEY_BITS = 3, `reference.pack_codes`): a row is D/4 bytes of low two bits, quartered as above, then D/8
+bytes of bit plane (byte D/4 + j holds the third bit of dims j, j + D/8, …, j + 7D/8 in bits 0..7), so column c of
+quarter k has its third bit at bit 2k + c // (D/8) of plane byte c mod D/8. A tile loads those plane bytes with its
+codes (same rows, same mask), moves each byte down by its column's half once (quarter k's bit is then bit 2k), and
+merges the bit into the unpacked codes, c = low | 4·bit (four codes per 32-bit instruction, as the low bits): on the
+integer path the int8 codes are 0..7, and |Σ c·(q_hi·Q_LO + q_lo)| ≤ 7·D·127.5·Q_LO < 2^22 takes Q_LO =
+min(128, 4096 / D); on the bfloat16 path quarter k's byte is c·f_k ≤ 7·16 < 128 under the 0x43 high byte, the exact
+bfloat16 128 + c·f_k, so the dots, q_bias and the formulas above are unchanged (all linear in c); with G < D the code
+is dequantized whole. 2-bit keys compile to the code without the plane.
 """
 
 from __future__ import annotations
@@ -55,17 +65,66 @@ CODES_ASM_0 = tl.constexpr("and.b32 $0, $1, 0x03030303;")
 CODES_ASM_1 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303; }")
 CODES_ASM_2 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303; }")
 CODES_ASM_3 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303; }")
+# 3-bit keys: a plane byte moved down one bit where sel is 0xFF (a quarter's second half), p ^ ((p ^ p >> 1) & sel)
+PLANE_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 1; xor.b32 t, t, $1; and.b32 t, t, $2; xor.b32 $0, $1, t; }")
+
+
+def _third_asm(k: int) -> str:
+    """PTX placing quarter k's third bit (bit 2k of `_plane`'s bytes, register $p) at bit 2 of u."""
+    return "shl.b32 u, $p, 2;" if k == 0 else f"shr.b32 u, $p, {2 * k - 2};"
+
+
+# 3-bit keys' int8 codes: quarter k's low bits | 4·third bit ($1 packed low bits, $2 `_plane` bytes)
+CODES3_ASM_0, CODES3_ASM_1, CODES3_ASM_2, CODES3_ASM_3 = (
+    tl.constexpr("{ .reg .b32 t, u; shr.b32 t, $1, %d; and.b32 t, t, 0x03030303; %s and.b32 u, u, 0x04040404; "
+                 "or.b32 $0, t, u; }" % (2 * k, _third_asm(k).replace("$p", "$2")))
+    for k in range(4))  # fmt: skip
+# 3-bit keys' biased bfloat16 codes: code·f_k (≤ 112) under the 0x43 high byte ($2 packed low bits, $3 `_plane` bytes)
+UNPACK3_ASM_0, UNPACK3_ASM_1, UNPACK3_ASM_2 = (
+    tl.constexpr("{ .reg .b32 t, u; and.b32 t, $2, 0x%s; shl.b32 u, $3, 2; and.b32 u, u, 0x%s; or.b32 t, t, u; "
+                 % ((f"{3 << 2 * k:02x}" * 4), (f"{4 << 2 * k:02x}" * 4)) + _PRMT)
+    for k in range(3))  # fmt: skip
+UNPACK3_ASM_3 = tl.constexpr("{ .reg .b32 t, u; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; shr.b32 u, $3, 4; "
+                             "and.b32 u, u, 0x04040404; or.b32 t, t, u; " + _PRMT)
 MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: the float32 with bits 0x4B400000 + n is MAGIC + n for |n| < 2^22
 
 
 @triton.jit
-def _int8_codes(packed, QUARTER: tl.constexpr, USE_ASM: tl.constexpr):
-    """uint8 packed bytes → int8 codes 0..3 of one quarter (the K side's integer operand)."""
+def _int8_codes(packed, QUARTER: tl.constexpr, USE_ASM: tl.constexpr, plane=None, THIRD: tl.constexpr = False):
+    """uint8 packed bytes → int8 codes 0..3 of one quarter (the K side's integer operand); THIRD (3-bit keys): codes
+    0..7 with the third bits from `_plane`'s bytes."""
+    if THIRD:
+        if USE_ASM:
+            asm3: tl.constexpr = (CODES3_ASM_0 if QUARTER == 0 else CODES3_ASM_1 if QUARTER == 1 else
+                                  CODES3_ASM_2 if QUARTER == 2 else CODES3_ASM_3)  # fmt: skip
+            return tl.inline_asm_elementwise(asm3, "=r,r,r", [packed, plane], dtype=tl.int8, is_pure=True, pack=4)
+        return (((packed >> (2 * QUARTER)) & 3) | _third_bits(plane, QUARTER)).to(tl.int8)
     if USE_ASM:
         asm: tl.constexpr = (CODES_ASM_0 if QUARTER == 0 else CODES_ASM_1 if QUARTER == 1 else
                              CODES_ASM_2 if QUARTER == 2 else CODES_ASM_3)  # fmt: skip
         return tl.inline_asm_elementwise(asm, "=r,r", [packed], dtype=tl.int8, is_pure=True, pack=4)
     return ((packed >> (2 * QUARTER)) & 3).to(tl.int8)
+
+
+@triton.jit
+def _third_bits(plane, QUARTER: tl.constexpr):
+    """3-bit keys: 4 × the third bit of quarter k's codes (uint8 0 or 4) from the tile's plane bytes (`_plane`: the
+    bit sits at bit 2k)."""
+    if QUARTER == 0:
+        out = (plane << 2) & 4
+    else:
+        out = (plane >> (2 * QUARTER - 2)) & 4
+    return out
+
+
+@triton.jit
+def _plane(pl, half, USE_ASM: tl.constexpr):
+    """3-bit keys: plane bytes pl loaded per column c of a tile (byte c mod D/8), each moved down by its column's half
+    (half = c // (D/8), 0 or 1), so that quarter k's third bit is bit 2k of every byte (bit 7 is left undefined)."""
+    if USE_ASM:
+        sel = tl.broadcast_to((half * 255).to(tl.uint8), pl.shape)
+        return tl.inline_asm_elementwise(PLANE_ASM, "=r,r,r", [pl, sel], dtype=tl.uint8, is_pure=True, pack=4)
+    return pl >> half.to(tl.uint8)
 
 
 @triton.jit
@@ -97,9 +156,23 @@ def _per_head(v, PAIR: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
-    """uint8 packed bytes → 128 + code·4^k (k < 3) or 128 + code (k = 3) of one quarter, exact in bfloat16."""
-    if USE_ASM:
+def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, plane=None,
+                  THIRD: tl.constexpr = False):
+    """uint8 packed bytes → 128 + code·4^k (k < 3) or 128 + code (k = 3) of one quarter, exact in bfloat16. THIRD
+    (3-bit keys): codes 0..7 with the third bits from `_plane`'s bytes (code·4^k ≤ 112, still exact)."""
+    if THIRD:
+        if USE_ASM:
+            asm3: tl.constexpr = (UNPACK3_ASM_0 if QUARTER == 0 else UNPACK3_ASM_1 if QUARTER == 1 else
+                                  UNPACK3_ASM_2 if QUARTER == 2 else UNPACK3_ASM_3)  # fmt: skip
+            out = tl.inline_asm_elementwise(asm3, "=r,=r,r,r", [packed, plane], dtype=tl.bfloat16, is_pure=True,
+                                            pack=4)  # fmt: skip
+        else:
+            if QUARTER == 3:
+                c = ((packed >> 6) & 3) | ((plane >> 4) & 4)
+            else:
+                c = (packed & (3 << (2 * QUARTER))) | ((plane << 2) & (4 << (2 * QUARTER)))
+            out = (c.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    elif USE_ASM:
         asm: tl.constexpr = (UNPACK_ASM_0 if QUARTER == 0 else UNPACK_ASM_1 if QUARTER == 1 else
                              UNPACK_ASM_2 if QUARTER == 2 else UNPACK_ASM_3)  # fmt: skip
         out = tl.inline_asm_elementwise(asm, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
@@ -114,13 +187,17 @@ def _biased_codes(packed, QUARTER: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_AS
 
 @triton.jit
 def _dequant_quarter(packed, sz_rows, tok_off, tok_ok, cols, QUARTER: tl.constexpr, D4: tl.constexpr,
-                     G: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                     G: tl.constexpr, DOT_DTYPE: tl.constexpr, pl=None, THIRD: tl.constexpr = False):
     """One quarter of a packed tile dequantized with its per-group scale/zero (G < D), in DOT_DTYPE. The tile is
-    [BLOCK_N, D/4] (K) or [D/4, BLOCK_N] (V); tok_off (token · scale stride), tok_ok and cols broadcast to it."""
+    [BLOCK_N, D/4] (K) or [D/4, BLOCK_N] (V); tok_off (token · scale stride), tok_ok and cols broadcast to it.
+    THIRD (3-bit keys): pl holds the tile's `_plane` bytes, the code is low | 4·bit."""
     sz_ptrs = sz_rows + tok_off + ((QUARTER * D4 + cols) // G) * 2
     s = tl.load(sz_ptrs, mask=tok_ok, other=0.0).to(tl.float32)
     z = tl.load(sz_ptrs + 1, mask=tok_ok, other=0.0).to(tl.float32)
-    c = ((packed >> (2 * QUARTER)) & 3).to(tl.float32)
+    if THIRD:
+        c = (((packed >> (2 * QUARTER)) & 3) | _third_bits(pl, QUARTER)).to(tl.float32)
+    else:
+        c = ((packed >> (2 * QUARTER)) & 3).to(tl.float32)
     return ((c - z) * s).to(DOT_DTYPE)
 
 
@@ -164,9 +241,11 @@ def _int2_tile(
     m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
     INT8_K: tl.constexpr, PAIR: tl.constexpr, Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr,
     NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
+    KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
-    MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked."""
+    MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked.
+    KEY_BITS = 3: K's rows also hold the third bits' plane (D/8 bytes from byte D/4, module docstring)."""
     tok = n0 + offs_n
     tok_ok = tok < end
     tok64 = tok.to(tl.int64)
@@ -186,20 +265,35 @@ def _int2_tile(
         kb = tl.load(k_ptrs, mask=k_ok, other=0)
     else:
         kb = tl.load(k_ptrs)
+    K3: tl.constexpr = KEY_BITS == 3
+    if K3:
+        # the plane bytes of the same tokens: column c's third bits sit in byte D/4 + c mod D/8 of the row (quarter k's
+        # at bit 2k + c // (D/8)), i.e. c's code byte moved by D/4 − (c // (D/8))·(D/8): runs of D/8 contiguous bytes
+        D8: tl.constexpr = D4 // 2
+        # (pair_j // D8 % 2, not pair_j % D4 // D8: so the compiler sees runs of D/8 equal values, and vectorises)
+        half = (pair_j // D8) % 2 if INT8_K else cols[None, :] // D8
+        pl_ptrs = k_ptrs + (D4 - half * D8)
+        if MASKED:
+            pl = tl.load(pl_ptrs, mask=k_ok, other=0)
+        else:
+            pl = tl.load(pl_ptrs)
+        pl = _plane(pl, half, USE_ASM)
+    else:
+        pl = kb  # unused
     # ---- scores, transposed: [BLOCK_N, GP]
     if NG == 1:
         if INT8_K:
-            # integer dots: int8 codes 0..3 against q's int8 high and low parts (int32 sums, exact)
-            c = _int8_codes(kb, 0, USE_ASM)
+            # integer dots: int8 codes 0..3 (0..7: 3-bit keys) against q's int8 high and low parts (int32 sums, exact)
+            c = _int8_codes(kb, 0, USE_ASM, pl, K3)
             s_hi = tl.dot(c, q0, out_dtype=tl.int32)
             s_lo = tl.dot(c, ql0, out_dtype=tl.int32)
-            c = _int8_codes(kb, 1, USE_ASM)
+            c = _int8_codes(kb, 1, USE_ASM, pl, K3)
             s_hi = tl.dot(c, q1, s_hi, out_dtype=tl.int32)
             s_lo = tl.dot(c, ql1, s_lo, out_dtype=tl.int32)
-            c = _int8_codes(kb, 2, USE_ASM)
+            c = _int8_codes(kb, 2, USE_ASM, pl, K3)
             s_hi = tl.dot(c, q2, s_hi, out_dtype=tl.int32)
             s_lo = tl.dot(c, ql2, s_lo, out_dtype=tl.int32)
-            c = _int8_codes(kb, 3, USE_ASM)
+            c = _int8_codes(kb, 3, USE_ASM, pl, K3)
             s_hi = tl.dot(c, q3, s_hi, out_dtype=tl.int32)
             s_lo = tl.dot(c, ql3, s_lo, out_dtype=tl.int32)
             # |s_hi·Q_LO + s_lo| < 2^22: to float32 as MAGIC + that, by an integer add to MAGIC's bits (no int→float
@@ -209,18 +303,19 @@ def _int2_tile(
             sT = tl.reshape(sT, [offs_n.shape[0], q_w.shape[0]])
         else:
             # quarters of bfloat16 128 + code·4^k against q_k / 4^k
-            sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM), q0)
-            sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM), q1, sT)
-            sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM), q2, sT)
-            sT = tl.dot(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM), q3, sT)
+            sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM, pl, K3), q0)
+            sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM, pl, K3), q1, sT)
+            sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM, pl, K3), q2, sT)
+            sT = tl.dot(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM, pl, K3), q3, sT)
         sk, zk = _scale_zero(szk_row, tok, stride_szkt, tok_ok, MASKED)
         sT = (sT - q_bias[None, :] - zk[:, None] * qsum[None, :]) * sk[:, None] * q_w[None, :]
     else:
         k_off, k_ok, k_cols = tok64[:, None] * stride_szkt, tok_ok[:, None], cols[None, :]
-        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 0, D4, G, DOT_DTYPE), q0)
-        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 1, D4, G, DOT_DTYPE), q1, sT)
-        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 2, D4, G, DOT_DTYPE), q2, sT)
-        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 3, D4, G, DOT_DTYPE), q3, sT) * qk_scale
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 0, D4, G, DOT_DTYPE, pl, K3), q0)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 1, D4, G, DOT_DTYPE, pl, K3), q1, sT)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 2, D4, G, DOT_DTYPE, pl, K3), q2, sT)
+        sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 3, D4, G, DOT_DTYPE, pl, K3), q3, sT)
+        sT = sT * qk_scale
     if MASKED:
         sT = tl.where(tok_ok[:, None], sT, float("-inf"))
 
@@ -274,14 +369,17 @@ def _attend(
     b, h, GROUP, qk_scale,
     INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr, SLACK: tl.constexpr,
+    KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of one tier for KV head h and its GROUP query heads; writes (o, lse) of
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
-    rows; P·V is Vᵀ·p (oᵀ, dims on the rows) over INT2 codes, pᵀ·V over BF16 rows."""
+    rows; P·V is Vᵀ·p (oᵀ, dims on the rows) over INT2 codes, pᵀ·V over BF16 rows. KEY_BITS: K's codes are 2- or
+    3-bit (INT2 tiers only)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
-    # q's low int8 part in units of 1/Q_LO: |Σ codes·(q_hi·Q_LO + q_lo)| ≤ 3·D·127.5·Q_LO < 2^22
-    Q_LO: tl.constexpr = min(128, 8192 // D)
+    # q's low int8 part in units of 1/Q_LO: |Σ codes·(q_hi·Q_LO + q_lo)| ≤ 3·D·127.5·Q_LO < 2^22 (2-bit keys), and
+    # ≤ 7·D·127.5·Q_LO < 2^22 (3-bit keys)
+    Q_LO: tl.constexpr = min(128, (4096 if KEY_BITS == 3 else 8192) // D)
     # Integer score dots need a contraction of ≥ 32 dims and fill the MMA's 8 columns: a group padded to 4 puts two
     # tokens on each row (PAIR = 2: 8 real columns, 32 dims from D = 64); groups of ≥ 8 fill them alone (D ≥ 128).
     # Smaller groups (1, 2), groups of ≥ 8 at D = 64 and per-group scales (G < D) keep the bfloat16 dots.
@@ -299,6 +397,12 @@ def _attend(
     g_ok = g < GROUP
     qhead = h * GROUP + g
     offs_n = tl.arange(0, BLOCK_N)
+    if KEY_BITS == 3:
+        # rows of 3D/8 bytes (24 at D = 64): `ops` passes K strides that are multiples of 8 bytes, and so written the
+        # compiler knows it (8-byte vector loads of the codes and the plane instead of byte loads)
+        stride_kb = stride_kb // 8 * 8
+        stride_kh = stride_kh // 8 * 8
+        stride_kt = stride_kt // 8 * 8
     k_rows = k_ptr + b64 * stride_kb + h64 * stride_kh
     v_rows = v_ptr + b64 * stride_vb + h64 * stride_vh
 
@@ -380,13 +484,13 @@ def _attend(
                 n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
                 stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
                 m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM,
-                SLACK, False)
+                SLACK, False, KEY_BITS)
         if full_end < end:
             m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
                 full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row,
                 stride_szkt, stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
                 m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM,
-                SLACK, True)
+                SLACK, True, KEY_BITS)
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
             tok = n0 + offs_n
@@ -429,8 +533,8 @@ def _attend(
 def _decode_kernel(
     q_ptr,  # [B, H_q, D]
     sk_ptr, sv_ptr, slen_ptr,  # sink K/V [B, H_kv, SINK_CAP, D] bf16, lengths [B] int32
-    ck_ptr, szk_ptr, cv_ptr, szv_ptr, hlen_ptr,  # history codes [B, H_kv, T_cap, D/4] u8 (V's any strides, fastest
-    # token-major), scale/zero [.., D/G, 2] f16
+    ck_ptr, szk_ptr, cv_ptr, szv_ptr, hlen_ptr,  # history codes [B, H_kv, T_cap, D/4] u8 (K's 3D/8 for 3-bit keys;
+    # V's any strides, fastest token-major), scale/zero [.., D/G, 2] f16
     rk_ptr, rv_ptr, rlen_ptr,  # recent K/V [B, H_kv, RECENT_CAP, D] bf16
     o_ptr, lse_ptr,  # partials [B, H_q, S, D] f32, [B, H_q, S] f32
     H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale,
@@ -442,7 +546,7 @@ def _decode_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
-    SLACK: tl.constexpr, PDL: tl.constexpr,
+    SLACK: tl.constexpr, PDL: tl.constexpr, KEY_BITS: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         # programmatic dependent launch: wait for the kernel before (it may have written q or the cache), then let
@@ -470,7 +574,7 @@ def _decode_kernel(
                 len_ptr, tl.where(in_sink, s, s - S_SINK - S_HIST), tl.where(in_sink, S_SINK, S_RECENT),
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h, GROUP, qk_scale,
-                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0)
+                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0, 2)
     else:
         _attend(q_ptr, stride_qb, stride_qh,
                 ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd,
@@ -478,4 +582,4 @@ def _decode_kernel(
                 hlen_ptr, s - S_SINK, S_HIST,
                 o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
                 b, h, GROUP, qk_scale,
-                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK)
+                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS)

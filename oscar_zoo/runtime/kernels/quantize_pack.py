@@ -1,4 +1,4 @@
-"""Fused (optional rotate) → clip → INT2 quantize → quartered pack of K/V rows into the history layout.
+"""Fused (optional rotate) → clip → 2- or 3-bit quantize → quartered pack of K/V rows into the history layout.
 
 Twin of `reference.quantize_pack_ref`, bit for bit on finite rows when no rotation is given (the demotion path: rows
 already rotated). A NaN in a row makes the reference's scale/zero NaN; the kernel's min/max skip it.
@@ -14,12 +14,17 @@ taken from a register-resident top-8 (top-16): Batcher-sort chunks of 8 (16) val
 (bitonic max + half-cleaners) down to one sorted list. Ties are kept with multiplicity, as sort() keeps them. Other
 ratios (m > 16, rare: r < 0.875) take the exact peeling loop.
 
-Quantize: scale/zero rounded to float16 as the reference, codes from the rounded values. The reference's code is
-clamp(⌊u + ½⌋, 0, 3) with u = RN(RN(x/s) + z) (IEEE division): the number of three thresholds C_i on u that u
-reaches. Both roundings are monotone in x, so u ≥ C_i ⇔ x ≥ X_i for one float32 X_i per group, computed exactly once
-per group in float64 from the two rounding midpoints (`_x_threshold`); the clip folds into those thresholds and the
-group's min/max. Per value that leaves three compares and two adds: no division, no + z, no clamp, no float→int
-conversion.
+Quantize (BITS = 2 or 3, L = 2^BITS − 1 = 3 or 7): scale = range/L and zero rounded to float16 as the reference,
+codes from the rounded values. The reference's code is clamp(⌊u + ½⌋, 0, L) with u = RN(RN(x/s) + z) (IEEE
+division): the number of L thresholds C_i on u that u reaches. Both roundings are monotone in x, so u ≥ C_i ⇔ x ≥ X_i
+for one float32 X_i per group, computed exactly once per group in float64 from the two rounding midpoints
+(`_x_threshold`); the clip folds into those thresholds and the group's min/max. Per value that leaves L compares and
+L − 1 adds (2 bits: three and two): no division, no + z, no clamp, no float→int conversion.
+
+Pack: the low two bits quartered (D/4 bytes: byte j holds dims j, j+D/4, j+D/2, j+3D/4 in bits 0/2/4/6); 3-bit codes
+then a bit plane of their third bit (u ≥ C_4; D/8 bytes: byte D/4 + j holds dims j, j+D/8, …, j+7D/8 in bits 0..7),
+`layout.packed_dim(D, BITS)` bytes a row (`reference.pack_codes`). BITS is a constexpr: the 2-bit build holds none of
+the 3-bit code.
 """
 
 from __future__ import annotations
@@ -27,14 +32,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# u ≥ C_i  ⇔  float32(u + 0.5) ≥ i (round to nearest even), i = 1, 2, 3: the code is the number of thresholds reached
-ROUND_THRESHOLDS = (0.5 - 2.0**-25, 1.5, 2.5)
+# u ≥ C_i  ⇔  float32(u + 0.5) ≥ i (round to nearest even), i = 1..7: the code is the number of thresholds reached
+# (2-bit codes use C_1..C_3, 3-bit codes all seven). C_1 is the float32 just below ½ (C_1 + ½ = 1 − 2^-25 is a tie
+# that rounds to the even 1.0), C_i = i − ½ for i ≥ 2 (there u + ½ is exact)
+ROUND_THRESHOLDS = (0.5 - 2.0**-25, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5)
 # For the thresholds in x's units: half the float32 spacing below each C_i, and whether a sum exactly at that midpoint
-# rounds up to C_i (ties go to the even significand: C_1's is odd, C_2's and C_3's even)
-ROUND_HALF_ULPS = (2.0**-26, 2.0**-24, 2.0**-23)
-ROUND_TIES_UP = (False, True, True)
-_H1, _H2, _H3 = (tl.constexpr(h) for h in ROUND_HALF_ULPS)
-_TIE1, _TIE2, _TIE3 = (tl.constexpr(t) for t in ROUND_TIES_UP)
+# rounds up to C_i (ties go to the even significand: C_1's is odd, those of C_2..C_7 = i − ½ even)
+ROUND_HALF_ULPS = (2.0**-26, 2.0**-24, 2.0**-23, 2.0**-23, 2.0**-22, 2.0**-22, 2.0**-22)
+ROUND_TIES_UP = (False, True, True, True, True, True, True)
+_H1, _H2, _H3, _H4, _H5, _H6, _H7 = (tl.constexpr(h) for h in ROUND_HALF_ULPS)
+_TIE1, _TIE2, _TIE3, _TIE4, _TIE5, _TIE6, _TIE7 = (tl.constexpr(t) for t in ROUND_TIES_UP)
+# C_1..C_3 are launch arguments (ops.quantize_pack); the 3-bit build's C_4..C_7 come from here
+_C4, _C5, _C6, _C7 = (tl.constexpr(c) for c in ROUND_THRESHOLDS[3:])
 
 
 @triton.jit
@@ -396,7 +405,7 @@ def _quantize_pack_kernel(
     x_ptr,  # [B, H, T, D] any float dtype (last dim contiguous)
     rot_ptr,  # [H, D, D] or [D, D] float (unused unless ROTATE)
     r_ptr,  # clip ratio per row, broadcast strides allowed
-    codes_ptr,  # [B, H, T, D/4] uint8, contiguous
+    codes_ptr,  # [B·H·T, packed_dim(D, BITS)] uint8, contiguous
     sz_ptr,  # [B, H, T, D/G, 2] float16, contiguous
     # sizes
     N,  # B·H·T rows
@@ -423,9 +432,13 @@ def _quantize_pack_kernel(
     C1: tl.constexpr,
     C2: tl.constexpr,
     C3: tl.constexpr,
+    BITS: tl.constexpr,  # 2: codes 0..3 (D/4 bytes a row); 3: codes 0..7 (D/4 + D/8 bytes)
 ):
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
+    D8: tl.constexpr = D // 8
+    LEVELS: tl.constexpr = 7.0 if BITS == 3 else 3.0  # largest code, the scale's divisor
+    PACKED: tl.constexpr = D4 + D8 if BITS == 3 else D4  # bytes an output row
     if ROTATE:  # BLOCK_T rows of one (batch, KV head): the rotation is one [D, D] matrix per program
         pid_bh = tl.program_id(1)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -484,17 +497,32 @@ def _quantize_pack_kernel(
     # asymmetric min-max per group, float16 scale/zero, codes from the rounded values
     amax = tl.maximum(tl.abs(lo), tl.abs(hi))
     rng = tl.maximum(tl.maximum(hi - lo, amax * REL_FLOOR), ABS_FLOOR)
-    scale16 = tl.div_rn(rng, 3.0).to(tl.float16)
+    scale16 = tl.div_rn(rng, LEVELS).to(tl.float16)
     s = scale16.to(tl.float32)
     zero16 = tl.div_rn(_negate(lo), s).to(tl.float16)
     z = zero16.to(tl.float32)
-    # the reference's count against each group's three thresholds in x's units (float64 arithmetic once per group, no
+    # the reference's count against each group's thresholds in x's units (float64 arithmetic once per group, no
     # division and no clamp per element); a NaN x reaches none
     t1 = _clipped_threshold(_x_threshold(s, z, C1, _H1, _TIE1), neg_tau, tau)
     t2 = _clipped_threshold(_x_threshold(s, z, C2, _H2, _TIE2), neg_tau, tau)
     t3 = _clipped_threshold(_x_threshold(s, z, C3, _H3, _TIE3), neg_tau, tau)
     code = (tl.where(xg >= t1[:, :, None], 1.0, 0.0) + tl.where(xg >= t2[:, :, None], 1.0, 0.0)
             + tl.where(xg >= t3[:, :, None], 1.0, 0.0))  # fmt: skip
+    if BITS == 3:  # the third bit is t4 reached; the low two bits count t1..t3 below it, t5..t7 above (thresholds
+        # ascend, and a clipped one is −∞ only if all below it are, NaN only if all above it are)
+        t4 = _clipped_threshold(_x_threshold(s, z, _C4, _H4, _TIE4), neg_tau, tau)
+        t5 = _clipped_threshold(_x_threshold(s, z, _C5, _H5, _TIE5), neg_tau, tau)
+        t6 = _clipped_threshold(_x_threshold(s, z, _C6, _H6, _TIE6), neg_tau, tau)
+        t7 = _clipped_threshold(_x_threshold(s, z, _C7, _H7, _TIE7), neg_tau, tau)
+        hi_bit = tl.where(xg >= t4[:, :, None], 1.0, 0.0)
+        upper = (tl.where(xg >= t5[:, :, None], 1.0, 0.0) + tl.where(xg >= t6[:, :, None], 1.0, 0.0)
+                 + tl.where(xg >= t7[:, :, None], 1.0, 0.0))  # fmt: skip
+        code = tl.where(hi_bit > 0.0, upper, code)  # code & 3
+        # bit plane: byte j holds the third bit of dims j, j+D/8, …, j+7D/8 in bits 0..7
+        q8 = tl.reshape(hi_bit, [BLOCK_T, 8, D8])
+        weights8 = tl.exp2(tl.arange(0, 8).to(tl.float32))
+        byte8 = tl.sum(q8 * weights8[None, :, None], axis=1) + 8388608.0
+        plane = (byte8.to(tl.int32, bitcast=True) & 0xFF).to(tl.uint8)  # [BLOCK_T, D8]
 
     # quartered pack: byte j holds dims j, j+D/4, j+D/2, j+3D/4 in bits 0/2/4/6 (float sum, then the integer bits
     # of 2^23 + byte)
@@ -505,7 +533,10 @@ def _quantize_pack_kernel(
 
     out_rows = n.to(tl.int64)  # contiguous outputs
     cols = tl.arange(0, D4)
-    tl.store(codes_ptr + out_rows[:, None] * D4 + cols[None, :], packed, mask=row_ok[:, None])
+    tl.store(codes_ptr + out_rows[:, None] * PACKED + cols[None, :], packed, mask=row_ok[:, None])
+    if BITS == 3:
+        cols8 = D4 + tl.arange(0, D8)
+        tl.store(codes_ptr + out_rows[:, None] * PACKED + cols8[None, :], plane, mask=row_ok[:, None])
     sz = tl.join(scale16, zero16)  # [BLOCK_T, NG, 2]
     sz_off = out_rows[:, None, None] * (2 * NG) + tl.arange(0, NG)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
     tl.store(sz_ptr + sz_off, sz, mask=row_ok[:, None, None])

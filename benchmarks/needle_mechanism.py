@@ -1,0 +1,323 @@
+"""Where 2-bit retrieval is lost: the needle grid of `verify --needle` scored for many codec variants at once (CPU).
+
+Each prompt's context is prefilled once in BF16; every variant then replaces the cached K/V of the history positions
+(between the sink and recent windows) by what its codec reconstructs — rotated with the artifact's M_K / M_V, coded,
+decoded, rotated back (orthogonal, so logits are those the tiered runtime computes) — and the question plus the
+passkey's tokens run as one teacher-forced chunk. A prompt counts as retrieved when every answer token is the argmax
+and the token after the digits is not a digit (greedy decoding would write exactly the passkey). Accuracy per length
+with its 95 % Wilson interval, and bits per element at 32K context as `inspect` counts them, for each variant.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/needle_mechanism.py --artifacts artifacts/demo --trials 8 \
+        --json /tmp/needle_mechanism.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from oscar_zoo.artifacts import load_artifacts
+from oscar_zoo.calibration.data import EVALUATION_PLAYS, load_texts
+from oscar_zoo.evaluation.needle import QUESTION, build_prompt
+from oscar_zoo.models import load_model
+from oscar_zoo.runtime import layout
+from oscar_zoo.runtime import reference as ref
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+# ------------------------------------------------------------------------------------------- debiased attention
+# BIAS[layer]: [H_kv, T] coefficients c_t (0 outside the INT2 history); the logit of key t is scaling·q·k̂_t minus
+# scaling²·‖q‖²·c_t, c_t = s_t²/24: half the variance of the quantization noise q·δk (uniform error of step s_t per
+# rotated coordinate), so that E[exp(logit)] is exp of the exact logit (log-normal debiasing).
+BIAS: dict[int, torch.Tensor] = {}
+
+
+def debiased_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    g = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(g, 1)
+    v = value.float().repeat_interleave(g, 1)
+    q = query.float()
+    logits = q @ k.transpose(-1, -2) * scaling
+    c = BIAS.get(module.layer_idx)
+    if c is not None:
+        c = c.repeat_interleave(g, 0)[None, :, None, : k.shape[2]]  # [1, H_q, 1, T]
+        logits = logits - scaling**2 * q.pow(2).sum(-1, keepdim=True) * c
+    if attention_mask is not None:
+        logits = logits + attention_mask[..., : k.shape[2]].float()
+    else:
+        T, n = k.shape[2], q.shape[2]
+        causal = torch.ones(n, T, dtype=torch.bool).tril(T - n)
+        logits = logits.masked_fill(~causal, float("-inf"))
+    out = torch.softmax(logits, -1) @ v
+    return out.transpose(1, 2).to(query.dtype), None
+
+
+AttentionInterface.register("needle_debiased", debiased_attention)
+
+
+# ------------------------------------------------------------------------------------------- codecs on rows [T, D]
+
+
+def uniform(x: torch.Tensor, bits: int, lo=None, hi=None) -> torch.Tensor:
+    """Asymmetric min-max with 2^bits levels per row (float16 scale/zero as the codec stores them)."""
+    levels = 2**bits - 1
+    lo = x.amin(-1, keepdim=True) if lo is None else lo
+    hi = x.amax(-1, keepdim=True) if hi is None else hi
+    scale = ((hi - lo).clamp(min=1e-8) / levels).half().float()
+    zero = (-lo / scale).half().float()
+    q = torch.floor(x / scale + zero + 0.5).clamp(0, levels)
+    return (q - zero) * scale
+
+
+def int2(x: torch.Tensor, clip, group: int = 0) -> torch.Tensor:
+    return ref.fake_quant(x, clip, group)
+
+
+class Variant:
+    """How one variant codes a layer's history: k, v [H, T, D] in the model's basis → reconstructions."""
+
+    def __init__(self, name, extra_bits_k=0.0, extra_bits_v=0.0, **opts):
+        self.name, self.opts = name, opts
+        self.extra_k, self.extra_v = extra_bits_k, extra_bits_v  # history bits/element above the 2.5 of G = D
+
+    def bpe(self, context: int, D: int, sink=64, recent=256) -> float:
+        base = layout.bits_per_element(context, D, sink, recent)
+        hist = (context - sink - recent) / context
+        return base + hist * (self.extra_k + self.extra_v) / 2
+
+
+def eigenbasis(M: torch.Tensor) -> torch.Tensor:
+    """U of M = U·H·P (columns in ascending eigenvalue order), float64."""
+    D = M.shape[-1]
+    HP = ref.hadamard(D)[:, ref.eigen_permutation(D)]
+    return M.double() @ HP.T
+
+
+def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) -> tuple[torch.Tensor, torch.Tensor]:
+    o = var.opts
+    H, T, D = k.shape
+    Mk, Mv = rot.k_rotation[layer].float(), rot.v_rotation[layer].float()
+    if Mk.shape[0] == 1:
+        Mk, Mv = Mk.expand(H, -1, -1), Mv.expand(H, -1, -1)
+    kc, vc = rot.k_clip[layer].float()[:, None], rot.v_clip[layer].float()[:, None]  # [H, 1]
+    k_clip = o.get("k_clip")
+    if isinstance(k_clip, dict):  # per-layer key clip
+        k_clip = k_clip.get(layer)
+    if k_clip is not None:
+        kc = torch.full_like(kc, k_clip)
+    if o.get("v_clip") is not None:
+        vc = torch.full_like(vc, o["v_clip"])
+    if o.get("bf16_layer") == layer:
+        return k, v
+    kr = torch.einsum("htd,hde->hte", k.float(), Mk)
+    vr = torch.einsum("htd,hde->hte", v.float(), Mv)
+    g = o.get("group", 0)
+    kq = kr if o.get("k_exact") else int2(kr, kc, o.get("k_group", g))
+    vq = vr if o.get("v_exact") else int2(vr, vc, o.get("v_group", g))
+    kb = o.get("k_bits")
+    if isinstance(kb, dict):  # per-layer key bits
+        kb = kb.get(layer)
+    if kb:  # uniform k_bits per row after the clip
+        kq = uniform(ref.clip_rows(kr, kc), kb)
+    if o.get("k_channel_eq"):  # static per-channel scale (the rows' RMS per channel), then per-row INT2
+        s = kr.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-6)
+        kq = int2(kr / s, kc) * s
+    U = eigenbasis(rot.k_rotation[layer]).float()
+    if U.shape[0] == 1:
+        U = U.expand(H, -1, -1)
+    if o.get("top_exact"):  # the top-r directions of C_Q reconstructed exactly (a float16 residual per direction)
+        r = o["top_exact"]
+        W = torch.einsum("hde,hef->hdf", Mk.transpose(1, 2), U[:, :, D - r:])  # rotated-space directions [H, D, r]
+        e = torch.einsum("htd,hdr->htr", kr - kq, W).half().float()
+        kq = kq + torch.einsum("htr,hdr->htd", e, W)
+    if o.get("quarter_bits"):  # block-Hadamard rotation: the top quarter of C_Q's directions at more bits
+        qb, shared = o["quarter_bits"], o.get("shared_range", True)
+        n = D // 4
+        Ud = U.flip(-1)  # descending
+        Hb = torch.block_diag(*[ref.hadamard(n).float()] * 4)
+        Mq = Ud @ Hb  # [H, D, D]
+        x = ref.clip_rows(torch.einsum("htd,hde->hte", k.float(), Mq), kc)
+        if shared:
+            lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+            xa = uniform(x[..., :n], qb, lo, hi)
+            xb = uniform(x[..., n:], 2, lo, hi)
+        else:
+            xa, xb = uniform(x[..., :n], qb), uniform(x[..., n:], 2)
+        kq_model = torch.einsum("hte,hde->htd", torch.cat([xa, xb], -1), Mq)
+        kq = torch.einsum("htd,hde->hte", kq_model, Mk)
+    kh = torch.einsum("hte,hde->htd", kq, Mk)
+    vh = torch.einsum("hte,hde->htd", vq, Mv)
+    if o.get("debias"):
+        kb = o.get("k_bits") or 2
+        xr = ref.clip_rows(kr, kc)
+        step = (xr.amax(-1) - xr.amin(-1)) / (2**kb - 1)  # [H, T]
+        BIAS[layer] = o["debias"] * step.pow(2) / 24
+    if o.get("outliers"):  # a fraction of tokens per head kept exact (largest C_Q-weighted key error)
+        lam = rot.k_eigenvalues[layer].float()
+        lam = lam.expand(H, -1) if lam.shape[0] == 1 else lam
+        err = torch.einsum("htd,hde->hte", k.float() - kh, U).pow(2)  # error in the eigenbasis
+        score = (err * lam[:, None, :]).sum(-1)  # [H, T]
+        n_keep = max(1, round(o["outliers"] * T))
+        idx = score.topk(n_keep, dim=-1).indices
+        kh = kh.scatter(1, idx[..., None].expand(-1, -1, D), k.float().gather(1, idx[..., None].expand(-1, -1, D)))
+        vh = vh.scatter(1, idx[..., None].expand(-1, -1, D), v.float().gather(1, idx[..., None].expand(-1, -1, D)))
+    return kh.to(k.dtype), vh.to(v.dtype)
+
+
+def variants(D: int, layers: int, per_layer: bool) -> list[Variant]:
+    row = 32 / D  # one more float16 scale/zero pair per row, in bits per element
+    out = [
+        Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
+        Variant("oscar"),
+        Variant("K int2, V bf16", v_exact=True, extra_bits_v=13.5),
+        Variant("K bf16, V int2", k_exact=True, extra_bits_k=13.5),
+        Variant("K clip off", k_clip=0.0),
+        Variant("K and V clip off", k_clip=0.0, v_clip=0.0),
+        Variant("groups of 32", group=32, extra_bits_k=1 - row, extra_bits_v=1 - row),
+        Variant("K groups of 16", k_group=16, extra_bits_k=2 - row),
+        Variant("K per-channel scale", k_channel_eq=True),
+        Variant("K 3 bits", k_bits=3, extra_bits_k=1.0),
+        Variant("K 4 bits", k_bits=4, extra_bits_k=2.0),
+        Variant("outlier tokens 1 %", outliers=0.01, extra_bits_k=0.01 * 14, extra_bits_v=0.01 * 14),
+        Variant("outlier tokens 3 %", outliers=0.03, extra_bits_k=0.03 * 14, extra_bits_v=0.03 * 14),
+        Variant("K top-1 C_Q direction exact", top_exact=1, extra_bits_k=16 / D),
+        Variant("K top-2 C_Q directions exact", top_exact=2, extra_bits_k=32 / D),
+        Variant("K top-4 C_Q directions exact", top_exact=4, extra_bits_k=64 / D),
+        Variant("K top quarter 4 bits (shared range)", quarter_bits=4, extra_bits_k=0.5),
+        Variant("K top quarter 4 bits (own range)", quarter_bits=4, shared_range=False, extra_bits_k=0.5 + row),
+    ]
+    out += [Variant(f"{v.name}, K clip off", v.extra_k, v.extra_v, **(v.opts | {"k_clip": 0.0}))
+            for v in out[9:] if v.name != "K per-channel scale"]
+    out += [Variant(f"K clip {r}", k_clip=r) for r in (0.96, 0.98)]
+    out += [Variant("K groups of 16, K clip off", k_group=16, k_clip=0.0, extra_bits_k=2 - row)]
+    out += [Variant("oscar, debiased", debias=1.0), Variant("K clip off, debiased", k_clip=0.0, debias=1.0),
+            Variant("K clip off, debiased x2", k_clip=0.0, debias=2.0),
+            Variant("K 3 bits, K clip off, debiased", k_bits=3, k_clip=0.0, debias=1.0, extra_bits_k=1.0)]
+    order = [18, 19, 16, 27, 25, 17, 20, 13, 11, 26, 12, 22, 15, 14, 7, 28, 21, 29, 9, 8, 10, 23, 5, 3, 24, 6, 4, 1, 2, 0]  # layers by descending no-clip INT2 key logit noise on the calibration held-out set
+    for n in (14, 18, 22):
+        top = set(order[:n])
+        out += [Variant(f"K 3 bits clip off on top {n}", k_bits={i: 3 for i in top},
+                        k_clip={i: 0.0 for i in top}, extra_bits_k=n / layers),
+                Variant(f"K 3 bits clip off on top {n}, rest clip off", k_bits={i: 3 for i in top}, k_clip=0.0,
+                        extra_bits_k=n / layers)]
+    top = set(order[:22])
+    out += [Variant("K 3 bits clip off on top 22, V bf16", k_bits={i: 3 for i in top}, k_clip={i: 0.0 for i in top},
+                    v_exact=True, extra_bits_k=22 / layers, extra_bits_v=13.5),
+            Variant("K 3 bits clip off on top 22, V clip off", k_bits={i: 3 for i in top},
+                    k_clip={i: 0.0 for i in top}, v_clip=0.0, extra_bits_k=22 / layers),
+            Variant("K 3 bits clip off on top 22, V clip 0.96", k_bits={i: 3 for i in top},
+                    k_clip={i: 0.0 for i in top}, v_clip=0.96, extra_bits_k=22 / layers)]
+    if per_layer:
+        out += [Variant(f"layer {i} bf16", bf16_layer=i) for i in range(layers)]
+        out += [Variant(f"K clip off, layer {i} K 4 bits", k_clip=0.0, k_bits={i: 4}, extra_bits_k=2.0 / layers)
+                for i in range(layers)]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--artifacts", default="artifacts/demo")
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--trials", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-layer", action="store_true", help="also: one layer at a time in BF16")
+    p.add_argument("--only", default=None, help="semicolon-separated variant names (default: all)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    manifest, rot = load_artifacts(__import__("pathlib").Path(a.artifacts))
+    loaded = load_model("demo", device="cpu", dtype="bfloat16")
+    model, tok, info = loaded.model, loaded.tokenizer, loaded.info
+    model.set_attn_implementation("needle_debiased")
+    texts, _ = load_texts(None, split="test", plays=EVALUATION_PLAYS)
+    filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids
+    lengths = [int(x) for x in a.lengths.split(",")]
+    depths = [float(x) for x in a.depths.split(",")]
+    vs = variants(info.head_dim, info.num_layers, a.per_layer)
+    if a.only:
+        keep = set(a.only.split(";"))
+        vs = [v for v in vs if v.name in keep or v.name == "bf16"]
+    sink, recent = manifest.quant.sink, manifest.quant.recent
+    digit = {i for i in range(len(tok)) if tok.decode([i]).strip().isdigit()}
+    rng = random.Random(a.seed)
+    right = {v.name: {L: 0 for L in lengths} for v in vs}
+    count = {L: 0 for L in lengths}
+    t0 = time.time()
+    with torch.inference_mode():
+        for L in lengths:
+            for depth in depths:
+                for _ in range(a.trials):
+                    pr = build_prompt(tok, filler, L, depth, rng)
+                    tail = tok(QUESTION + " " + pr.key + ".", add_special_tokens=False).input_ids
+                    if tail[: len(pr.question)] != pr.question:
+                        raise SystemExit("question tokens change when the answer follows")
+                    answer = tail[len(pr.question):]
+                    n_digits = max(i for i, t in enumerate(answer) if t in digit) + 1  # through the last digit
+                    ctx = torch.tensor([pr.context])
+                    base = DynamicCache()
+                    BIAS.clear()
+                    model(input_ids=ctx, cache=base, use_cache=True, logits_to_keep=1)
+                    kv = [(lay.keys.clone(), lay.values.clone()) for lay in base.layers]
+                    T = ctx.shape[1]
+                    lo, hi = sink, T - recent
+                    chunk = torch.tensor([tail])
+                    count[L] += 1
+                    for var in vs:
+                        cache = DynamicCache()
+                        BIAS.clear()
+                        for li, (k, v) in enumerate(kv):
+                            k2, v2 = k.clone(), v.clone()
+                            kh, vh = code_layer(var, li, k[0, :, lo:hi], v[0, :, lo:hi], rot)
+                            k2[0, :, lo:hi], v2[0, :, lo:hi] = kh, vh
+                            if li in BIAS:
+                                full = torch.zeros(k.shape[1], T + len(tail))
+                                full[:, lo:hi] = BIAS[li]
+                                BIAS[li] = full
+                            cache.update(k2, v2, li)
+                        logits = model(input_ids=chunk, cache=cache, use_cache=True).logits[0]
+                        pred = logits.argmax(-1).tolist()
+                        start = len(pr.question) - 1  # the logit of the question's last token predicts answer[0]
+                        got = pred[start : start + n_digits + 1]
+                        ok = got[:n_digits] == answer[:n_digits] and got[n_digits] not in digit
+                        right[var.name][L] += ok
+                print(f"{L} depth {depth}: {time.time() - t0:.0f} s", flush=True)
+    D = info.head_dim
+    rows = []
+    print(f"\n{'variant':42s} bits@32K " + " ".join(f"{L:>16d}" for L in lengths) + "        all")
+    for var in vs:
+        ks = [right[var.name][L] for L in lengths]
+        n_all, k_all = sum(count.values()), sum(ks)
+        cells = []
+        for L, k in zip(lengths, ks):
+            lo_, hi_ = wilson(k, count[L])
+            cells.append(f"{100 * k / count[L]:5.1f} [{100 * lo_:3.0f},{100 * hi_:3.0f}]")
+        lo_, hi_ = wilson(k_all, n_all)
+        bpe = var.bpe(32768, D, sink, recent)
+        print(f"{var.name:42s} {bpe:8.3f} " + " ".join(cells) + f" {100 * k_all / n_all:5.1f} [{100 * lo_:3.0f},"
+              f"{100 * hi_:3.0f}]")
+        rows.append({"variant": var.name, "bits_32k": round(bpe, 3), "right": ks, "n": [count[L] for L in lengths]})
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"lengths": lengths, "depths": depths, "trials": a.trials, "rows": rows,
+                       "wall_s": round(time.time() - t0, 1)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
