@@ -74,8 +74,9 @@ def graph_floor_us() -> float:
     return time_rotating([lambda: x.add_(1)])[1] * 1e3
 
 
-def int2_cache(B, H_kv, D, L, gen):
-    """A fresh random three-tier cache of L tokens (random codes and scale/zero: timing does not depend on values)."""
+def int2_cache(B, H_kv, D, L, gen, key_bits=layout.BITS):
+    """A fresh random three-tier cache of L tokens (random codes and scale/zero: timing does not depend on values);
+    history keys coded with `key_bits` bits (docs/format.md §6b), values with 2."""
     sink, recent = layout.SINK, layout.RECENT
     hist = L - sink - recent
     dev = "cuda"
@@ -83,7 +84,7 @@ def int2_cache(B, H_kv, D, L, gen):
         sink_k=torch.randn(B, H_kv, sink, D, device=dev, dtype=torch.bfloat16, generator=gen),
         sink_v=torch.randn(B, H_kv, sink, D, device=dev, dtype=torch.bfloat16, generator=gen),
         sink_len=torch.full((B,), sink, dtype=torch.int32, device=dev),
-        codes_k=torch.randint(0, 256, (B, H_kv, hist, D // 4), dtype=torch.uint8, device=dev, generator=gen),
+        codes_k=torch.randint(0, 256, (B, H_kv, hist, layout.packed_dim(D, key_bits)), dtype=torch.uint8, device=dev, generator=gen),
         scale_zero_k=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
         codes_v=torch.randint(0, 256, (B, H_kv, D // 4, hist), dtype=torch.uint8, device=dev, generator=gen).transpose(2, 3),
         # (token-major, as the cache stores V's codes: layout.history_codes)
@@ -96,9 +97,10 @@ def int2_cache(B, H_kv, D, L, gen):
     return c
 
 
-def int2_bytes(B, H_q, H_kv, D, L) -> int:
+def int2_bytes(B, H_q, H_kv, D, L, key_bits=layout.BITS) -> int:
     hist = L - layout.SINK - layout.RECENT
-    cache = 2 * B * H_kv * (hist * layout.bytes_per_token(D, D) + (layout.SINK + layout.RECENT) * D * 2)
+    row = layout.bytes_per_token(D, D, key_bits) + layout.bytes_per_token(D, D)  # a token's K and V history rows
+    cache = B * H_kv * (hist * row + 2 * (layout.SINK + layout.RECENT) * D * 2)
     cuda = torch.device("cuda")
     S = (ops._int2_splits(B, H_kv, H_q // H_kv, D, hist, cuda, None) + ops._bf16_splits(layout.SINK, cuda)
          + ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda))  # the splits tiered_decode_attention launches
@@ -106,9 +108,9 @@ def int2_bytes(B, H_q, H_kv, D, L) -> int:
     return cache + partials + B * H_q * D * 2
 
 
-def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
+def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS):
     bf16_bytes = 2 * B * H_kv * L * D * 2
-    int2_b = int2_bytes(B, H_q, H_kv, D, L)
+    int2_b = int2_bytes(B, H_q, H_kv, D, L, key_bits)
     n_buf = int(max(2, min(4, MEM_BUDGET // (bf16_bytes + int2_b))))
     if bf16_bytes * 1 + int2_b * 2 > MEM_BUDGET:
         return None
@@ -116,7 +118,7 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
     q = torch.randn(B, H_q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
 
     # OSCAR
-    caches = [int2_cache(B, H_kv, D, L, gen) for _ in range(n_buf)]
+    caches = [int2_cache(B, H_kv, D, L, gen, key_bits) for _ in range(n_buf)]
     calls = [lambda c=c: ops.tiered_decode_attention(q, **c, sm_scale=sm_scale) for c in caches]
     eager_int2, ms_int2, in_graph_int2 = time_rotating(calls)
     del caches, calls
@@ -137,7 +139,7 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw):
     torch.cuda.empty_cache()
     bw = int2_b / (ms_int2 * 1e-3)
     return dict(
-        H_q=H_q, H_kv=H_kv, D=D, batch=B, context=L, oscar_us=ms_int2 * 1e3, sdpa_us=ms_sdpa * 1e3,
+        H_q=H_q, H_kv=H_kv, D=D, batch=B, context=L, key_bits=key_bits, oscar_us=ms_int2 * 1e3, sdpa_us=ms_sdpa * 1e3,
         speedup=ms_sdpa / ms_int2, oscar_bytes=int2_b, bf16_bytes=bf16_bytes, oscar_GBps=bw / 1e9,
         oscar_bw_frac=bw / copy_bw, sdpa_bw_frac=bf16_bytes / (ms_sdpa * 1e-3) / copy_bw,
         floor_us=int2_b / copy_bw * 1e6, buffers=n_buf, oscar_eager_us=eager_int2 * 1e3,
@@ -241,6 +243,8 @@ def main():
                     help="programmatic dependent launch off/on × rescale slack 0/8 on the headline rows, then stop")
     ap.add_argument("--sweep-merge", type=int, nargs="+", metavar="N",
                     help="try these ops.MERGE_TILE values on the headline rows, then stop")
+    ap.add_argument("--key-bits", type=int, nargs="+", default=[layout.BITS], choices=layout.KEY_BITS,
+                    help="time each row with history keys of these bit widths (docs/format.md §6b; default 2)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -262,13 +266,13 @@ def main():
         combos = QUICK_ROWS
     if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge:
         combos = []
-    for (H_q, H_kv, D), B, L in combos:
-        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
+    for ((H_q, H_kv, D), B, L), kb in itertools.product(combos, args.key_bits):
+        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw, kb)
         if r is None:
             print(f"skip {H_q}/{H_kv} d={D} B={B} L={L}: does not fit", flush=True)
             continue
         result["rows"].append(r)
-        print(f"{H_q}/{H_kv} d={D} B={B} L={L}: oscar {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us; in a graph of "
+        print(f"{H_q}/{H_kv} d={D} B={B} L={L} K{kb}: oscar {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us; in a graph of "
               f"{IN_GRAPH}: {r['oscar_in_graph_us']:.1f} / {r['sdpa_in_graph_us']:.1f} us", flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_decode.json"), "w") as f:
@@ -277,11 +281,11 @@ def main():
         return
     print(f"\nCUDA-graph replays, one call per graph; then one call in a graph of {IN_GRAPH} (OSCAR, SDPA, speedup); "
           "eager launches in the last two columns")
-    print("| heads q/kv | d | batch | context | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw | floor µs "
+    print("| heads q/kv | d | batch | context | K bits | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw | floor µs "
           "| in-graph OSCAR µs | in-graph SDPA µs | in-graph speedup | eager OSCAR µs | eager SDPA µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        print(f"| {r['H_q']}/{r['H_kv']} | {r['D']} | {r['batch']} | {r['context']} | {r['oscar_us']:.1f} | "
+        print(f"| {r['H_q']}/{r['H_kv']} | {r['D']} | {r['batch']} | {r['context']} | {r['key_bits']} | {r['oscar_us']:.1f} | "
               f"{r['sdpa_us']:.1f} | {r['speedup']:.2f}x | {r['oscar_bytes'] / 1e6:.1f} | {r['oscar_GBps']:.0f} | "
               f"{r['oscar_bw_frac']:.0%} | {r['floor_us']:.1f} | {r['oscar_in_graph_us']:.1f} | "
               f"{r['sdpa_in_graph_us']:.1f} | {r['in_graph_speedup']:.2f}x | {r['oscar_eager_us']:.1f} | "

@@ -233,6 +233,14 @@ def oscar_rotations(L: int, H_kv: int, D: int, seed: int = 0) -> tuple[Tensor, T
     return Q[0].float(), Q[1].float()
 
 
+def oscar_key_bits(model) -> list[int]:
+    """Each layer's history key bits for OSCAR rows: `--key-bits b` gives the first round((b − 2)·L) layers 3-bit keys
+    (calibrate's --key-bits picks the loudest layers; which ones does not change the cost), the rest 2."""
+    L = model.config.num_hidden_layers
+    n3 = round((getattr(model, "_oscar_mean_key_bits", layout.BITS) - layout.BITS) * L)
+    return [3] * n3 + [layout.BITS] * (L - n3)
+
+
 def make_cache(kind: str, model, capacity: int) -> Cache:
     """A fresh cache of `kind` for one batch; `capacity` is the total tokens it must hold (static/prealloc size)."""
     cfg = model.config
@@ -240,7 +248,7 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if kind == "oscar":
         Mk, Mv = oscar_rotations(L, H_kv, D)
-        return OscarCache(Mk, Mv, layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP)
+        return OscarCache(Mk, Mv, layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP, key_bits=oscar_key_bits(model))
     if kind == "dynamic":
         return DynamicCache(config=cfg)
     if kind == "static":
@@ -291,17 +299,22 @@ def rotation_bytes(cache: Cache) -> int:
                for layer in cache.layers if layer.rotation)
 
 
-def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capacity: int, G: int | None = None) -> int:
+def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capacity: int, G: int | None = None,
+                      key_bits: list[int] | None = None) -> int:
     """What `kv_bytes` should report for a cache of `kind` holding T tokens (OSCAR: T > sink + recent, history of
-    `capacity` rows allocated; BF16 static/prealloc: `capacity` rows; dynamic: exactly T rows; QuantizedCache:
-    `capacity` is the filled length, the rest decode steps)."""
+    `capacity` rows allocated, each layer's keys at `key_bits` (default 2); BF16 static/prealloc: `capacity` rows;
+    dynamic: exactly T rows; QuantizedCache: `capacity` is the filled length, the rest decode steps)."""
     if kind in PEER_KINDS:
         return peer_caches.expected_peer_kv_bytes(kind, B, T, L, H_kv, D, filled=capacity)
     if kind == "oscar":
         G = G or D
         bf16 = (layout.SINK + layout.RECENT + layout.FLUSH) * D * 2  # sink + recent tiers, one of K or V
-        hist = capacity * layout.bytes_per_token(D, G)  # codes + float16 scale/zero, one of K or V
-        return L * (2 * B * H_kv * (bf16 + hist) + 3 * B * 4)  # + int32 [B] lengths of 3 tiers
+        per_layer = [
+            2 * B * H_kv * bf16 + 3 * B * 4  # + int32 [B] lengths of 3 tiers
+            + B * H_kv * capacity * (layout.bytes_per_token(D, G, kb) + layout.bytes_per_token(D, G))  # K, V codes
+            for kb in key_bits or [layout.BITS] * L
+        ]
+        return sum(per_layer)
     rows = T if kind == "dynamic" else capacity
     lengths = B * 4 if kind == "bf16graph" else 0  # its int32 [B] device length
     return L * (2 * B * H_kv * rows * D * 2 + lengths)
@@ -539,7 +552,7 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
         ms_per_step=wall_s / steps * 1e3, host_ms_per_step=cpu_s / steps * 1e3, tokens_per_s=B * steps / wall_s,
         kv_bytes=kvb, rotation_bytes=rotation_bytes(cache), bytes_per_token_per_layer=kvb / (B * tokens_now * L),
         expected_kv_bytes=expected_kv_bytes(kind, B, tokens_now, L, H_kv, D, T if kind in PEER_KINDS
-                                            else _capacity(cache, capacity)),
+                                            else _capacity(cache, capacity), key_bits=oscar_key_bits(model)),
         generated=out.shape[1], status="ok",
     )  # fmt: skip
     if dev.type == "cuda":
@@ -575,23 +588,26 @@ def _capacity(cache: Cache, capacity: int) -> int:
     return capacity
 
 
-def floor_ms(kind: str, B: int, T: int, cfg, weight_bytes: int, bandwidth: float) -> float:
-    """Bandwidth floor of one decode step: the weights plus the KV bytes attention must read, at `bandwidth` B/s."""
+def floor_ms(kind: str, B: int, T: int, cfg, weight_bytes: int, bandwidth: float, key_bits: list[int]) -> float:
+    """Bandwidth floor of one decode step: the weights plus the KV bytes attention must read, at `bandwidth` B/s
+    (OSCAR: each layer's history keys at `key_bits`)."""
     L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if kind == "oscar":
         full = min(T, layout.SINK + layout.RECENT)
-        per_head = (T - full) * layout.bytes_per_token(D, D) + full * D * 2
+        kv = sum(B * H_kv * ((T - full) * (layout.bytes_per_token(D, D, kb) + layout.bytes_per_token(D, D))
+                             + 2 * full * D * 2) for kb in key_bits)  # fmt: skip
     else:
-        per_head = T * D * 2
-    return (weight_bytes + L * 2 * B * H_kv * per_head) / bandwidth * 1e3
+        kv = L * 2 * B * H_kv * T * D * 2
+    return (weight_bytes + kv) / bandwidth * 1e3
 
 
 def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
     """run_row, reporting a predicted or actual out-of-memory as a row instead of failing."""
     cfg = model.config
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    need = expected_kv_bytes(kind, B, T, cfg.num_hidden_layers, cfg.num_key_value_heads, D, T + 64)
+    need = expected_kv_bytes(kind, B, T, cfg.num_hidden_layers, cfg.num_key_value_heads, D, T + 64,
+                             key_bits=oscar_key_bits(model))
     if free_bytes is not None and need > free_bytes:
         return dict(kind=kind, batch=B, context=T, status="does not fit",
                     note=f"needs {need / GB:.1f} GB of KV, {free_bytes / GB:.1f} GB free")  # fmt: skip
@@ -601,7 +617,7 @@ def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
         if kind in PEER_KINDS:  # the bytes it stores, read once: what an ideal kernel over its format would read
             row["floor_ms"] = (weights + row["kv_bytes"]) / (args.bandwidth_tbs * 1e12) * 1e3
         else:
-            row["floor_ms"] = floor_ms(kind, B, T, cfg, weights, args.bandwidth_tbs * 1e12)
+            row["floor_ms"] = floor_ms(kind, B, T, cfg, weights, args.bandwidth_tbs * 1e12, oscar_key_bits(model))
         return row
     except torch.OutOfMemoryError as e:
         gc.collect()
@@ -715,6 +731,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget-gb", type=float, default=100.0, help="KV memory budget for the max-batch rows")
     ap.add_argument("--budget-contexts", type=int, nargs="*", default=[100_000])
     ap.add_argument("--phases", nargs="*", default=["100000:1"], help="context:batch rows with a phase breakdown")
+    ap.add_argument("--key-bits", type=float, default=float(layout.BITS),
+                    help="OSCAR rows: mean history key bits, 2–3 (round((b − 2)·L) layers get 3-bit keys; calibrate's "
+                         "--key-bits; default 2)")
     ap.add_argument("--extra", nargs="*", default=[], help="more rows as kind:context:batch (e.g. static:32768:1)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -722,9 +741,12 @@ def main(argv=None) -> dict:
     args.kinds = args.kinds or (["oscar", "bf16graph"] if args.graph else ["oscar", "prealloc", "dynamic"])
     name = args.model or ("qwen3-8b" if dev.type == "cuda" else "demo")
     model = build_model(name, args.layers, dev)
+    if not layout.BITS <= args.key_bits <= 3:
+        ap.error(f"--key-bits must be between {layout.BITS} and 3, got {args.key_bits}")
+    model._oscar_mean_key_bits = args.key_bits
     L = model.config.num_hidden_layers
     phase_rows = {tuple(int(x) for x in p.split(":")) for p in args.phases}
-    result = dict(model=name, layers=L, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                   torch=torch.__version__, steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
                   budget_gb=args.budget_gb, budget=[])  # fmt: skip
     if dev.type == "cuda":

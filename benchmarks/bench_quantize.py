@@ -6,7 +6,9 @@ fraction of a same-run device copy. Times are CUDA-graph replays over four rotat
 one call per graph, and one call's share of a 16-call graph); eager launches are host-bound below ≈ 150 µs, as is the
 PyTorch reference (eager). Clips are per-head tensors passed with their host bound (`min_ratio`), as the
 cache passes them; `--both-builds` also times them without the bound (the per-row dispatch build).
-Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-builds]
+`--bits 2 3` also times 3-bit rows (the keys of the layers calibration gives 3 bits: docs/format.md §6b; unclipped, as
+calibration writes them).
+Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-builds] [--bits 2 3]
 """
 
 from __future__ import annotations
@@ -36,26 +38,29 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--both-builds", action="store_true",
                     help="time the per-row dispatch (a ratio tensor without its host bound) besides the bound's build")
+    ap.add_argument("--bits", type=int, nargs="+", default=[layout.BITS], choices=layout.KEY_BITS,
+                    help="code widths to time (default 2)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for B, H, T, D in ROWS:
+    for (B, H, T, D), bits in itertools.product(ROWS, args.bits):
         xs = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
-        clip = torch.full((H, 1), layout.DEFAULT_K_CLIP, device="cuda")
-        codes_ref, sz_ref = reference.quantize_pack_ref(xs[0], clip)
+        clip = torch.full((H, 1), layout.DEFAULT_K_CLIP if bits == 2 else 1.0, device="cuda")
+        codes_ref, sz_ref = reference.quantize_pack_ref(xs[0], clip, bits=bits)
         it = itertools.count()
-        ms_ref = triton.testing.do_bench(lambda: reference.quantize_pack_ref(xs[next(it) % 4], clip), warmup=5, rep=50)
-        nbytes = B * H * T * (2 * D + layout.bytes_per_token(D, D))
+        ms_ref = triton.testing.do_bench(lambda: reference.quantize_pack_ref(xs[next(it) % 4], clip, bits=bits),
+                                         warmup=5, rep=50)  # fmt: skip
+        nbytes = B * H * T * (2 * D + layout.bytes_per_token(D, D, bits))
         # the cache passes its per-head clips with their host bound (min_ratio); without it, the per-row dispatch
         for bound in (None, float(clip.min())) if args.both_builds else (float(clip.min()),):
-            codes, sz = ops.quantize_pack(xs[0], clip, min_ratio=bound)
+            codes, sz = ops.quantize_pack(xs[0], clip, min_ratio=bound, bits=bits)
             exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
-            calls = [functools.partial(ops.quantize_pack, x, clip, min_ratio=bound) for x in xs]
+            calls = [functools.partial(ops.quantize_pack, x, clip, min_ratio=bound, bits=bits) for x in xs]
             eager, ms, in_graph = time_rotating(calls)
             build = ops._max_m_build(D, bound)
-            r = dict(B=B, H_kv=H, T=T, D=D, build=f"top-{build}" if build else "dispatch",
+            r = dict(B=B, H_kv=H, T=T, D=D, bits=bits, build=f"top-{build}" if build else "dispatch",
                      kernel_us=ms * 1e3, in_graph_us=in_graph * 1e3, eager_us=eager * 1e3, torch_ref_us=ms_ref * 1e3,
                      bytes=nbytes, bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
             rows.append(r)
@@ -66,10 +71,10 @@ def main():
             json.dump(dict(copy_Bps=copy_bw, rows=rows), f, indent=2)
     print("\nCUDA-graph replays, one call per graph (the % of copy bandwidth is of this column); one call's share of a"
           f" graph of {IN_GRAPH}; eager launches (host-bound below ≈ 150 µs)")
-    print("| B | H_kv | T | d | build | µs | in-graph µs | eager µs | torch ref µs | MB | % copy bw | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | H_kv | T | d | bits | build | µs | in-graph µs | eager µs | torch ref µs | MB | % copy bw | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['build']} | {r['kernel_us']:.1f} | "
+        print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['bits']} | {r['build']} | {r['kernel_us']:.1f} | "
               f"{r['in_graph_us']:.1f} | {r['eager_us']:.1f} | {r['torch_ref_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
               f"{r['bw_frac']:.0%} | {r['bit_exact']} |")  # fmt: skip
 

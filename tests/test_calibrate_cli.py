@@ -305,7 +305,7 @@ def test_calibrate_defaults_to_uncentred_and_centring_mean_still_writes_means(ca
     again = json.loads(stdout)
     assert again["forward_passes"] == [] and again["centring"] == "mean"
     manifest, rot = load_artifacts(centred)
-    assert manifest.schema_version == 2 and manifest.quant.centring == "mean" and manifest.centred
+    assert manifest.schema_version == 3 and manifest.quant.centring == "mean" and manifest.centred
     assert rot.k_mean.shape == rot.v_mean.shape == (2, 2, 64)
     assert rot.k_mean.abs().max() > 0 and rot.v_mean.abs().max() > 0
     assert OscarCache.from_folder(centred).centred

@@ -136,12 +136,17 @@ def _manifest_cases(good: str, rng: random.Random) -> list[tuple[str, bytes]]:
     cases.append(("file listed twice", dump(_set(doc, ("artifacts",), doc["artifacts"] * 2))))
     cases.append(("sha256 of another file", dump(_set(doc, ("artifacts", 0, "sha256"), "0" * 64))))
     cases.append(("bytes off by one", dump(_set(doc, ("artifacts", 0, "bytes"), doc["artifacts"][0]["bytes"] + 1))))
-    cases.append(("schema_version 3", dump(_set(doc, ("schema_version",), 3))))
+    cases.append(("schema_version 4", dump(_set(doc, ("schema_version",), 4))))
     cases.append(("schema_version true", dump(_set(doc, ("schema_version",), True))))
     cases.append(("centring in a version-1 manifest", dump(_set(_set(doc, ("schema_version",), 1),
                                                                 ("quant", "centring"), "none"))))
     cases.append(("centred manifest, tensors without means", dump(_set(doc, ("quant", "centring"), "mean"))))
     cases.append(("unknown centring", dump(_set(doc, ("quant", "centring"), "median"))))
+    cases.append(("key_bits in a version-2 manifest", dump(_set(_set(doc, ("schema_version",), 2),
+                                                                 ("quant", "key_bits"), [2, 3]))))
+    cases.append(("4-bit keys", dump(_set(doc, ("quant", "key_bits"), [4, 2]))))
+    cases.append(("key_bits for one of two layers", dump(_set(doc, ("quant", "key_bits"), [3]))))
+    cases.append(("key_bits as a string", dump(_set(doc, ("quant", "key_bits"), "3"))))
     cases.append(("unknown key", dump(_set(doc, ("model", "surprise"), 1))))
     cases.append(("markup key", dump(_set(doc, ("[/]",), 1))))
     cases.append(("duplicate layer ids", dump(_set(doc, ("rotation", "layer_ids"), [0, 0]))))

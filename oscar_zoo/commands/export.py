@@ -13,6 +13,7 @@ import typer
 
 from ..console import console, err_console
 from ..export.oscar_pt import export_oscar_pt
+from ..runtime import layout
 from .options import ArtifactsArg, Json
 
 
@@ -42,6 +43,10 @@ def export_command(
         warnings.append("the artifacts are centred (k_mean/v_mean); the exported .pt files carry no means, so the "
                         f"reference runtime stores uncentred rows with clips searched for centred ones: {measure}, or "
                         "verify an uncentred calibration (--centring none), before serving this export")
+    if max(result.manifest.key_bits) > layout.BITS:
+        warnings.append(f"{result.manifest.key_bits.count(3)} of {len(result.manifest.key_bits)} layers keep 3-bit keys "
+                        "in these artifacts; the reference runtime quantizes every key to INT2, so long-context "
+                        f"retrieval drops in those layers: {measure} before serving this export")
     if result.averaged:
         warnings.append(f"per-head rotations were averaged per layer and re-orthogonalised (polar decomposition); "
                         f"inter-head agreement mean |diag(R_0ᵀ R_h)|: K {result.k_agreement:.3f}, V "

@@ -218,7 +218,7 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
     if max(manifest.key_bits) > layout.BITS and not allow_degraded:
         raise InputError(f"{artifacts} stores 3-bit keys in {manifest.key_bits.count(3)} of {len(manifest.key_bits)} "
                          "layers (docs/format.md §6b); the reference runtime quantizes every key to INT2, so the "
-                         "exported rotations would be served with 2-bit, unclipped keys in those layers (needle "
+                         "exported rotations would be served with 2-bit keys in those layers (needle "
                          "retrieval drops: benchmarks/QUALITY.md)",
                          "pass --accept-degraded to export them anyway, or calibrate with --key-bits 2 for a faithful "
                          f"export; measure the exported form first with `oscar-zoo verify "

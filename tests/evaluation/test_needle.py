@@ -29,7 +29,7 @@ def _rotations(L: int, D: int, M: torch.Tensor | None = None, clip: float = 0.96
 
 def _manifest(sink: int, recent: int):
     """What run_needle reads of a manifest: the quant settings."""
-    return SimpleNamespace(quant=SimpleNamespace(sink=sink, recent=recent, group_size=0, flush=8))
+    return SimpleNamespace(quant=SimpleNamespace(sink=sink, recent=recent, group_size=0, flush=8, key_bits=None))
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.1, 0.37, 0.5, 0.9, 1.0])

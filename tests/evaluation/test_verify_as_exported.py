@@ -17,6 +17,7 @@ from oscar_zoo.evaluation.report import VerifyReport
 from oscar_zoo.export.as_exported import as_exported
 from oscar_zoo.export.oscar_pt import K_FILE, K_OBJECTIVE, V_FILE, V_OBJECTIVE, read_oscar_pt
 from oscar_zoo.manifest import Granularity
+from oscar_zoo.runtime import layout
 
 from .conftest import CONTEXT, KL_RTOL, PPL_ATOL, RECENT, SINK, TOP1_POSITIONS
 from .float64_reference import expected_metrics
@@ -44,14 +45,16 @@ def _polar(R: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def per_layer_plain(good_artifacts, tmp_path_factory):
     """The conftest artifact reduced to what the reference runtime can take unchanged: one rotation per layer (head 0),
-    no means, uniform clips (its fixed 0.96 / 0.92)."""
+    no means, INT2 keys everywhere, uniform clips (its fixed 0.96 / 0.92; its 3-bit layer's unclipped keys get 0.96)."""
     manifest, rot = load_artifacts(good_artifacts)
-    assert torch.all(rot.k_clip == rot.k_clip.flatten()[0]) and torch.all(rot.v_clip == rot.v_clip.flatten()[0])
+    two = torch.tensor(manifest.key_bits) == 2
+    assert torch.all(rot.k_clip[two] == layout.DEFAULT_K_CLIP) and torch.all(rot.v_clip == layout.DEFAULT_V_CLIP)
     shared = dataclasses.replace(rot, **{n: getattr(rot, n)[:, :1].contiguous() for n in (
-        "k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")}, k_mean=None, v_mean=None)
+        "k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "v_clip")}, k_mean=None, v_mean=None,
+        k_clip=torch.full_like(rot.k_clip[:, :1], layout.DEFAULT_K_CLIP))
     manifest = manifest.model_copy(update={
         "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
-        "quant": manifest.quant.model_copy(update={"centring": "none"})})
+        "quant": manifest.quant.model_copy(update={"centring": "none", "key_bits": None})})
     folder = tmp_path_factory.mktemp("as-exported") / "per-layer"
     write_artifacts(folder, manifest, shared)
     return folder
@@ -59,9 +62,11 @@ def per_layer_plain(good_artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def per_head_varied(good_artifacts, tmp_path_factory):
-    """The conftest artifact (per-head, centred) with varied clips."""
+    """The conftest artifact (per-head, centred) with varied clips and INT2 keys everywhere (the 3-bit keys' own
+    export path: `test_three_bit_keys_are_refused_or_exported_as_int2`)."""
     manifest, rot = load_artifacts(good_artifacts)
     assert manifest.rotation.granularity == Granularity.PER_HEAD and rot.k_rotation.shape[1] == 3 and manifest.centred
+    manifest = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={"key_bits": None})})
     folder = tmp_path_factory.mktemp("as-exported") / "per-head"
     write_artifacts(folder, manifest, dataclasses.replace(rot, k_clip=K_CLIPS.clone(), v_clip=V_CLIPS.clone()))
     return folder
@@ -172,3 +177,27 @@ def test_export_refusals_point_at_verify_as_exported(run_cli, per_head_varied, t
     for flag, words in (("--average-heads", "centred codec"), ("--accept-degraded", "per-head rotations")):
         code, out, err = run_cli("export", per_head_varied, "--format", "oscar-pt", "--out", tmp_path / flag, flag)
         assert code == 2 and words in err and "--as-exported" in err, err
+
+
+def test_three_bit_keys_are_refused_or_exported_as_int2(run_cli, good_artifacts, model_dir, heldout_file, model64,
+                                                        heldout_ids, tmp_path):
+    """The conftest artifact keeps one layer's keys at 3 bits, which the reference runtime cannot hold: export refuses
+    it (exit 2, nothing written) unless --accept-degraded, then warns; `verify --as-exported` reports the form with
+    INT2 keys in every layer (its float64 expectation with no 3-bit layer), and says so."""
+    manifest, _ = load_artifacts(good_artifacts)
+    assert manifest.key_bits.count(3) == 1
+    code, out, err = run_cli("export", good_artifacts, "--format", "oscar-pt", "--out", tmp_path / "refused",
+                             "--average-heads")
+    assert code == 2 and "3-bit keys in 1 of 2 layers" in err and "--as-exported" in err and "Traceback" not in err
+    assert not (tmp_path / "refused").exists()
+    code, out, err = run_cli("export", good_artifacts, "--format", "oscar-pt", "--out", tmp_path / "int2",
+                             "--average-heads", "--accept-degraded", "--json")
+    assert code == 0, err
+    assert any("3-bit keys" in w and "--as-exported" in w for w in json.loads(out)["warnings"])
+
+    exported = _report(run_cli, good_artifacts, model_dir, heldout_file, "--as-exported")
+    assert "3-bit keys served as INT2" in exported.method("oscar").label
+    form = as_exported(*load_artifacts(good_artifacts))
+    assert form.manifest.key_bits == [2, 2]
+    want = expected_metrics(model64, heldout_ids, form.rotations, SINK, RECENT)  # key_bits None: INT2 everywhere
+    assert exported.method("oscar").kl == pytest.approx(want.kl, rel=3 * KL_RTOL)
