@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|profile]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|profile]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -12,6 +12,9 @@
 # kernels: the quantize/pack, decode-kernel and merge GPU tests (≈ 7.5 min on a fresh machine: most of it is Triton
 #   compiling the tested variants), then the quantize/pack rows (both builds) and the headline decode rows: the first
 #   thing to run after a kernel change, within one 10-minute call
+# keybits-tests: the quantize/pack, decode-kernel, merge, rotate and static-step GPU tests (3-bit keys included)
+# keybits-bench: no tests; quantize/pack at 2 and 3 bits, the headline decode rows with 2- and 3-bit keys, and
+#   generate() at 100K batch 1 and 8 with 2-bit keys and with calibrate's default (--key-bits 2.7), same session
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -47,6 +50,22 @@ if [ "$mode" = profile ]; then
     grep -E "^    (Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Waves Per SM)" \
       "$OUT/details_b$1.txt"
     rm -f "$OUT/decode_b$1.ncu-rep"
+  done
+  exit 0
+fi
+if [ "$mode" = keybits-tests ]; then
+  timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_quantize_pack_kernel.py \
+    tests/runtime/test_decode_kernels.py tests/runtime/test_merge_kernel.py tests/runtime/test_rotate_kernel.py \
+    tests/runtime/test_static_step.py --durations 15 2>&1 | tee "$OUT/test_gpu.log" | tail -25
+  exit 0
+fi
+if [ "$mode" = keybits-bench ]; then
+  python3 benchmarks/bench_quantize.py --bits 2 3 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
+  python3 benchmarks/bench_decode.py --quick --key-bits 2 3 2>&1 | tee "$OUT/bench_decode.log" | tail -14
+  for kb in 2 2.7; do
+    python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits $kb \
+      2>&1 | tee "$OUT/bench_generate_k$kb.log" | tail -8
+    [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_k$kb.json"
   done
   exit 0
 fi

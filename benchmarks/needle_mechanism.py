@@ -179,7 +179,7 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
     return kh.to(k.dtype), vh.to(v.dtype)
 
 
-def variants(D: int, layers: int, per_layer: bool) -> list[Variant]:
+def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[Variant]:
     row = 32 / D  # one more float16 scale/zero pair per row, in bits per element
     out = [
         Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
@@ -222,6 +222,15 @@ def variants(D: int, layers: int, per_layer: bool) -> list[Variant]:
                     k_clip={i: 0.0 for i in top}, v_clip=0.0, extra_bits_k=22 / layers),
             Variant("K 3 bits clip off on top 22, V clip 0.96", k_bits={i: 3 for i in top},
                     k_clip={i: 0.0 for i in top}, v_clip=0.96, extra_bits_k=22 / layers)]
+    three = {i for i, b in enumerate(key_bits) if b == 3}  # the artifact's own codec: its 3-bit layers, unclipped
+    art = dict(k_bits={i: 3 for i in three}, k_clip={i: 0.0 for i in three})
+    n3 = len(three) / layers
+    out += [Variant("artifact codec", extra_bits_k=n3, **art),
+            Variant("artifact codec, V clip off", extra_bits_k=n3, **art, v_clip=0.0),
+            Variant("artifact codec, V bf16", extra_bits_k=n3, **art, v_exact=True, extra_bits_v=13.5),
+            Variant("artifact codec, outlier tokens 1 %", extra_bits_k=n3 + 0.14, extra_bits_v=0.14, **art,
+                    outliers=0.01),
+            Variant("artifact codec, K groups of 32", extra_bits_k=n3 + (1 - n3) * (1 - row), **art, k_group=32)]
     if per_layer:
         out += [Variant(f"layer {i} bf16", bf16_layer=i) for i in range(layers)]
         out += [Variant(f"K clip off, layer {i} K 4 bits", k_clip=0.0, k_bits={i: 4}, extra_bits_k=2.0 / layers)
@@ -250,7 +259,7 @@ def main() -> None:
     filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
-    vs = variants(info.head_dim, info.num_layers, a.per_layer)
+    vs = variants(info.head_dim, info.num_layers, a.per_layer, manifest.key_bits)
     if a.only:
         keep = set(a.only.split(";"))
         vs = [v for v in vs if v.name in keep or v.name == "bf16"]

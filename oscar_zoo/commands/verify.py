@@ -65,18 +65,21 @@ def verify_command(
     = False,
     needle: Annotated[bool, typer.Option("--needle", help="Also run passkey retrieval at long context through the "
                                                           "runtime (BF16, OSCAR, and the baselines with a "
-                                                          "cache: naive, clip-only, Hadamard, hf-*).")] = False,
+                                                          "cache: naive, clip-only, Hadamard, hf-*). Any --needle-* "
+                                                          "or --min-needle-accuracy option implies it.")] = False,
     needle_lengths: Annotated[str | None, typer.Option(help="Comma-separated prompt lengths in tokens (default: "
                                                             "1024, 2048, … and the model's limit less the answer).")]
     = None,
     needle_depths: Annotated[str | None, typer.Option(help="Comma-separated needle depths in [0, 1] (default: "
                                                            "0.2,0.5,0.8).")] = None,
-    needle_trials: Annotated[int, typer.Option(help="Prompts per (length, depth) cell.")] = 2,
+    needle_trials: Annotated[int | None, typer.Option(help="Prompts per (length, depth) cell (default 2; 1 with "
+                                                            "--needle-quick).")] = None,
     needle_quick: Annotated[bool, typer.Option("--needle-quick", help="A small grid: two lengths (1024 and the "
                                                                       "largest ≤ 4096), two depths, one trial.")]
     = False,
-    min_needle_accuracy: Annotated[float, typer.Option(help="Smallest needle accuracy of the artifact relative to "
-                                                            "BF16's (exit 3 below).")] = 0.9,
+    min_needle_accuracy: Annotated[float | None, typer.Option(help="Smallest needle accuracy of the artifact "
+                                                                   "relative to BF16's (exit 3 below; default "
+                                                                   "0.9).")] = None,
     as_exported: Annotated[bool, typer.Option("--as-exported", help="Verify the form `oscar-zoo export` deploys "
                                                                     "to the reference runtime: per-head rotations "
                                                                     "averaged per layer, means dropped, the median "
@@ -100,6 +103,9 @@ def verify_command(
         raise InputError(f"unknown baseline(s) {', '.join(unknown)}",
                          f"choose from {', '.join(ALL_BASELINES)}, or none")
     require_installed(tuple(b for b in chosen if b in PEERS))  # before the model loads
+    # a needle option given alone asks for the grid: it implies --needle rather than being ignored
+    needle = needle or needle_quick or any(v is not None for v in (needle_lengths, needle_depths, needle_trials,
+                                                                   min_needle_accuracy))
     needle_plot = None
     if plot is not None:  # a name matplotlib cannot write, or a folder, is refused now, not after the whole run
         from ..evaluation.plot import check_plot_path
@@ -188,6 +194,8 @@ def _parse_list(option: str, value: str, kind):
 
 
 def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed) -> NeedleSettings:
+    trials = (1 if quick else 2) if trials is None else trials
+    min_accuracy = 0.9 if min_accuracy is None else min_accuracy
     if trials <= 0:
         raise InputError(f"--needle-trials must be positive, got {trials}")
     if not 0 <= min_accuracy <= 1:
@@ -199,7 +207,7 @@ def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed) -> Need
                                                                                   else DEFAULT_DEPTHS)
     if any(not 0 <= d <= 1 for d in parsed_depths):
         raise InputError(f"--needle-depths must lie in [0, 1], got {depths}")
-    return NeedleSettings(lengths=parsed_lengths, depths=parsed_depths, trials=1 if quick else trials, seed=seed,
+    return NeedleSettings(lengths=parsed_lengths, depths=parsed_depths, trials=trials, seed=seed,
                           min_relative_accuracy=min_accuracy)
 
 

@@ -110,3 +110,21 @@ def test_cli_needle_table_json_heatmap_and_bad_options(run_cli, good_artifacts, 
                 ("--min-needle-accuracy", "2"), ("--needle-lengths", "a,b")):
         code, out, err = run_cli(*base, *bad)
         assert code == 2, (bad, out, err)
+
+
+def test_needle_options_imply_needle_and_are_never_ignored(run_cli, good_artifacts, model_dir, heldout_file):
+    """A --needle-* option without --needle runs the grid it describes (it was silently ignored); --needle-trials
+    with --needle-quick is honoured (quick's one trial is only its default)."""
+    base = ("verify", good_artifacts, "--model", model_dir, "--dataset", heldout_file, "--context", "192",
+            "--sequences", "1", "--generate", "0", "--baselines", "none", "--max-kl", "9", "--min-top1", "0",
+            "--max-ppl-increase", "99", "--min-needle-accuracy", "0", "--needle-lengths", "300", "--json")
+    for extra, trials, depths in ((("--needle-depths", "0.5"), 2, [0.5]), (("--needle-quick", "--needle-trials", "2"),
+                                                                         2, [0.25, 0.75])):
+        code, out, err = run_cli(*base, *extra)
+        assert code == 0, err
+        needle = json.loads(out)["needle"]
+        assert needle is not None and needle["lengths"] == [300], extra
+        assert needle["trials"] == trials and needle["depths"] == depths, extra
+    code, out, err = run_cli(*base[:-5], "--json")  # no needle option at all: no grid
+    assert code == 0, err
+    assert json.loads(out)["needle"] is None

@@ -60,14 +60,14 @@ def _general_path_only(monkeypatch):
     monkeypatch.setattr(OscarLayer, "is_static_step", lambda self, n: False)
 
 
-@pytest.mark.parametrize(("backend", "B", "steps", "tiers", "centred"), [("reference", 1, 45, (64, 256), False),
-                                                                         ("reference", 3, 45, (64, 256), False),
-                                                                         ("reference", 2, 45, (64, 256), True),
-                                                                         ("interpreter", 2, 17, (16, 32), False),
-                                                                         ("interpreter", 1, 9, (16, 32), True)])
-def test_static_step_equals_general_path(backend, B, steps, tiers, centred, monkeypatch):
+@pytest.mark.parametrize(("backend", "B", "steps", "tiers", "centred", "key_bits"),
+                         [("reference", 1, 45, (64, 256), False, 2), ("reference", 3, 45, (64, 256), False, 2),
+                          ("reference", 2, 45, (64, 256), True, 2), ("reference", 2, 45, (64, 256), False, 3),
+                          ("interpreter", 2, 17, (16, 32), False, 2), ("interpreter", 1, 9, (16, 32), True, 2),
+                          ("interpreter", 2, 9, (16, 32), False, 3)])
+def test_static_step_equals_general_path(backend, B, steps, tiers, centred, key_bits, monkeypatch):
     """A prefill 10 tokens past sink + recent, then teacher-forced decode steps (45: 5 demotions; under the
-    interpreter, with small tiers to keep it quick, 17: 2, and 9 for the centred codec: 1): the static step
+    interpreter, with small tiers to keep it quick, 17: 2, and 9 for the centred codec and 3-bit keys: 1): the static step
     (device-indexed writes, in-place demotion) gives bit-identical logits and tiers to the general filing path, through
     the reference ops or the Triton kernels (interpreter); the static path and the kernels were taken."""
     sink, recent = tiers
@@ -85,17 +85,18 @@ def test_static_step_equals_general_path(backend, B, steps, tiers, centred, monk
     monkeypatch.setattr(OscarLayer, "write_token", lambda self, *a: static_writes.append(1) or real_write(self, *a))
     model = enable_oscar(_llama(layers=1))
     ids = torch.randint(0, 512, (B, prompt + steps), generator=torch.Generator().manual_seed(B))
-    static_cache = _cache(1, sink=sink, recent=recent, centred=centred)
+    static_cache = _cache(1, sink=sink, recent=recent, centred=centred, key_bits=[key_bits])
     static = _decode_logits(model, static_cache, ids, prompt)
     assert len(static_writes) == steps and (len(kernel_calls) == steps) == (backend == "interpreter")
 
     with monkeypatch.context() as m:
         _general_path_only(m)
-        general_cache = _cache(1, sink=sink, recent=recent, centred=centred)
+        general_cache = _cache(1, sink=sink, recent=recent, centred=centred, key_bits=[key_bits])
         general = _decode_logits(model, general_cache, ids, prompt)
     assert len(static_writes) == steps  # the general path never went through write_token
     assert torch.equal(static, general)
     a, b = static_cache.layers[0], general_cache.layers[0]
+    assert a.hist_k.shape[-1] == layout.packed_dim(D, key_bits)
     assert (a.n_sink, a.n_hist, a.n_recent) == (b.n_sink, b.n_hist, b.n_recent)
     assert (a.n_sink, a.n_hist, a.n_recent) == (sink, 10 + 8 * (steps // 8), recent + steps % 8)
     assert a.hist_len.tolist() == [a.n_hist] * B and a.recent_len.tolist() == [a.n_recent] * B
@@ -246,13 +247,16 @@ def _qwen3(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("arch", "B", "fold", "centred"), [("qwen3", 1, False, False), ("qwen3", 4, True, True),
-                                                            ("llama", 1, False, True), ("llama", 3, True, False)])
-def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred):
+@pytest.mark.parametrize(("arch", "B", "fold", "centred", "key_bits"),
+                         [("qwen3", 1, False, False, False), ("qwen3", 4, True, True, False),
+                          ("llama", 1, False, True, False), ("llama", 3, True, False, False),
+                          ("qwen3", 2, True, False, True), ("llama", 1, False, False, True)])
+def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred, key_bits):
     """generate() on a GPU with OscarCache replays a captured decode step (no user code): 220 greedy tokens from a
     400-token prompt (27 demotions, one history reallocation) equal the eager path's (compile disabled), logits
     included, and all but the first few steps were replays; with the value rotation folded into the weights too, and
-    with centred tiers (means: the in-step subtraction and add-back are captured like the rest)."""
+    with centred tiers (means: the in-step subtraction and add-back are captured like the rest), and with 3-bit keys in
+    every other layer (docs/format.md §6b)."""
     model = enable_oscar(_qwen3("cuda") if arch == "qwen3" else _llama(device="cuda"))
     cfg = model.config
     L, H, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
@@ -261,8 +265,9 @@ def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred):
     ids = torch.randint(0, cfg.vocab_size, (B, 400), generator=torch.Generator().manual_seed(0)).cuda()
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     runs = {}
+    bits = [3 - i % 2 if key_bits else 2 for i in range(L)]
     for mode in ("eager", "graph"):
-        cache = _cache(L, H, Dh, centred=centred)
+        cache = _cache(L, H, Dh, centred=centred, key_bits=bits)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=220, do_sample=False,
                              disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True,
                              **{cache_kw: cache})  # fmt: skip
