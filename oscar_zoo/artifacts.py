@@ -63,7 +63,11 @@ def sha256_file(path: Path) -> str:
 # -- writing: usual modes, and disk failures a user can act on --------------------------------------------------------
 WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
                 errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-                errno.EPERM: "permission denied"}
+                errno.EPERM: "permission denied",
+                errno.EFBIG: "the file grew past the largest size allowed (a file-size limit such as `ulimit -f`, or the "
+                             "file system's own)",
+                errno.EIO: "an input/output error on the device", errno.EMLINK: "too many links in the folder",
+                errno.ETXTBSY: "the file is busy"}
 
 
 PATH_ERRNOS = {errno.ELOOP: "a loop of symbolic links", errno.ENAMETOOLONG: "a name too long for the file system"}

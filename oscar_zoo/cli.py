@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from .console import err_console
-from .errors import OscarZooError
+from .errors import InputError, OscarZooError
 
 app = typer.Typer(
     name="oscar-zoo",
@@ -34,14 +34,18 @@ _register()
 def main() -> None:
     """Typer reports its own usage errors (exit 2); our typed errors become one line (+ hint) and their exit code; an
     OSError of a full disk, read-only file system or missing permission, or of a path that cannot be looked up (a
-    symlink loop, a name too long), is exit 2 naming the file (`artifacts.write_failure`)."""
+    symlink loop, a name too long, a file-size limit, …), is exit 2 naming the file (`artifacts.write_failure`); any
+    other OSError no command mapped is exit 2 too, one line with its reason, never a traceback."""
     try:
         try:
             app()
         except OSError as exc:  # met where no command mapped it: still exit 2 for what the user fixes
             from .artifacts import write_failure
 
-            raise (write_failure(exc, Path(exc.filename or "a file")) or exc) from None
+            path = Path(exc.filename or "a file")
+            raise (write_failure(exc, path) or InputError(
+                f"cannot use {path}: {exc.strerror or exc} (errno {exc.errno}); nothing was changed there",
+                "check the path and the file system, then run the command again")) from None
     except OscarZooError as exc:
         # messages quote user input (file names, manifest keys): escaped, so `[/]` in them is text, not rich markup
         err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
