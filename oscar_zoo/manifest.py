@@ -15,6 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from .errors import IntegrityError
+from .runtime import layout
 from .runtime.layout import MAX_WINDOW
 
 SCHEMA_VERSION = 3  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
@@ -220,6 +221,21 @@ class Manifest(_Frozen):
         """The mean of `key_bits` over the layers: what bits per element count for the keys."""
         bits = self.key_bits
         return sum(bits) / len(bits)
+
+    @property
+    def codec(self) -> str:
+        """INT2, or with 3-bit keys the layers' split: 'INT2 values, keys 3-bit in 21/30 layers (mean 2.70)'."""
+        bits = self.key_bits
+        if max(bits) == layout.BITS:
+            return f"INT{layout.BITS}"
+        return f"INT{layout.BITS} values, keys 3-bit in {bits.count(3)}/{len(bits)} layers (mean {self.mean_key_bits:.2f})"
+
+    def bits_at(self, context: int) -> float:
+        """Bits per cached element at `context` tokens, K and V averaged (docs/format.md §7): codes, float16 scale and
+        zero, the BF16 windows, and the 3-bit keys of `key_bits`."""
+        q = self.quant
+        G = layout.resolve_group_size(self.model.head_dim, q.group_size)
+        return layout.kv_bits_per_element(context, G, q.sink, q.recent, self.mean_key_bits)
 
     @property
     def centred(self) -> bool:

@@ -10,7 +10,6 @@ from rich.table import Table
 from ..artifacts import load_artifacts
 from ..calibration.rotation import spectrum_ratio
 from ..console import console, shown
-from ..runtime import layout
 from .options import ArtifactsArg, Json
 
 CONTEXTS = (1024, 2048, 4096, 8192, 32768, 65536, 131072)
@@ -20,7 +19,7 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
     """Show what an artifact folder holds, check every checksum and shape (exit 4 on any mismatch)."""
     manifest, rotations = load_artifacts(artifacts)
     m, q = manifest.model, manifest.quant
-    bpe = {c: layout.kv_bits_per_element(c, q.group_size, q.sink, q.recent, manifest.mean_key_bits) for c in CONTEXTS}
+    bpe = {c: manifest.bits_at(c) for c in CONTEXTS}
     if json_output:
         console.print_json(json.dumps({"manifest": manifest.model_dump(mode="json"), "integrity": "ok",
                                        "bits_per_element": {str(c): round(v, 4) for c, v in bpe.items()}}))
@@ -30,7 +29,7 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
                   f"layers · {m.num_q_heads} query / {m.num_kv_heads} KV heads · head_dim {m.head_dim}")
     console.print(f"rotation {manifest.rotation.composition} {manifest.rotation.granularity.value}, value target "
                   f"{manifest.rotation.value_target.value}, mixing {manifest.rotation.hadamard}; clip "
-                  f"{manifest.clip.mode.value}; {_codec(manifest)} group {q.group_size}, sink {q.sink}, recent "
+                  f"{manifest.clip.mode.value}; {manifest.codec}, group {q.group_size}, sink {q.sink}, recent "
                   f"{q.recent}; "
                   f"{'centred (K/V means removed)' if manifest.centred else 'uncentred'} · schema "
                   f"{manifest.schema_version}")
@@ -52,15 +51,6 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
     console.print(table)
     console.print("verification: " + ("none yet (run `oscar-zoo verify`)" if manifest.verification is None
                                       else "stored in the manifest"))
-
-
-def _codec(manifest) -> str:
-    """INT2, or the keys' per-layer bit widths: 'INT2 values, keys 3-bit in 21/30 layers (mean 2.70)'."""
-    bits = manifest.key_bits
-    if max(bits) == layout.BITS:
-        return f"INT{layout.BITS}"
-    return (f"INT{layout.BITS} values, keys 3-bit in {bits.count(3)}/{len(bits)} layers (mean "
-            f"{manifest.mean_key_bits:.2f})")
 
 
 def register(app: typer.Typer) -> None:

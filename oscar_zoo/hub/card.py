@@ -65,7 +65,7 @@ def render_model_card(manifest: Manifest, repo_id: str, subfolder: str, hub: str
            f"| rotation | {r.composition}, {r.granularity.value}, key target {r.key_target}, value target "
            f"{r.value_target.value}, mixing {md(r.hadamard)} |",
            f"| clipping | {c.mode.value} (K default {c.k_default}, V default {c.v_default}) |",
-           f"| quantization | INT{q.bits}, group {G}, scale {q.scale_dtype}, {q.packing} packing, {q.codebook} "
+           f"| quantization | {manifest.codec}, group {G}, scale {q.scale_dtype}, {q.packing} packing, {q.codebook} "
            f"levels |",
            f"| cache tiers | sink {q.sink} + recent {q.recent} tokens BF16, flush every {q.flush} |",
            f"| calibration | {cal.tokens:,} tokens of {code(cal.dataset)} ({cal.sequences}×{cal.seq_len}), seed "
@@ -73,7 +73,7 @@ def render_model_card(manifest: Manifest, repo_id: str, subfolder: str, hub: str
            ""]
     out += ["## Bits per element\n", "| context | bits/element (K and V) | vs BF16 |", "|---:|---:|---:|"]
     for ctx in CONTEXTS:
-        bpe = layout.bits_per_element(ctx, G, q.sink, q.recent)
+        bpe = manifest.bits_at(ctx)
         out.append(f"| {ctx // 1024}K | {bpe:.2f} | {16 / bpe:.1f}× smaller |")
     out.append("")
     out += ["## Verification\n", *_verification_section(manifest), ""]

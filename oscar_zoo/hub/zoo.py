@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from ..errors import IntegrityError
 from ..evaluation.report import VerifyReport, check_thresholds
 from ..manifest import Manifest, _one_line, canonical_json, load_json
-from ..runtime import layout
 from .base import check_subfolder
 
 ZOO_NAME = "zoo.json"
@@ -70,9 +69,7 @@ class ZooIndex(BaseModel):
 
 
 def bpe_128k(manifest: Manifest) -> float:
-    q = manifest.quant
-    G = layout.resolve_group_size(manifest.model.head_dim, q.group_size)
-    return round(layout.bits_per_element(CONTEXT_128K, G, q.sink, q.recent), 4)
+    return round(manifest.bits_at(CONTEXT_128K), 4)
 
 
 def zoo_entry(manifest: Manifest, subfolder: str, manifest_sha256: str, updated: str) -> ZooModel:
