@@ -19,7 +19,7 @@ from ..evaluation.baselines import BASELINES, DEFAULT_BASELINES
 from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings, resolve_backend, run_verification
 from ..evaluation.needle import (DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleSettings, default_lengths, run_needle)
 from ..evaluation.peers import PEERS, require_installed
-from ..evaluation.report import NeedleReport, Thresholds, VerifyReport
+from ..evaluation.report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
 from ..export.as_exported import as_exported as as_exported_form
 from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, load_model
 from .options import ArtifactsArg, Dataset, Device, Dtype, Json, Revision, Split, TextField
@@ -195,7 +195,7 @@ def _parse_list(option: str, value: str, kind):
 
 def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed) -> NeedleSettings:
     trials = (1 if quick else 2) if trials is None else trials
-    min_accuracy = 0.9 if min_accuracy is None else min_accuracy
+    min_accuracy = DEFAULT_MIN_NEEDLE_ACCURACY if min_accuracy is None else min_accuracy
     if trials <= 0:
         raise InputError(f"--needle-trials must be positive, got {trials}")
     if not 0 <= min_accuracy <= 1:

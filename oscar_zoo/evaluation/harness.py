@@ -22,15 +22,9 @@ from . import metrics
 from .attention import causal_attention, verifying, windowed_attention
 from .baselines import BASELINES, DEFAULT_BASELINES, Method, QuantizePack, RotatedInt2, build_methods
 from .peers import PEERS, PeerCache, build_peers, new_cache
-from .report import Generation, MethodResult, Thresholds, VerifyReport, check_thresholds
+from .report import DEFAULT_THRESHOLDS, Generation, MethodResult, Thresholds, VerifyReport, check_thresholds
 
 Progress = Callable[..., None]
-
-# Set from the demo model (SmolLM2-135M-Instruct, 8×2048 held-out tokens, per-head OSCAR calibrated on 4096 tokens
-# with searched clips), which measured Δ PPL +5.1 %, KL 0.054, top-1 87.7 % past the windows: about 2× margin on the
-# perplexity increase and KL, 1.5× on the disagreement rate. Hadamard-only INT2 misses all three there (+13.6 %, 0.126,
-# 79.9 %). docs/verify.md has the full table.
-DEFAULT_THRESHOLDS = Thresholds(max_ppl_increase=0.10, max_kl=0.10, min_top1=0.82)
 
 ATTENTION_NOTE = ("teacher-forced: query i reads key j exactly iff j < sink or j > i − recent, else its INT2 "
                   "dequantization; fp32 softmax over the union (blocked SDPA, equal to "

@@ -27,7 +27,7 @@ from ..models import LoadedModel
 from .baselines import BASELINES, RotatedInt2, build_methods
 from .harness import _cache_for, _cache_kwarg
 from .peers import PEERS, PeerCache, build_peers, new_cache
-from .report import NeedleMethod, NeedleReport
+from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleReport
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
 QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"
@@ -92,7 +92,7 @@ class NeedleSettings:
     trials: int = 2
     seed: int = 0
     new_tokens: int = 7  # " 48213." and a spare: the first non-space characters decide
-    min_relative_accuracy: float = 0.9  # the artifact's overall accuracy / BF16's
+    min_relative_accuracy: float = DEFAULT_MIN_NEEDLE_ACCURACY  # the artifact's overall accuracy / BF16's
 
 
 def _forward(model, ids: Tensor, cache) -> Tensor:

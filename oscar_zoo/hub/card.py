@@ -12,7 +12,8 @@ import re
 
 from ..manifest import Manifest
 from ..runtime import layout
-from .zoo import ZooIndex, format_value, verification_rows, verification_summary
+from ..evaluation.report import describe_thresholds
+from .zoo import ZooIndex, format_value, non_default_gate, parse_report, verification_rows, verification_summary
 
 TAGS = ["oscar-zoo", "kv-cache", "quantization", "int2", "rotation"]
 CONTEXTS = (32768, 131072)
@@ -96,6 +97,13 @@ def _verification_section(manifest: Manifest) -> list[str]:
         return ["Not verified: these artifacts were published with `--allow-unverified`. Run `oscar-zoo verify` "
                 "before relying on them."]
     lines = [f"Summary: **{md(verification_summary(report))}**", ""]
+    parsed, _ = parse_report(report)
+    if parsed is not None:
+        default = "verify's defaults" if not non_default_gate(parsed) else "**not** verify's defaults"
+        needle = (f"; needle ≥ {parsed.needle.min_relative_accuracy:g} × BF16's accuracy" if parsed.needle else "")
+        lines += [f"Thresholds the report was judged by: {md(describe_thresholds(parsed.thresholds) + needle)} "
+                  f"({default}). The hub re-checks the report's numbers against them; it cannot re-run the "
+                  "measurement.", ""]
     settings = {k: v for k, v in report.items() if k not in ("methods", "passed") and not isinstance(v, (dict, list))}
     if settings and isinstance(report.get("methods"), (dict, list)):
         lines += ["Setup: " + ", ".join(f"{md(k)} = {md(format_value(v))}" for k, v in settings.items()), ""]

@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import IntegrityError
-from ..evaluation.report import VerifyReport, check_thresholds
+from ..evaluation.report import (DEFAULT_MIN_NEEDLE_ACCURACY, DEFAULT_THRESHOLDS, VerifyReport, check_thresholds,
+                                 describe_thresholds)
 from ..manifest import Manifest, _one_line, canonical_json, load_json
 from .base import check_subfolder
 
@@ -140,7 +141,8 @@ def report_verdict(report: VerifyReport) -> list[str]:
 
 
 def verification_summary(report: dict[str, Any] | None) -> str:
-    """What a person reads: `✓ +5.1 % PPL, KL 0.052` (passed), `✗ +12.0 % PPL, KL 0.31` (failed), `unverified`, or
+    """What a person reads: `✓ +5.1 % PPL, KL 0.052` (passed), `✗ +12.0 % PPL, KL 0.31` (failed), with
+    `(non-default thresholds: …)` when the report was judged by others than verify's defaults, `unverified`, or
     for a record that is not a `verify` report, `not a verify report`. The mark is the report's numbers re-checked
     against its thresholds (`report_verdict`), not its own `passed` flag."""
     parsed, _ = parse_report(report)
@@ -152,7 +154,18 @@ def verification_summary(report: dict[str, Any] | None) -> str:
     if art is None:
         return "not a verify report"
     mark = "✓" if parsed.passed and not report_verdict(parsed) else "✗"
-    return f"{mark} {100 * art.ppl_increase:+.1f} % PPL, KL {art.kl:.2g}"
+    return f"{mark} {100 * art.ppl_increase:+.1f} % PPL, KL {art.kl:.2g}{non_default_gate(parsed)}"
+
+
+def non_default_gate(report: VerifyReport) -> str:
+    """'' when the report was judged with verify's default thresholds (and needle gate), else what it used: a pass
+    under loosened thresholds must not read like one under the defaults."""
+    changed = []
+    if report.thresholds != DEFAULT_THRESHOLDS:
+        changed.append(describe_thresholds(report.thresholds))
+    if report.needle is not None and report.needle.min_relative_accuracy != DEFAULT_MIN_NEEDLE_ACCURACY:
+        changed.append(f"needle ≥ {report.needle.min_relative_accuracy:g} × BF16")
+    return f" (non-default thresholds: {'; '.join(changed)})" if changed else ""
 
 
 def format_value(v: Any) -> str:

@@ -17,10 +17,10 @@ HF_TOKEN = "hf_TestTokenDoNotLeak0123456789abcdef"
 MS_TOKEN = "ms-TestTokenDoNotLeak-9876543210fedcba"
 
 def verify_report(kl: float = 0.0123, top1: float = 0.981, ppl_increase: float = 0.021,
-                  passed: bool | None = None) -> dict:
-    """A report of the form `oscar-zoo verify --write` stores (VerifyReport), as manifest JSON; `passed` defaults to
-    what its metrics say under the default thresholds."""
-    from oscar_zoo.evaluation.report import MethodResult, Thresholds, VerifyReport, check_thresholds
+                  passed: bool | None = None, thresholds=None) -> dict:
+    """A report of the form `oscar-zoo verify --write` stores (VerifyReport), as manifest JSON, judged by `thresholds`
+    (default: verify's); `passed` defaults to what its metrics say under them."""
+    from oscar_zoo.evaluation.report import DEFAULT_THRESHOLDS, MethodResult, VerifyReport, check_thresholds
 
     def row(name, kind, kl, top1, ppl_increase):
         return MethodResult(name=name, label=name.upper(), kind=kind, bits_per_element=2.5, bits_per_element_k=2.5,
@@ -30,7 +30,7 @@ def verify_report(kl: float = 0.0123, top1: float = 0.981, ppl_increase: float =
 
     methods = [row("bf16", "reference", 0.0, 1.0, 0.0), row("oscar", "artifact", kl, top1, ppl_increase),
                row("naive-int2", "baseline", 1.52, 0.41, 3.2)]
-    thresholds = Thresholds(max_ppl_increase=0.15, max_kl=0.1, min_top1=0.8)
+    thresholds = thresholds or DEFAULT_THRESHOLDS
     failures = check_thresholds(methods[1], thresholds)
     report = VerifyReport(model="org/Tiny-Llama", revision="abc123", artifacts="art", dataset="test", context=4096,
                           sequences=2, positions_from=320, tokens_scored=7552, sink=64, recent=256, group_size=16,

@@ -49,3 +49,28 @@ def test_the_bundled_catalog_report_passes_the_gate():
         report, why = parse_report(entry.manifest.verification)
         assert report is not None and report.passed and report_verdict(report) == [], why
         assert verification_summary(entry.manifest.verification) == "✓ +5.1 % PPL, KL 0.052"
+
+
+def test_loosened_thresholds_pass_the_gate_but_are_shown(tmp_path, monkeypatch):
+    """A report judged by thresholds looser than verify's defaults is consistent, so push accepts it; the summary
+    (zoo index, `list`) and the model card say which thresholds it used and that they are not the defaults."""
+    from oscar_zoo.evaluation.report import Thresholds
+    from oscar_zoo.hub.card import render_model_card
+    from oscar_zoo.hub.zoo import verification_summary
+    from oscar_zoo.manifest import Manifest
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    loose = verify_report(kl=0.4, ppl_increase=0.5, thresholds=Thresholds(max_ppl_increase=10, max_kl=1, min_top1=0))
+    default = verify_report()
+    art = tmp_path / "art"
+    manifest = make_artifacts(art, verification=loose)
+    code, out, err = run_cli("push", str(art), "zoo/rotations", "--dry-run")
+    assert code == 0, err
+    summary = verification_summary(loose)
+    assert summary == "✓ +50.0 % PPL, KL 0.4 (non-default thresholds: Δ PPL ≤ 1000 %, KL ≤ 1, top-1 ≥ 0 %)"
+    assert verification_summary(default) == "✓ +2.1 % PPL, KL 0.012"
+    card = render_model_card(manifest, "zoo/rotations", "", "hf")
+    assert "Δ PPL ≤ 1000 %, KL ≤ 1, top-1 ≥ 0 % (**not** verify's defaults)" in " ".join(card.split())
+    plain = render_model_card(Manifest.model_validate({**manifest.model_dump(mode="json"), "verification": default}),
+                              "zoo/rotations", "", "hf")
+    assert "Δ PPL ≤ 10 %, KL ≤ 0.1, top-1 ≥ 82 % (verify's defaults)" in " ".join(plain.split())
