@@ -279,11 +279,25 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def native_cpu_bfloat16() -> bool:
+    """True when this CPU runs bfloat16 matrix work natively: torch dispatches its AVX512 kernels here (not AVX2 or
+    older; `ATEN_CPU_CAPABILITY` lowers it) and the CPU has AVX512-BF16 or AMX tiles. Elsewhere torch converts every
+    bfloat16 operand to float32 and back, several times slower than float32 itself."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(name: str, device: str | torch.device = "auto") -> torch.dtype:
+    """The model dtype for `name`; "auto" (the commands' default): bfloat16 on a GPU and on CPUs with native bfloat16
+    (`native_cpu_bfloat16`), float32 on other CPUs, for the device `device` resolves to."""
+    if name == "auto":
+        dev = resolve_device(device) if isinstance(device, str) else device
+        return torch.bfloat16 if dev.type != "cpu" or native_cpu_bfloat16() else torch.float32
     dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
               "float32": torch.float32, "fp32": torch.float32}
     if name not in dtypes:
-        raise InputError(f"unknown dtype {name!r}", f"use one of {', '.join(dtypes)}")
+        raise InputError(f"unknown dtype {name!r}", f"use auto or one of {', '.join(dtypes)}")
     return dtypes[name]
 
 
@@ -304,7 +318,7 @@ def load_model(
     name: str = DEMO,
     revision: str | None = None,
     device: str = "auto",
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     attn_implementation: str | None = None,
     progress: Callable[[str], None] | None = None,
     placement: Callable[[object], dict | None] | None = None,
@@ -320,7 +334,7 @@ def load_model(
 
     hf_logging.disable_progress_bar()  # progress is ours to show
 
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     model_id, source = model_id_of(name), name
     if name == DEMO:
         revision = DEMO_REVISION

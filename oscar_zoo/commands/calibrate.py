@@ -78,7 +78,7 @@ def calibrate_command(
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the document order.")] = 0,
     device: Device = "auto",
-    dtype: Dtype = "bfloat16",
+    dtype: Dtype = "auto",
     out: Annotated[Path | None, typer.Option(help="Output folder (default: artifacts/<model>). It must be new, empty, "
                    "or an earlier artifact folder (a valid manifest.json and exactly the files it lists), which is "
                    "replaced once the new one is complete; anything else is refused before any work starts.")] = None,
@@ -212,7 +212,7 @@ def _memory_check(say, device: str, dtype: str, batch_size: int, seq_len: int, h
         except ValueError as exc:
             raise InputError(f"--group-size {group_size}: expected 0 or a divisor of the model's head_dim {head_dim} "
                              f"({exc})") from None
-        plan = memory.plan(config, arch_info(config), dtype=resolve_dtype(dtype), device=resolve_device(device),
+        plan = memory.plan(config, arch_info(config), dtype=resolve_dtype(dtype, device), device=resolve_device(device),
                            batch_size=batch_size, seq_len=seq_len, heldout_tokens=heldout_tokens,
                            accumulate_on=accumulate_on, device_map=device_map, max_memory=max_memory,
                            offload=offload, replicas=replicas)

@@ -11,7 +11,8 @@ ModelArg = Annotated[str, typer.Argument(help="Hugging Face id, local folder, .g
                                               "SmolLM2-135M-Instruct).")]
 Revision = Annotated[str | None, typer.Option(help="Model revision (branch, tag or commit) for a Hugging Face id.")]
 Device = Annotated[str, typer.Option(help="`auto` (GPU if present), `cpu`, `cuda`, `cuda:N`.")]
-Dtype = Annotated[str, typer.Option(help="Model dtype: bfloat16, float16 or float32.")]
+Dtype = Annotated[str, typer.Option(help="Model dtype: auto (bfloat16 on a GPU or a CPU with native bfloat16 — "
+                                          "AVX512-BF16 or AMX —, else float32), bfloat16, float16 or float32.")]
 Dataset = Annotated[str | None, typer.Option(help="HF dataset id (`name` or `name:config`), or a local "
                                                   "text/json/jsonl/parquet file or folder. Default: bundled plays.")]
 TextField = Annotated[str | None, typer.Option(help="Dataset column holding the text (default: `text`, else the "

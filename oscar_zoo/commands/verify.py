@@ -49,7 +49,7 @@ def verify_command(
     = "auto",
     seed: Annotated[int, typer.Option(help="Seed for the document order.")] = 0,
     device: Device = "auto",
-    dtype: Dtype = "bfloat16",
+    dtype: Dtype = "auto",
     max_ppl_increase: Annotated[float, typer.Option(help="Largest relative perplexity increase past the windows.")]
     = DEFAULT_THRESHOLDS.max_ppl_increase,
     max_kl: Annotated[float, typer.Option(help="Largest mean KL(BF16 ‖ INT2) per token past the windows.")]
@@ -226,6 +226,11 @@ SHORT = {"bf16": "BF16", "oscar": "OSCAR", "naive": "naive INT2", "clip-only": "
          "hf-hqq-int2": "HF HQQ INT2", "hf-quanto-int4": "HF quanto INT4", "hf-hqq-int4": "HF HQQ INT4"}
 
 
+def _short(m) -> str:
+    """A method's row name; the reference's is the dtype its label names (BF16, or FP32 where that ran)."""
+    return m.label.split(" ")[0] if m.kind == "reference" else SHORT.get(m.name, m.name)
+
+
 def _print(report: VerifyReport, plots: list[Path], write: bool, artifacts: Path) -> None:
     cut = report.positions_from
     table = Table(title=f"{report.model}: INT2 KV cache vs BF16 · {report.sequences}×{report.context} held-out tokens "
@@ -236,7 +241,7 @@ def _print(report: VerifyReport, plots: list[Path], write: bool, artifacts: Path
         ref = m.kind == "reference"
         err = "—" if ref else f"{sum(m.layer_error) / len(m.layer_error):.3f}"
         past = f"{m.ppl_past_windows:.2f}" + ("" if ref else f" ({100 * m.ppl_increase:+.1f}%)")
-        table.add_row(SHORT.get(m.name, m.name), f"{m.bits_per_element:.2f}", f"{m.ppl:.2f}", past, f"{m.kl:.4f}",
+        table.add_row(_short(m), f"{m.bits_per_element:.2f}", f"{m.ppl:.2f}", past, f"{m.kl:.4f}",
                       f"{100 * m.top1:.1f}%", err, _generation(m), style="bold" if m.kind == "artifact" else None)
     console.print(table)
     if report.as_exported:
@@ -246,7 +251,7 @@ def _print(report: VerifyReport, plots: list[Path], write: bool, artifacts: Path
     for m in report.methods:
         bits = (f"K {m.bits_per_element_k:.2f} / V {m.bits_per_element_v:.2f} bits"
                 if m.bits_per_element_k != m.bits_per_element_v else "")
-        console.print(f"  {SHORT.get(m.name, m.name)}: {m.label}{f'; {bits}' if bits else ''}", highlight=False)
+        console.print(f"  {_short(m)}: {m.label}{f'; {bits}' if bits else ''}", highlight=False)
     console.print(
         f"bits/elem: mean of K and V at {report.context} tokens, BF16 windows and float16 scale/zero included (HF "
         f"QuantizedCache: counted from the bytes it holds, residual window included). "
@@ -290,7 +295,8 @@ def _print_kl_by_distance(report: VerifyReport) -> None:
     buckets = distance_buckets(report.positions_from, report.context, report.bin_size)
     if not buckets:
         return
-    table = Table(title="KL vs BF16 by position (the INT2 history grows with the position)")
+    ref = next((_short(m) for m in report.methods if m.kind == "reference"), "BF16")
+    table = Table(title=f"KL vs {ref} by position (the INT2 history grows with the position)")
     table.add_column("method")
     for a, b in buckets:
         table.add_column(f"{a:,}–{b:,}", justify="right")
@@ -301,7 +307,7 @@ def _print_kl_by_distance(report: VerifyReport) -> None:
         for a, b in buckets:
             bins = [k for i, k in enumerate(m.kl_by_position) if a <= i * report.bin_size < b]
             cells.append(f"{sum(bins) / len(bins):.4f}" if bins else "—")
-        table.add_row(SHORT.get(m.name, m.name), *cells, style="bold" if m.kind == "artifact" else None)
+        table.add_row(_short(m), *cells, style="bold" if m.kind == "artifact" else None)
     console.print(table)
 
 
@@ -316,7 +322,7 @@ def _print_needle(needle: NeedleReport) -> None:
     for m in needle.methods:
         for i, length in enumerate(needle.lengths):
             row_all = sum(m.accuracy[i]) / len(m.accuracy[i])
-            table.add_row(SHORT.get(m.name, m.name) if i == 0 else "", f"{length:,}",
+            table.add_row(_short(m) if i == 0 else "", f"{length:,}",
                           *(f"{100 * a:.0f}%" for a in m.accuracy[i]), f"{100 * row_all:.0f}%",
                           style="bold" if m.kind == "artifact" else None, end_section=i == len(needle.lengths) - 1)
     console.print(table)

@@ -61,8 +61,20 @@ class Method:
         raise NotImplementedError
 
 
+DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}
+
+
 class Exact(Method):
+    """The model's own cache, unquantized: the reference. Its name stays "bf16" (reports key on it); its label says
+    the dtype the model ran in (`for_dtype`)."""
+
     name, label, kind = "bf16", "BF16 (reference)", "reference"
+
+    @classmethod
+    def for_dtype(cls, dtype: torch.dtype) -> Exact:
+        exact = cls()
+        exact.label = f"{DTYPE_NAMES.get(dtype, str(dtype))} (reference)"
+        return exact
 
     def prepare(self, layer, q, k, v, quantize_pack):
         return LayerKV(q, k, v)

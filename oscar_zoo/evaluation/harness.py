@@ -20,7 +20,7 @@ from ..models import LoadedModel
 from ..runtime import layout, reference
 from . import metrics
 from .attention import causal_attention, verifying, windowed_attention
-from .baselines import BASELINES, DEFAULT_BASELINES, Method, QuantizePack, RotatedInt2, build_methods
+from .baselines import BASELINES, DEFAULT_BASELINES, Exact, Method, QuantizePack, RotatedInt2, build_methods
 from .peers import PEERS, PeerCache, build_peers, new_cache
 from .report import DEFAULT_THRESHOLDS, Generation, MethodResult, Thresholds, VerifyReport, check_thresholds
 
@@ -142,6 +142,7 @@ def run_verification(loaded: LoadedModel, manifest, rotations, input_ids: Tensor
         raise InputError(f"the artifacts cover layers {rotations.layer_ids.tolist()}, the model has {L}: verify needs "
                          "a rotation for every attention layer")
     methods = all_methods(model.config, rotations, L, D, q, settings.baselines)
+    methods[0] = Exact.for_dtype(next(model.parameters()).dtype)  # labelled by the dtype that ran
     quantized = [m for m in methods if m.kind != "reference"]
     attend = Attender(quantizer(settings.backend), sink, recent)
 

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from ..errors import InputError
 from ..models import LoadedModel
-from .baselines import BASELINES, RotatedInt2, build_methods
+from .baselines import BASELINES, DTYPE_NAMES, RotatedInt2, build_methods
 from .harness import _cache_for, _cache_kwarg
 from .peers import PEERS, PeerCache, build_peers, new_cache
 from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleReport
@@ -163,7 +163,8 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                         progress("needle retrieval", done, total, rate=f"{length} tokens")
     finally:
         model.set_attn_implementation(previous)
-    labels = {"bf16": ("BF16 (DynamicCache)", "reference")} | {m.name: (m.label, m.kind) for m in methods}
+    ran = DTYPE_NAMES.get(next(model.parameters()).dtype, "BF16")
+    labels = {"bf16": (f"{ran} (DynamicCache)", "reference")} | {m.name: (m.label, m.kind) for m in methods}
     results = [NeedleMethod(name=n, label=labels[n][0], kind=labels[n][1],
                             accuracy=[[c / settings.trials for c in row] for row in right[n]],
                             overall=sum(map(sum, right[n])) / total, answers=answers[n]) for n in names]
