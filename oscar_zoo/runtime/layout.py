@@ -87,8 +87,8 @@ def check_bits(bits: int) -> int:
 
 def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_contiguous: bool = False,
                   bits: int = BITS) -> torch.Tensor:
-    """A zeroed history [B, H, T_cap, packed_dim(D, bits)] (tokens_contiguous: INT2 only). tokens_contiguous (the cache's V codes): stored as [B, H, D/4, T_cap]
-    and returned as its transposed view, so each packed column of consecutive tokens is contiguous. The decode kernel
+    """A zeroed history [B, H, T_cap, packed_dim(D, bits)]. tokens_contiguous (the cache's V codes, INT2 only):
+    stored as [B, H, D/4, T_cap] and returned as its transposed view, so each packed column of consecutive tokens is contiguous. The decode kernel
     contracts P·V over tokens with the codes as the tensor-core operand whose reduction axis is then contiguous in
     memory, as K's is (bytes of consecutive dims): no byte gathers. Readers index the view; only strides differ."""
     if tokens_contiguous:
