@@ -15,7 +15,7 @@ def _store(tmp_path, gate: threading.Event, order: list[str], fail: str | None =
 
     def write(name, tensors, state):
         if name == "first":
-            assert gate.wait(30)  # held until the test lets it go
+            assert gate.wait(600)  # held until the test lets it go (a hang guard, not a timing)
         if name == fail:
             raise OSError(f"disk full writing {name}")
         order.append(name)
@@ -33,7 +33,7 @@ def test_last_checkpoint_is_queued_not_waited_for(tmp_path):
     caller = threading.Thread(target=store.save_async, args=("last", lambda: {"x": torch.full((3,), 2.0)}, True),
                               kwargs={"done": 3})
     caller.start()
-    caller.join(timeout=10)
+    caller.join(timeout=600)  # returns at once unless it waits for "first" (which waits for the gate): a hang guard
     assert not caller.is_alive() and order == []  # returned while "first" is still being written
     gate.set()
     store.flush()
