@@ -221,7 +221,7 @@ def _needle_plot_path(plot: Path) -> Path:
     return plot.with_name(f"{plot.stem}-needle{plot.suffix}")
 
 
-SHORT = {"bf16": "BF16", "oscar": "OSCAR", "naive": "naive INT2", "clip-only": "clip-only INT2",
+SHORT = {"oscar": "OSCAR", "naive": "naive INT2", "clip-only": "clip-only INT2",
          "hadamard": "Hadamard INT2", "kivi": "KIVI-2-style", "hf-quanto-int2": "HF quanto INT2",
          "hf-hqq-int2": "HF HQQ INT2", "hf-quanto-int4": "HF quanto INT4", "hf-hqq-int4": "HF HQQ INT4"}
 
