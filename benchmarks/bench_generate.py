@@ -36,7 +36,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, QuantizedCache, Qwen3Config, StaticCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar_zoo.runtime import cache as cache_mod, layout, ops, reference
+from oscar_zoo.runtime import cache as cache_mod, layout, ops, reference, rotate_op
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation
 from oscar_zoo.runtime.cache import OscarCache
 from oscar_zoo.runtime.graph import install
@@ -459,7 +459,7 @@ def phase_targets(timer: PhaseTimer, kind: str):
         return [
             (ops, "tiered_decode_attention", timer.wrap("attention kernels", ops.tiered_decode_attention)),
             (reference, "rotate", timer.wrap("rotation", reference.rotate)),
-            (ops, "rotate_rows", timer.wrap("rotation", ops.rotate_rows)),
+            (rotate_op, "rotate_rows", timer.wrap("rotation", rotate_op.rotate_rows)),
             (cache_mod.OscarLayer, "write_token", timer.wrap("cache write + demotion", cache_mod.OscarLayer.write_token)),
         ]
     from transformers.integrations import sdpa_attention

@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import ops, reference
+from . import ops, reference, rotate_op
 from .cache import OscarCache
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -112,11 +112,11 @@ def oscar_attention(
         # three launches: q·M_K (fp32, each query head by its KV head's M_K), the tiered decode + merge (the merge
         # adds μ_V·M_V back and rounds to the model's dtype when nothing follows), and o·M_Vᵀ unless o_proj does it
         rot = layer.rotation
-        q_rot = ops.rotate_rows(query[:, :, 0], rot.k, None, out_dtype=torch.float32)  # [B, H_q, D]
+        q_rot = rotate_op.rotate_rows(query[:, :, 0], rot.k, None, out_dtype=torch.float32)  # [B, H_q, D]
         out_dtype = query.dtype if Mvt_q is None else torch.float32
         o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale, v_mean=mu_v, out_dtype=out_dtype)
         if Mvt_q is not None:
-            o = ops.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
+            o = rotate_op.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
         return o.unsqueeze(1), None  # [B, 1, H_q, D]
     q_rot = reference.rotate(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
     if n == 1:  # BF16 history (test switch) or softcap: the tiers densely, the new token included

@@ -13,7 +13,6 @@ device (int32 [B], updated in place) and writes are indexed by them, so the step
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,51 +21,12 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import layout, ops, reference
+from . import layout, ops, reference, rotate_op
+from .rotation import Rotation, fingerprint
 from .validate import check_centring, check_mean, check_rotation_tensors, read_quant_settings
 
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
-
-
-@dataclass
-class Rotation:
-    """One layer's fixed OSCAR tensors: rotations float32 [H, D, D] (H = H_kv, or 1 shared), clip ratios [H, 1], and
-    the centred codec's offsets μ·M float32 [H, D] in the rotated basis (`reference.rotate_mean`; None: uncentred)."""
-
-    k: Tensor
-    v: Tensor
-    k_clip: Tensor
-    v_clip: Tensor
-    k_mean: Tensor | None = None
-    v_mean: Tensor | None = None
-    # the smallest positive clip ratio of k_clip / v_clip, read once on the host (None: none positive); lets
-    # `ops.quantize_pack` take a top-k build that fits every head's clip (`min_ratio`). The clips must not change after
-    # this (OscarCache holds its own copies)
-    k_min_clip: float | None = None
-    v_min_clip: float | None = None
-    k_bits: int = layout.BITS  # bits of the history keys (2 or 3; docs/format.md §6b); values always layout.BITS
-
-    def __post_init__(self):
-        for name in ("k", "v"):
-            clip = getattr(self, f"{name}_clip")
-            if getattr(self, f"{name}_min_clip") is None:  # built once per layer, before any step is captured
-                positive = clip[clip > 0]
-                setattr(self, f"{name}_min_clip", float(positive.min()) if positive.numel() else None)
-
-    def to(self, device: torch.device) -> Rotation:
-        return Rotation(*(None if t is None else t.to(device)
-                          for t in (self.k, self.v, self.k_clip, self.v_clip, self.k_mean, self.v_mean)),
-                        self.k_min_clip, self.v_min_clip, self.k_bits)
-
-    def per_query_head(self, M: Tensor, n_q_heads: int) -> Tensor:
-        """M [H, D, D] → [H_q, D, D], GQA convention (query head j uses KV head j // g); shared stays [1, D, D]."""
-        return M if M.shape[0] == 1 else M.repeat_interleave(n_q_heads // M.shape[0], dim=0)
-
-
-def fingerprint(t: Tensor) -> str:
-    """sha256 of a tensor's float32 values (host copy): names a rotation without keeping or comparing tensors."""
-    return hashlib.sha256(t.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 @dataclass
@@ -223,15 +183,15 @@ class OscarLayer(CacheLayerMixin):
 
     def _rotate(self, key: Tensor, value: Tensor, write: bool = False) -> tuple[Tensor, Tensor]:
         """k·M_K − μ_K·M_K and v·M_V − μ_V·M_V [B, H_kv, n, D] in the input dtype (`reference.rotate_centred`). One
-        token goes through `ops.rotate_rows` (one launch each, the same rows whether or not the step is static);
+        token goes through `rotate_op.rotate_rows` (one launch each, the same rows whether or not the step is static);
         `write` also files it at recent slot `recent_len` (read on the device; the batch shares one length)."""
         rot = self.rotation
         m_v = None if self.v_folded else rot.v
         if key.shape[2] != 1:
             return reference.rotate_centred(key, rot.k, rot.k_mean), reference.rotate_centred(value, m_v, rot.v_mean)
         slot = self.recent_len if write else None
-        k = ops.rotate_rows(key[:, :, 0], rot.k, rot.k_mean, dest=self.recent_k if write else None, slot=slot)
-        v = ops.rotate_rows(value[:, :, 0], m_v, rot.v_mean, dest=self.recent_v if write else None, slot=slot)
+        k = rotate_op.rotate_rows(key[:, :, 0], rot.k, rot.k_mean, dest=self.recent_k if write else None, slot=slot)
+        v = rotate_op.rotate_rows(value[:, :, 0], m_v, rot.v_mean, dest=self.recent_v if write else None, slot=slot)
         return k.unsqueeze(2), v.unsqueeze(2)
 
     def bind_value_fold(self, fold: str | None) -> None:

@@ -1,11 +1,11 @@
-"""`ops.rotate_rows` (the decode step's rotate / centre / file launch) against float64 products: the rotation applied as
-x·M (not Mᵀ), the right head's M and μ under GQA, one rounding to the output dtype, and the tier write at exactly
+"""`rotate_op.rotate_rows` (the decode step's rotate / centre / file launch) against float64 products: the rotation
+applied as x·M (not Mᵀ), the right head's M and μ under GQA, one rounding to the output dtype, and the tier write at exactly
 the slot the device holds, nothing else touched."""
 
 import pytest
 import torch
 
-from oscar_zoo.runtime import ops, reference
+from oscar_zoo.runtime import reference, rotate_op
 
 
 def _orthogonal(h, d, g):
@@ -31,7 +31,7 @@ def test_rotate_rows_against_float64(device, D, B, H, H_M, out_dtype):
     x = torch.randn(B, H, D, generator=g).to(torch.bfloat16)
     M = _orthogonal(H_M, D, g)
     mean = torch.randn(H_M, D, generator=g, dtype=torch.float64) * 0.3
-    out = ops.rotate_rows(x.to(device), M.float().to(device), mean.float().to(device), out_dtype=out_dtype)
+    out = rotate_op.rotate_rows(x.to(device), M.float().to(device), mean.float().to(device), out_dtype=out_dtype)
     assert out.dtype == out_dtype and out.shape == (B, H, D)
     group = H // H_M
     x64 = x.double()
@@ -57,7 +57,7 @@ def test_rotate_rows_writes_only_the_slot(device):
     before = dest.clone()
     slot = torch.tensor([7], dtype=torch.int32)
     d_dest = dest.to(device)
-    out = ops.rotate_rows(x.to(device), M.to(device), mean.to(device), dest=d_dest, slot=slot.to(device))
+    out = rotate_op.rotate_rows(x.to(device), M.to(device), mean.to(device), dest=d_dest, slot=slot.to(device))
     got = d_dest.cpu()
     keep = torch.ones(T, dtype=torch.bool)
     keep[7] = False
@@ -75,14 +75,14 @@ def test_rotate_rows_centre_only_and_identity(device):
     B, H, T, D = 1, 3, 5, 128
     x = torch.randn(B, H, D, generator=g).to(torch.bfloat16)
     mean = torch.randn(1, D, generator=g)
-    out = ops.rotate_rows(x.to(device), None, mean.to(device))
+    out = rotate_op.rotate_rows(x.to(device), None, mean.to(device))
     assert torch.equal(out.cpu(), (x.float() - mean).to(torch.bfloat16))
     dest = torch.zeros(B, H, T, D, dtype=torch.bfloat16, device=device)
     xd = x.to(device)
-    same = ops.rotate_rows(xd, None, None, dest=dest, slot=torch.tensor([4, 0], device=device))
+    same = rotate_op.rotate_rows(xd, None, None, dest=dest, slot=torch.tensor([4, 0], device=device))
     assert same is xd and torch.equal(dest[:, :, 4].cpu(), x) and not dest[:, :, :4].any()
     M = _orthogonal(1, D, g)
-    out_t = ops.rotate_rows(x.float().to(device), M.float().to(device).transpose(-1, -2), None)
+    out_t = rotate_op.rotate_rows(x.float().to(device), M.float().to(device).transpose(-1, -2), None)
     want = x.double() @ M[0].T
     assert ((out_t.cpu().double() - want).abs() <= _bound(x.double(), M[0].T, want, torch.float32)).all()
 
@@ -90,8 +90,8 @@ def test_rotate_rows_centre_only_and_identity(device):
 def test_rotate_rows_refuses_bad_shapes():
     x = torch.zeros(1, 6, 64)
     with pytest.raises(ValueError, match="does not divide"):
-        ops.rotate_rows(x, torch.zeros(4, 64, 64))
+        rotate_op.rotate_rows(x, torch.zeros(4, 64, 64))
     with pytest.raises(ValueError, match="mean_rot"):
-        ops.rotate_rows(x, None, torch.zeros(4, 64))
+        rotate_op.rotate_rows(x, None, torch.zeros(4, 64))
     with pytest.raises(ValueError, match="dest"):
-        ops.rotate_rows(x, None, None, dest=torch.zeros(1, 6, 3, 32), slot=torch.zeros(1, dtype=torch.int32))
+        rotate_op.rotate_rows(x, None, None, dest=torch.zeros(1, 6, 3, 32), slot=torch.zeros(1, dtype=torch.int32))
