@@ -25,7 +25,7 @@ def file_size_limit(nbytes: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
-def _refused(result, dest):
+def refused(result, dest):
     code, out, err = result
     assert code == 2, (out, err)
     assert "Traceback" not in err and "largest size allowed" in err, err
@@ -44,7 +44,7 @@ def test_import_oscar_under_a_file_size_limit(tmp_path):
     k_file, v_file, _, _ = _reference_files(tmp_path / "ref")
     with file_size_limit(LIMIT):
         result = run_cli("import-oscar", str(k_file), str(v_file), "--model", str(model), "--out", str(tmp_path / "a"))
-    _refused(result, tmp_path / "a")
+    refused(result, tmp_path / "a")
 
 
 @pytest.mark.parametrize("fmt", ["oscar-pt", "sglang"])
@@ -52,7 +52,7 @@ def test_export_under_a_file_size_limit(tmp_path, fmt):
     make_artifacts(tmp_path / "art", granularity="per-layer", L=3, H_kv=2, D=16)
     with file_size_limit(LIMIT):
         result = run_cli("export", str(tmp_path / "art"), "--format", fmt, "--out", str(tmp_path / "pt"))
-    _refused(result, tmp_path / "pt")
+    refused(result, tmp_path / "pt")
 
 
 def test_calibrate_under_a_file_size_limit(tiny_model_dir, tmp_path, monkeypatch):
@@ -60,4 +60,4 @@ def test_calibrate_under_a_file_size_limit(tiny_model_dir, tmp_path, monkeypatch
     with file_size_limit(LIMIT):
         result = run_cli("calibrate", str(tiny_model_dir), "--device", "cpu", "--tokens", "256", "--seq-len", "64",
                          "--clip", "fixed", "--out", str(tmp_path / "art"))
-    _refused(result, tmp_path / "art")
+    refused(result, tmp_path / "art")

@@ -130,12 +130,36 @@ def is_timeout(exc: BaseException | None) -> bool:
     return False
 
 
+def local_write_error(exc: BaseException, cache: str | os.PathLike) -> InputError | None:
+    """The InputError (exit 2) for a hub call that failed writing on this machine — a full disk, a file-size limit,
+    a read-only or foreign cache — found in `exc` or what it was raised from, naming the file (or, when the OS error
+    carries none, the client's cache folder `cache`); None for everything else (a socket error is the network's)."""
+    import socket
+
+    from ..artifacts import write_failure
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and not isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror,
+                                                             socket.herror)):
+            found = write_failure(exc, Path(cache))
+            if found is not None:
+                return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 @contextmanager
-def timeouts_as_hub_errors(where: str, endpoint: str, seconds: float, call: str) -> Iterator[None]:
-    """Turn a timed-out request into one HubError line (exit 5) that names the call which got no answer."""
+def hub_call_errors(where: str, endpoint: str, seconds: float, call: str, cache: str | os.PathLike) -> Iterator[None]:
+    """What a hub call's failure means whatever client made it: a write on this machine that failed (full disk,
+    file-size limit, read-only cache: `local_write_error`, exit 2), or a request that got no answer in time (one
+    HubError line, exit 5, naming the call). Anything else is left to the client's own mapping."""
     try:
         yield
     except Exception as exc:
+        if (local := local_write_error(exc, cache)) is not None:
+            raise local from None
         if not is_timeout(exc):
             raise
         raise HubError(f"{where}: {endpoint} did not answer within {seconds:g} s ({call})",

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import HubError, InputError, IntegrityError
-from .base import COMMIT_RE, first_line, hub_timeout, redact, timeouts_as_hub_errors
+from .base import COMMIT_RE, first_line, hub_call_errors, hub_timeout, redact
 from .hf_limits import DownloadTooLarge, limits
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -163,9 +163,10 @@ class HuggingFaceHub:
 
         where = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
         try:
-            with limits(self.timeout, max_bytes), timeouts_as_hub_errors(where, self.endpoint, self.timeout, call):
+            with limits(self.timeout, max_bytes), \
+                    hub_call_errors(where, self.endpoint, self.timeout, call, _hub_cache()):
                 yield
-        except HubError:
+        except (HubError, InputError):
             raise
         except DownloadTooLarge as exc:
             raise IntegrityError(f"{where}: refused the {call}: {exc}; nothing was kept",
@@ -217,6 +218,12 @@ class HuggingFaceHub:
 
     def _clean(self, text: str) -> str:
         return redact(text, [self._explicit_token, os.environ.get("HF_TOKEN"), _saved_token()])
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
 
 
 def _saved_token() -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import logging
 import math
 import os
 import shutil
@@ -21,8 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
-from ..errors import HubError, IntegrityError
-from .base import first_line, hub_timeout, redact, timeouts_as_hub_errors
+from ..errors import HubError, InputError, IntegrityError
+from .base import first_line, hub_call_errors, hub_timeout, redact
 
 DEFAULT_ENDPOINT = "https://www.modelscope.cn"
 DEFAULT_BRANCH = "master"
@@ -47,6 +48,14 @@ def _configure_timeouts(seconds: float) -> None:
             os.environ.pop(name, None)
 
 
+def _quiet_client_log() -> None:
+    """The client logs its progress and every failure (INFO and up) to stderr; oscar-zoo reports a failure as its one
+    line, so the client's own records are silenced unless the user asks for them with MODELSCOPE_LOG_LEVEL."""
+    if "MODELSCOPE_LOG_LEVEL" not in os.environ:
+        importlib.import_module("modelscope_hub.utils.logger").get_logger()  # its handler and level, set once
+        logging.getLogger("modelscope_hub").setLevel(logging.CRITICAL + 1)
+
+
 class ModelScopeHub:
     name = "modelscope"
 
@@ -55,6 +64,7 @@ class ModelScopeHub:
         self._explicit_token = token
         self.timeout = hub_timeout()
         _configure_timeouts(self.timeout)
+        _quiet_client_log()
 
     def _token(self) -> str | None:
         if self._explicit_token:
@@ -149,9 +159,10 @@ class ModelScopeHub:
 
         where = f"modelscope:{repo_id}" + (f"@{revision}" if revision else "")
         try:
-            with timeouts_as_hub_errors(where, self.endpoint, self.timeout, call):
+            with hub_call_errors(where, self.endpoint, self.timeout, call,
+                                 os.environ.get("MODELSCOPE_CACHE") or "the ModelScope cache"):
                 yield
-        except HubError:
+        except (HubError, InputError):
             raise
         except e.FileIntegrityError as exc:
             raise IntegrityError(f"{where}: a downloaded file does not match the manifest "

@@ -144,15 +144,7 @@ def test_rotation_only_leaves_smollm2_logits_unchanged(smollm2):
     info = smollm2.info
     ids = smollm2.tokenizer("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise "
                             "him.", return_tensors="pt")["input_ids"]
+    assert smollm2.model.dtype == torch.float32
     base, rotated = _logits_with_rotations(smollm2.model, ids,
                                            _random_rotations(info.num_layers, info.num_kv_heads, info.head_dim))
-    # bf16 model: rotation changes only rounding. The noise scale is how far the same bf16 model is from its own fp32
-    # copy; the rotated run must stay within 2× of that (the project's tolerance rule), with the same predictions.
-    import copy
-
-    with torch.no_grad():
-        exact = copy.deepcopy(smollm2.model).float()(ids).logits.float()
-    noise = (base - exact).norm() / exact.norm()
-    rel = (base - rotated).norm() / base.norm()
-    assert rel < 2 * noise, (rel, noise)
-    assert (base.argmax(-1) == rotated.argmax(-1)).float().mean() > 0.9
+    assert (base - rotated).abs().max() < 1e-4 * base.abs().max()  # fp32 model: round-off only

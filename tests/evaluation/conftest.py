@@ -63,9 +63,20 @@ def heldout_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def loaded(model_dir):
+    """The random outlier model in float32 on every CPU (not `--dtype auto`'s machine-dependent choice): calibration
+    fixtures are the same artifact everywhere, and verify's numbers equal the float64 expectation up to fp32
+    rounding."""
     from oscar_zoo.models import load_model
 
-    return load_model(str(model_dir), device="cpu")
+    return load_model(str(model_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def loaded_bf16(model_dir):
+    """The same model in bfloat16, for the tests of what a bfloat16 model does with the runtime's bfloat16 tiers."""
+    from oscar_zoo.models import load_model
+
+    return load_model(str(model_dir), device="cpu", dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
@@ -106,14 +117,6 @@ def heldout_ids(loaded, heldout_file):
     from oscar_zoo.calibration.data import make_sequences
 
     return make_sequences(loaded.tokenizer, [heldout_file.read_text()], CONTEXT, 2, 0).input_ids
-
-
-@pytest.fixture(scope="session")
-def loaded32(model_dir):
-    """The same model in float32: verify's numbers then equal the float64 expectation up to fp32 rounding."""
-    from oscar_zoo.models import load_model
-
-    return load_model(str(model_dir), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

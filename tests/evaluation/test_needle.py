@@ -56,9 +56,11 @@ def test_answer_check_is_exact():
     assert not answer_is_right(" the passkey is 48213", "48213")
 
 
-def test_exact_cache_answers_as_bf16(loaded, tokenizer, heldout_file, monkeypatch):
+def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monkeypatch):
     """Identity rotations and BF16 history (no quantization error): through the runtime path (second chunk over the
-    tiers, decode steps) every answer equals BF16's, token for token, on a random-weight model."""
+    tiers, decode steps) every answer equals BF16's, token for token, on a random-weight bfloat16 model (the tiers
+    hold bfloat16, so the model must too for token-for-token equality)."""
+    loaded = loaded_bf16
     L, D = loaded.info.num_layers, loaded.info.head_dim
     sink, recent = 16, 32
 

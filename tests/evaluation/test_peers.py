@@ -80,11 +80,11 @@ def test_flush_chunks():
 
 @pytest.mark.parametrize("name", list(PEERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bits_are_the_bytes_the_cache_holds(loaded32, name, dtype):
+def test_bits_are_the_bytes_the_cache_holds(loaded, name, dtype):
     """PeerCache.bits after a run equals the count from the storage format, at lengths with and without a residual
     window, in float32 and bfloat16 (scales, zeros and residual in the cache's dtype)."""
     H, D = 3, 64
-    method = PeerCache(name, loaded32.model.config, D)
+    method = PeerCache(name, loaded.model.config, D)
     assert method.settings == {"nbits": PEERS[name].nbits, "axis_key": 0, "axis_value": 0, "q_group_size": 64,
                                "residual_length": 128}  # the installed transformers' documented defaults
     for T in (129, 300, 385):
@@ -99,7 +99,7 @@ def test_bits_are_the_bytes_the_cache_holds(loaded32, name, dtype):
 
 
 def test_verify_reports_what_token_by_token_decoding_gives(run_cli, good_artifacts, model_dir, heldout_file,
-                                                          loaded32, heldout_ids):
+                                                          loaded, heldout_ids):
     """verify's teacher-forced numbers for the 2-bit peers equal the float64 metrics of real token-by-token decoding
     through the same QuantizedCache (the model's own attention, one token per forward, across a flush), within the
     fp32 tolerances of the OSCAR expectation; the bits are the storage count; greedy runs through the real cache."""
@@ -110,7 +110,7 @@ def test_verify_reports_what_token_by_token_decoding_gives(run_cli, good_artifac
     assert [m.name for m in report.methods] == ["bf16", "oscar", *INT2]
     assert report.positions_from == SINK + RECENT and report.context == CONTEXT
     for name in INT2:
-        got, want = report.method(name), _expected(loaded32.model, heldout_ids, name, SINK + RECENT)
+        got, want = report.method(name), _expected(loaded.model, heldout_ids, name, SINK + RECENT)
         assert want.kl > 0.01 and want.top1 < 1  # the quantization shows in the metrics
         assert got.kl == pytest.approx(want.kl, rel=KL_RTOL), (name, got.kl, want.kl)
         assert abs(got.top1 - want.top1) <= TOP1_POSITIONS / want.scored + 1e-12, (name, got.top1, want.top1)

@@ -176,7 +176,7 @@ def test_backends_agree_under_the_triton_interpreter(good_artifacts, loaded, hel
         assert a.layer_error == pytest.approx(b.layer_error, rel=1e-3, abs=1e-5), a.name
 
 
-def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, loaded32, model64, heldout_ids):
+def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, loaded, model64, heldout_ids):
     """Shared per-layer rotations ([L, 1, D, D]) go through the teacher-forced path, where verify reports the float64
     expectation of the shared rotations (not the per-head ones'), and through the runtime cache."""
     import dataclasses
@@ -192,7 +192,7 @@ def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, 
     settings = VerifySettings(context=96, sequences=1, baselines=(), generate_tokens=3,
                               thresholds=Thresholds(max_ppl_increase=9, max_kl=9, min_top1=0))
     ids = heldout_ids[:1, :96]
-    report = run_verification(loaded32, manifest, shared, ids, settings)
+    report = run_verification(loaded, manifest, shared, ids, settings)
     oscar = report.method("oscar")
     assert oscar.generation.new_tokens == 3 and "per-layer" in oscar.label
     expected_shared = expected_metrics(model64, ids, shared, SINK, RECENT, key_bits=manifest.key_bits)
@@ -261,8 +261,8 @@ def test_version1_artifacts_load_inspect_verify_and_serve_as_before(run_cli, mod
 def test_the_float64_expectation_tells_centred_from_uncentred(good_artifacts, model64, heldout_ids):
     """What makes the match tests above sensitive to the codec: the calibrated (centred, `centring="mean"`) artifact
     and the same rotations and clips without its means differ in the float64 perplexity increase and top-1 agreement
-    by far more than the match tolerances (observed on this sequence: +0.0 % vs −18.8 %, 44.8 % vs 38.5 %; KL only
-    by 1 %)."""
+    by far more than the match tolerances (observed on this sequence with the float32-calibrated fixture: −4.7 % vs
+    −6.4 % and 42.0 % vs 49.0 %, i.e. 10 of 143 positions; KL only by 0.3 %)."""
     import dataclasses
 
     manifest, rot = load_artifacts(good_artifacts)
@@ -271,5 +271,31 @@ def test_the_float64_expectation_tells_centred_from_uncentred(good_artifacts, mo
     centred = expected_metrics(model64, ids, rot, SINK, RECENT, key_bits=manifest.key_bits)
     plain = expected_metrics(model64, ids, dataclasses.replace(rot, k_mean=None, v_mean=None), SINK, RECENT,
                              key_bits=manifest.key_bits)
-    assert abs(centred.ppl_increase - plain.ppl_increase) > 10 * PPL_ATOL, (centred, plain)
+    assert abs(centred.ppl_increase - plain.ppl_increase) > 5 * PPL_ATOL, (centred, plain)
     assert abs(centred.top1 - plain.top1) > 5 * TOP1_POSITIONS / centred.scored, (centred, plain)
+
+
+def test_write_and_plot_under_a_file_size_limit(run_cli, good_artifacts, model_dir, heldout_file, tmp_path):
+    """`verify --write` and `--plot` under `ulimit -f` (RLIMIT_FSIZE): exit 2 with one line naming the file, the
+    artifact folder byte for byte as it was, no picture and no temporary file left behind. A first run without the
+    limit fills the dataset cache, so that the limited runs fail where they write their own files."""
+    import shutil
+
+    from ..test_file_size_limit import file_size_limit
+
+    folder = tmp_path / "artifacts"
+    shutil.copytree(good_artifacts, folder)
+    args = _args(folder, model_dir, heldout_file, "--baselines", "none", "--generate", 0)
+    assert run_cli("verify", *args)[0] == 0  # and the dataset cache is warm
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert len(before["manifest.json"]) > 1024
+    png = tmp_path / "plots" / "verify.png"
+    png.parent.mkdir()
+    for extra, path in ((("--write",), folder / "manifest.json"), (("--plot", png), png)):
+        with file_size_limit(1024):
+            code, out, err = run_cli("verify", *args, *extra)
+        assert code == 2, (extra, out, err)
+        assert "Traceback" not in err and "largest size allowed" in err and str(path) in err, err
+        assert sum(line.startswith("error:") for line in err.splitlines()) == 1, err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert list(png.parent.iterdir()) == []

@@ -125,7 +125,7 @@ def test_the_transform_is_exports_form(per_head_varied, run_cli, tmp_path):
 
 
 def test_verify_as_exported_reports_the_exported_form(run_cli, per_head_varied, model_dir, heldout_file, model64,
-                                                      heldout_ids, loaded32):
+                                                      heldout_ids, loaded):
     """Different numbers from the artifact's own: those of the independently built exported form (polar factors via
     SVD, torch.median clips, no means), and its float64 expectation; the table says it is the exported form."""
     manifest, rot = load_artifacts(per_head_varied)
@@ -147,7 +147,7 @@ def test_verify_as_exported_reports_the_exported_form(run_cli, per_head_varied, 
     # exactly verify's numbers for that form, run through the library on the same model and sequences
     settings = VerifySettings(context=CONTEXT, sequences=2, baselines=("naive",), generate_tokens=4,
                               thresholds=exported.thresholds)
-    direct = run_verification(loaded32, manifest, independent, heldout_ids, settings).method("oscar")
+    direct = run_verification(loaded, manifest, independent, heldout_ids, settings).method("oscar")
     assert direct.model_dump(exclude={"label"}) == b.model_dump(exclude={"label"})
     # and the float64 expectation of it; KL within 3e-3 here, not conftest's 1e-3: on this form one rotated row rounds
     # to other INT2 codes in float32 than in float64 (observed 1.01e-3; 3e-6 with the artifact's own clips)

@@ -86,3 +86,15 @@ def test_staging_folders_of_killed_pulls_are_cleaned(pushed, tmp_path):
     assert code == 0, err
     assert not stale.exists() and live.is_dir() and other.is_dir()
     shutil.rmtree(live)
+
+
+def test_pull_under_a_file_size_limit(pushed, tmp_path):
+    """`ulimit -f` (RLIMIT_FSIZE) below the rotations' size: exit 2 with one line, no destination, no staging folder."""
+    from ..test_file_size_limit import file_size_limit, refused
+
+    assert (pushed / "rotations.safetensors").stat().st_size > 1024
+    dest = tmp_path / "limited"
+    with file_size_limit(1024):
+        result = run_cli("pull", SOURCE, "--dest", str(dest))
+    refused(result, dest)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]

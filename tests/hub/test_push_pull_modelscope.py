@@ -66,3 +66,14 @@ def test_modelscope_errors_and_tokens(ms_hub, artifacts, tmp_path, monkeypatch):
     outputs += [out, err]
     for text in outputs:
         assert MS_TOKEN not in text and "ms-WrongSecretToken-1234567" not in text
+
+
+def test_modelscope_pull_under_a_file_size_limit(ms_hub, artifacts, tmp_path):
+    """`ulimit -f` below the rotations' size: the client's failed cache write is exit 2 with one line, not a hub
+    error, and no destination is left."""
+    from ..test_file_size_limit import file_size_limit, refused
+
+    assert run_cli("push", str(artifacts), "zoo/rotations", "--hub", "modelscope")[0] == 0
+    with file_size_limit(1024):
+        result = run_cli("pull", "zoo/rotations/tiny-llama", "--hub", "modelscope", "--dest", str(tmp_path / "p"))
+    refused(result, tmp_path / "p")
