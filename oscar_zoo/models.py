@@ -314,6 +314,19 @@ def model_id_of(name: str) -> str:
     return DEMO_HF_ID if name == DEMO else name
 
 
+def check_revision_applies(name: str, revision: str | None) -> None:
+    """A revision is a Hugging Face id's branch, tag or commit: given with the demo model, a local folder or a GGUF
+    file it would be recorded as loaded without being so (InputError, exit 2)."""
+    if revision is None:
+        return
+    what = ("the bundled demo model (one fixed revision)" if name == DEMO else
+            "a GGUF file" if name.endswith(".gguf") else
+            "a local folder" if Path(name).expanduser().is_dir() else None)
+    if what is not None:
+        raise InputError(f"--revision {revision}: {name} is {what}; a revision applies to a Hugging Face model id",
+                         "leave --revision out")
+
+
 def load_model(
     name: str = DEMO,
     revision: str | None = None,
@@ -329,6 +342,7 @@ def load_model(
     accelerate device map, the weights load straight onto those devices (CPU/disk offload under `offload_folder`)."""
     check_recordable("model id", name)  # before any weight is read
     check_recordable("revision", revision)
+    check_revision_applies(name, revision)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

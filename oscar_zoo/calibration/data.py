@@ -66,10 +66,24 @@ def bundled_files(plays: tuple[str, ...]) -> list[Path]:
     return files
 
 
-def load_texts(dataset: str | None = None, split: str = "train", text_field: str | None = None,
-               plays: tuple[str, ...] = CALIBRATION_PLAYS) -> tuple[list[str], str]:
+def check_dataset_options(dataset: str | None, split: str | None, text_field: str | None) -> None:
+    """`split` applies to a Hugging Face dataset id only, `text_field` to any --dataset: InputError (exit 2) where
+    one would be ignored."""
+    bundled = dataset in (None, BUNDLED)
+    if bundled and text_field is not None:
+        raise InputError(f"--text-field {text_field}: the bundled plays are plain text", "pass it with --dataset")
+    if split is not None and (bundled or Path(dataset).expanduser().exists()):
+        where = "the bundled plays have" if bundled else f"{dataset} is a local path with"
+        raise InputError(f"--split {split}: {where} no splits; a split applies to a Hugging Face dataset id",
+                         "leave --split out")
+
+
+def load_texts(dataset: str | None = None, split: str | None = None, text_field: str | None = None,
+               plays: tuple[str, ...] = CALIBRATION_PLAYS, default_split: str = "train") -> tuple[list[str], str]:
     """Documents as strings, and a description of where they came from. `dataset`: None (bundled plays), a local
-    file or folder (text/json/jsonl/parquet), or a Hugging Face dataset id (`name` or `name:config`)."""
+    file or folder (text/json/jsonl/parquet), or a Hugging Face dataset id (`name` or `name:config`); `split` (default
+    `default_split`) only for a dataset id, `text_field` not for the bundled plays (InputError otherwise: never ignored)."""
+    check_dataset_options(dataset, split, text_field)
     import datasets
 
     datasets.disable_progress_bars()
@@ -90,7 +104,7 @@ def load_texts(dataset: str | None = None, split: str = "train", text_field: str
         if dataset.startswith((".", "/", "~")) or dataset.count("/") > 1:
             raise InputError(f"dataset path {dataset} does not exist")
         name, _, config = dataset.partition(":")
-        ds = datasets.load_dataset(name, config or None, split=split)
+        ds = datasets.load_dataset(name, config or None, split=split or default_split)
         return _column(ds, text_field), f"{dataset}[{split}]"
     except InputError:
         raise

@@ -38,7 +38,10 @@ def parse_max_memory(text: str | None) -> dict[int | str, int]:
         except ValueError:
             raise InputError(f"--max-memory: {number!r} is not a number") from None
         device = int(key.removeprefix("cuda:")) if key.removeprefix("cuda:").isdigit() else key
-        if device not in ("cpu", "disk") and not isinstance(device, int):
+        if device == "disk":
+            raise InputError("--max-memory: `disk` takes no budget (offloaded weights use the free space of "
+                             "--offload-folder)", "use GPU indices (0, 1, …) and `cpu`")
+        if device != "cpu" and not isinstance(device, int):
             raise InputError(f"--max-memory: unknown device {key!r}", "use GPU indices (0, 1, …) and `cpu`")
         out[device] = value
     return out

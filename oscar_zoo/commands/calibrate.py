@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -16,13 +17,14 @@ from rich.table import Table
 from ..artifacts import check_destination, check_writable, nearest_existing, write_artifacts
 from ..calibration.clip_search import DEFAULT_GRID
 from ..calibration import distributed, memory
-from ..calibration.data import load_texts, make_sequences
+from ..calibration.data import check_dataset_options, load_texts, make_sequences
 from ..calibration.pipeline import (DEFAULT_KEY_BITS, CalibrationResult, CalibrationSettings, calibrate,
                                     checkpoint_state, default_store_dir)
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError
 from ..manifest import ClipMode, Granularity, ValueTarget
-from ..models import DEMO, arch_info, cache_root, load_model, model_id_of, resolve_device, resolve_dtype
+from ..models import DEMO, arch_info, cache_root, check_revision_applies, load_model, model_id_of, resolve_device, \
+    resolve_dtype
 from ..runtime import layout
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
 
@@ -48,7 +50,7 @@ def calibrate_command(
     revision: Revision = None,
     dataset: Dataset = None,
     text_field: TextField = None,
-    split: Split = "train",
+    split: Split = None,
     tokens: Annotated[int, typer.Option(help="Calibration tokens (rounded down to whole sequences).")] = 16384,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence (≥ 16).")] = 512,
     heldout: Annotated[int, typer.Option(help="Held-out sequences for the clip search.")] = 2,
@@ -59,9 +61,10 @@ def calibrate_command(
     ValueTarget.WEIGHTED,
     clip: Annotated[ClipMode, typer.Option(help="search per (layer, head, K/V), or the fixed ratios.")] =
     ClipMode.SEARCH,
-    k_clip: Annotated[float, typer.Option(help="Fixed key clip ratio (used by --clip fixed).")] = layout.DEFAULT_K_CLIP,
-    v_clip: Annotated[float, typer.Option(help="Fixed value clip ratio (used by --clip fixed).")] =
-    layout.DEFAULT_V_CLIP,
+    k_clip: Annotated[float | None, typer.Option(help=f"Fixed key clip ratio for --clip fixed (default "
+                      f"{layout.DEFAULT_K_CLIP}).")] = None,
+    v_clip: Annotated[float | None, typer.Option(help=f"Fixed value clip ratio for --clip fixed (default "
+                      f"{layout.DEFAULT_V_CLIP}).")] = None,
     group_size: Annotated[int, typer.Option(help="Quantization group along head_dim; 0 = one group per row.")] = 0,
     key_bits: Annotated[float, typer.Option(help="Mean bits of the history keys over the layers, in [2, 3]: the "
                         "layers whose INT2 keys add the most logit noise get 3-bit unclipped keys (docs/format.md "
@@ -96,6 +99,12 @@ def calibrate_command(
 ) -> None:
     """Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact folder."""
     start = time.perf_counter()
+    check_dataset_options(dataset, split, text_field)
+    check_revision_applies(model, revision)
+    check_combinations(clip=clip, k_clip=k_clip, v_clip=v_clip, device=device, device_map=device_map,
+                       offload_folder=offload_folder, nproc=nproc)
+    k_clip = layout.DEFAULT_K_CLIP if k_clip is None else k_clip
+    v_clip = layout.DEFAULT_V_CLIP if v_clip is None else v_clip
     check_options(tokens=tokens, seq_len=seq_len, heldout=heldout, clip=clip, k_clip=k_clip, v_clip=v_clip,
                   group_size=group_size, sink=sink, recent=recent, batch_size=batch_size, nproc=nproc,
                   key_bits=key_bits)
@@ -166,6 +175,28 @@ def calibrate_command(
 
 MIN_SEQ_LEN = 16  # shorter sequences give the held-out clip search almost no causal context
 MAX_WINDOWS = 32768  # sink + recent must stay below the 32K context of the BPE summary, so long contexts are INT2
+
+
+def check_combinations(*, clip: ClipMode, k_clip: float | None, v_clip: float | None, device: str,
+                       device_map: DeviceMap | None, offload_folder: Path | None, nproc: int) -> None:
+    """Options that would do nothing in the combination given are refused (InputError, exit 2), never ignored."""
+    if clip == ClipMode.SEARCH and (k_clip is not None or v_clip is not None):
+        given = " ".join(f"{o} {v}" for o, v in (("--k-clip", k_clip), ("--v-clip", v_clip)) if v is not None)
+        raise InputError(f"{given}: fixed clip ratios are used by --clip fixed only; --clip search finds its own",
+                         "add --clip fixed, or leave the clip ratios out")
+    if offload_folder is not None and device_map is None:
+        raise InputError(f"--offload-folder {offload_folder}: only --device-map offloads weights to disk",
+                         "add --device-map auto, or leave --offload-folder out")
+    if device_map is not None and device != "auto":
+        raise InputError(f"--device {device} with --device-map {device_map.value}: the device map places the layers",
+                         "leave --device out")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if distributed.in_distributed_env() and nproc not in (1, world):
+        raise InputError(f"--nproc {nproc} under torchrun with WORLD_SIZE {world}: the processes come from torchrun",
+                         "leave --nproc out")
+    if (nproc > 1 or distributed.in_distributed_env()) and re.fullmatch(r"cuda:\d+", device):
+        raise InputError(f"--device {device} with several processes: each process takes the GPU of its local rank",
+                         "use --device cuda (or auto); choose the GPUs with CUDA_VISIBLE_DEVICES")
 
 
 def check_options(*, tokens: int, seq_len: int, heldout: int, clip: ClipMode, k_clip: float, v_clip: float,

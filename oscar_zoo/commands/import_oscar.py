@@ -20,9 +20,9 @@ def import_oscar_command(
                                             "Face id (only its config is read; shapes are checked against it).")],
     out: Annotated[Path, typer.Option(help="Artifact folder to write.")],
     revision: Revision = None,
-    group_size: Annotated[int, typer.Option(help="Quantization group size recorded in the manifest (the reference "
-                                                 "runtime's default is 128; head_dim when it does not divide).")]
-    = REFERENCE_GROUP_SIZE,
+    group_size: Annotated[int | None, typer.Option(help="Quantization group size recorded in the manifest: 0 (one "
+                          "group per row) or a divisor of head_dim; default the reference runtime's 128, or head_dim "
+                          "when 128 does not divide it.")] = None,
     json_output: Json = False,
 ) -> None:
     """Convert the published pickle dicts (loaded with torch.load(weights_only=True) only) into a per-layer artifact

@@ -17,6 +17,7 @@ Dataset = Annotated[str | None, typer.Option(help="HF dataset id (`name` or `nam
                                                   "text/json/jsonl/parquet file or folder. Default: bundled plays.")]
 TextField = Annotated[str | None, typer.Option(help="Dataset column holding the text (default: `text`, else the "
                                                     "first string column).")]
-Split = Annotated[str, typer.Option(help="Dataset split for a Hugging Face dataset id.")]
+Split = Annotated[str | None, typer.Option(help="Dataset split for a Hugging Face dataset id (default: train for "
+                                                "calibrate, test for verify).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
 ArtifactsArg = Annotated[Path, typer.Argument(help="Artifact folder (holds manifest.json).")]

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..artifacts import check_model_matches, load_artifacts, write_manifest
-from ..calibration.data import EVALUATION_PLAYS, load_texts, make_sequences
+from ..calibration.data import EVALUATION_PLAYS, check_dataset_options, load_texts, make_sequences
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError, VerificationFailed
 from ..evaluation.baselines import BASELINES, DEFAULT_BASELINES
@@ -34,7 +34,7 @@ def verify_command(
     revision: Revision = None,
     dataset: Dataset = None,
     text_field: TextField = None,
-    split: Split = "test",
+    split: Split = None,
     context: Annotated[int, typer.Option(help="Tokens per teacher-forced sequence.")] = 2048,
     sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 8,
     baselines: Annotated[str, typer.Option(help=f"Comma-separated baselines from {', '.join(ALL_BASELINES)}, or "
@@ -103,6 +103,7 @@ def verify_command(
         raise InputError(f"unknown baseline(s) {', '.join(unknown)}",
                          f"choose from {', '.join(ALL_BASELINES)}, or none")
     require_installed(tuple(b for b in chosen if b in PEERS))  # before the model loads
+    check_dataset_options(dataset, split, text_field)
     # a needle option given alone asks for the grid: it implies --needle rather than being ignored
     needle = needle or needle_quick or any(v is not None for v in (needle_lengths, needle_depths, needle_trials,
                                                                    min_needle_accuracy))
@@ -124,14 +125,15 @@ def verify_command(
     name, rev = model, revision
     if name is None:
         demo = manifest.model.id == DEMO_HF_ID and manifest.model.revision == DEMO_REVISION
-        name, rev = (DEMO, None) if demo else (manifest.model.id, revision or manifest.model.revision)
+        name, rev = (DEMO, revision) if demo else (manifest.model.id, revision or manifest.model.revision)
     loaded = load_model(name, revision=rev, device=device, dtype=dtype, progress=say)
     if needle and needle_settings.lengths == ():
         limit = getattr(loaded.model.config, "max_position_embeddings", 8192)
         needle_settings.lengths = default_lengths(limit - needle_settings.new_tokens, needle_quick)
     check_model_matches(manifest, loaded.identity)
     resolved = resolve_backend(backend, next(loaded.model.parameters()).device)
-    texts, source = load_texts(dataset, split=split, text_field=text_field, plays=EVALUATION_PLAYS)
+    texts, source = load_texts(dataset, split=split, text_field=text_field, plays=EVALUATION_PLAYS,
+                               default_split="test")
     seqs = make_sequences(loaded.tokenizer, texts, context, sequences, 0, seed, dataset=source)
     say(f"verifying {artifacts}{f' ({exported.describe()})' if exported else ''} on {loaded.identity.id}: {sequences}×{context} tokens of {source}, backend {resolved}")
     settings = VerifySettings(context=context, sequences=sequences, baselines=chosen, backend=resolved,

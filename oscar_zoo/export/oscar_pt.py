@@ -258,8 +258,10 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
 # -- import -----------------------------------------------------------------------------------------------------------
 def model_identity_for(model: str, revision: str | None = None) -> ModelIdentity:
     """The model's geometry from its config only (no weights): `demo`, a local folder, or a Hugging Face id."""
-    from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, ensure_demo_model, load_config, model_identity
+    from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, check_revision_applies, ensure_demo_model, load_config, \
+        model_identity
 
+    check_revision_applies(model, revision)
     model_id, source = model, model
     if model == DEMO:
         model_id, revision, source = DEMO_HF_ID, DEMO_REVISION, str(ensure_demo_model())
@@ -272,12 +274,13 @@ def model_identity_for(model: str, revision: str | None = None) -> ModelIdentity
 
 
 def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Path,
-                    group_size: int = REFERENCE_GROUP_SIZE) -> Manifest:
+                    group_size: int | None = None) -> Manifest:
     """Two reference `.pt` files -> an oscar-zoo artifact folder (per-layer, fixed clips 0.96 / 0.92). Both files are
     read and checked (structure, the model's geometry, then the runtime's value check) before anything is written."""
-    if group_size < 0:
-        raise InputError(f"--group-size must be ≥ 0, got {group_size}")
     D, N = identity.head_dim, identity.num_layers
+    if group_size is not None and (group_size < 0 or (group_size and D % group_size)):
+        raise InputError(f"--group-size {group_size}: expected 0 (one group per row) or a divisor of {identity.id}'s "
+                         f"head_dim {D}")
     if D % layout.CODES_PER_BYTE:
         raise InputError(f"{identity.id} has head_dim {D}; the INT2 format needs a multiple of {layout.CODES_PER_BYTE}")
     k = read_oscar_pt(k_path, K_OBJECTIVE)
@@ -297,7 +300,9 @@ def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Pa
         raise IntegrityError("the K and V files cover different layers")
     check_layer_rotations(k_path, k)
     check_layer_rotations(v_path, v)
-    G = group_size if group_size and D % group_size == 0 else D
+    if group_size is None:  # the reference runtime's default where it divides head_dim, else one group per row
+        group_size = REFERENCE_GROUP_SIZE if D % REFERENCE_GROUP_SIZE == 0 else 0
+    G = group_size or D
     L = len(k.layer_ids)
     rotations = Rotations(
         k_rotation=k.rotation.unsqueeze(1), v_rotation=v.rotation.unsqueeze(1),  # [L, 1, D, D]
