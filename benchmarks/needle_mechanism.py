@@ -14,6 +14,7 @@ with its 95 % Wilson interval, and bits per element at 32K context as `inspect` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -23,7 +24,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from oscar_zoo.artifacts import load_artifacts
-from oscar_zoo.calibration.data import EVALUATION_PLAYS, load_texts
+from oscar_zoo.calibration.data import EVALUATION_PLAYS, bundled_files, load_texts
 from oscar_zoo.evaluation.needle import QUESTION, build_prompt
 from oscar_zoo.models import load_model
 from oscar_zoo.runtime import layout
@@ -45,6 +46,11 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 # scaling²·‖q‖²·c_t, c_t = s_t²/24: half the variance of the quantization noise q·δk (uniform error of step s_t per
 # rotated coordinate), so that E[exp(logit)] is exp of the exact logit (log-normal debiasing).
 BIAS: dict[int, torch.Tensor] = {}
+# OBSERVED[layer]: [H_kv, T] attention mass the question's queries give each cached token (summed over the question's
+# tokens and the query heads of a KV head), recorded while RECORD is on: what the prompt's last tokens look at during
+# prefill (the observation window of SnapKV), the score the "observed" variants keep exact by.
+OBSERVED: dict[int, torch.Tensor] = {}
+RECORD = False
 
 
 def debiased_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -61,9 +67,13 @@ def debiased_attention(module, query, key, value, attention_mask, scaling, dropo
         logits = logits + attention_mask[..., : k.shape[2]].float()
     else:
         T, n = k.shape[2], q.shape[2]
-        causal = torch.ones(n, T, dtype=torch.bool).tril(T - n)
+        causal = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)
         logits = logits.masked_fill(~causal, float("-inf"))
-    out = torch.softmax(logits, -1) @ v
+    probs = torch.softmax(logits, -1)
+    if RECORD:
+        H = key.shape[1]
+        OBSERVED[module.layer_idx] = probs[0].sum(1).view(H, g, -1).sum(1)
+    out = probs @ v
     return out.transpose(1, 2).to(query.dtype), None
 
 
@@ -104,7 +114,7 @@ class Variant:
 def eigenbasis(M: torch.Tensor) -> torch.Tensor:
     """U of M = U·H·P (columns in ascending eigenvalue order), float64."""
     D = M.shape[-1]
-    HP = ref.hadamard(D)[:, ref.eigen_permutation(D)]
+    HP = ref.hadamard(D)[:, ref.eigen_permutation(D)].to(M.device)
     return M.double() @ HP.T
 
 
@@ -149,7 +159,7 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
         qb, shared = o["quarter_bits"], o.get("shared_range", True)
         n = D // 4
         Ud = U.flip(-1)  # descending
-        Hb = torch.block_diag(*[ref.hadamard(n).float()] * 4)
+        Hb = torch.block_diag(*[ref.hadamard(n).float()] * 4).to(k.device)
         Mq = Ud @ Hb  # [H, D, D]
         x = ref.clip_rows(torch.einsum("htd,hde->hte", k.float(), Mq), kc)
         if shared:
@@ -173,6 +183,15 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
         err = torch.einsum("htd,hde->hte", k.float() - kh, U).pow(2)  # error in the eigenbasis
         score = (err * lam[:, None, :]).sum(-1)  # [H, T]
         n_keep = max(1, round(o["outliers"] * T))
+        idx = score.topk(n_keep, dim=-1).indices
+        kh = kh.scatter(1, idx[..., None].expand(-1, -1, D), k.float().gather(1, idx[..., None].expand(-1, -1, D)))
+        vh = vh.scatter(1, idx[..., None].expand(-1, -1, D), v.float().gather(1, idx[..., None].expand(-1, -1, D)))
+    if o.get("observed"):  # tokens the question attends to most, per head, kept exact (max-pooled over neighbours)
+        score = OBSERVED[layer][:, o["lo"]: o["lo"] + T].float()
+        pool = o.get("pool", 7)
+        score = torch.nn.functional.max_pool1d(score[:, None], pool, 1, pool // 2)[:, 0]
+        n = o["observed"]
+        n_keep = min(T, n if isinstance(n, int) else max(1, round(n * T)))
         idx = score.topk(n_keep, dim=-1).indices
         kh = kh.scatter(1, idx[..., None].expand(-1, -1, D), k.float().gather(1, idx[..., None].expand(-1, -1, D)))
         vh = vh.scatter(1, idx[..., None].expand(-1, -1, D), v.float().gather(1, idx[..., None].expand(-1, -1, D)))
@@ -231,6 +250,14 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
             Variant("artifact codec, outlier tokens 1 %", extra_bits_k=n3 + 0.14, extra_bits_v=0.14, **art,
                     outliers=0.01),
             Variant("artifact codec, K groups of 32", extra_bits_k=n3 + (1 - n3) * (1 - row), **art, k_group=32)]
+    # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
+    tok = 16 + 32 / D
+    for frac in (0.01, 0.02):
+        out += [Variant(f"oscar, observed {frac * 100:.0f} %", observed=frac, extra_bits_k=frac * tok, extra_bits_v=frac * tok),
+                Variant(f"artifact codec, observed {frac * 100:.0f} %", extra_bits_k=n3 + frac * tok, extra_bits_v=frac * tok,
+                        observed=frac, **art)]
+    out += [Variant("artifact codec, observed 1 %, no pooling", extra_bits_k=n3 + 0.01 * tok, extra_bits_v=0.01 * tok,
+                    observed=0.01, pool=1, **art)]
     if per_layer:
         out += [Variant(f"layer {i} bf16", bf16_layer=i) for i in range(layers)]
         out += [Variant(f"K clip off, layer {i} K 4 bits", k_clip=0.0, k_bits={i: 4}, extra_bits_k=2.0 / layers)
@@ -239,6 +266,7 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
 
 
 def main() -> None:
+    global RECORD
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", default="artifacts/demo")
     p.add_argument("--lengths", default="1024,2048,4096")
@@ -248,14 +276,20 @@ def main() -> None:
     p.add_argument("--per-layer", action="store_true", help="also: one layer at a time in BF16")
     p.add_argument("--only", default=None, help="semicolon-separated variant names (default: all)")
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     manifest, rot = load_artifacts(__import__("pathlib").Path(a.artifacts))
-    loaded = load_model("demo", device="cpu", dtype="bfloat16")
+    dev = a.device
+    rot = dataclasses.replace(rot, **{n: t.to(dev) for n, t in rot.tensors().items()})
+    loaded = load_model("demo", device=dev, dtype="bfloat16")
     model, tok, info = loaded.model, loaded.tokenizer, loaded.info
     model.set_attn_implementation("needle_debiased")
-    texts, _ = load_texts(None, split="test", plays=EVALUATION_PLAYS)
+    try:
+        texts, _ = load_texts(None, plays=EVALUATION_PLAYS)
+    except ModuleNotFoundError:  # a GPU machine without `datasets`: the bundled plays, one document per file
+        texts = [f.read_text(encoding="utf-8") for f in bundled_files(EVALUATION_PLAYS)]
     filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
@@ -279,14 +313,20 @@ def main() -> None:
                         raise SystemExit("question tokens change when the answer follows")
                     answer = tail[len(pr.question):]
                     n_digits = max(i for i, t in enumerate(answer) if t in digit) + 1  # through the last digit
-                    ctx = torch.tensor([pr.context])
+                    ctx = torch.tensor([pr.context], device=dev)
                     base = DynamicCache()
                     BIAS.clear()
                     model(input_ids=ctx, cache=base, use_cache=True, logits_to_keep=1)
                     kv = [(lay.keys.clone(), lay.values.clone()) for lay in base.layers]
                     T = ctx.shape[1]
                     lo, hi = sink, T - recent
-                    chunk = torch.tensor([tail])
+                    RECORD = True  # the question's queries over the BF16 context (what prefill of the prompt sees)
+                    model(input_ids=torch.tensor([pr.question], device=dev), cache=base, use_cache=True,
+                          logits_to_keep=1)
+                    RECORD = False
+                    for var in vs:
+                        var.opts["lo"] = lo
+                    chunk = torch.tensor([tail], device=dev)
                     count[L] += 1
                     for var in vs:
                         cache = DynamicCache()
@@ -296,7 +336,7 @@ def main() -> None:
                             kh, vh = code_layer(var, li, k[0, :, lo:hi], v[0, :, lo:hi], rot)
                             k2[0, :, lo:hi], v2[0, :, lo:hi] = kh, vh
                             if li in BIAS:
-                                full = torch.zeros(k.shape[1], T + len(tail))
+                                full = torch.zeros(k.shape[1], T + len(tail), device=dev)
                                 full[:, lo:hi] = BIAS[li]
                                 BIAS[li] = full
                             cache.update(k2, v2, li)

@@ -28,7 +28,7 @@ def cache(tmp_path, monkeypatch):
     (["--heldout", "-1", "--clip", "fixed"], "--heldout -1: expected"),
     (["--heldout", "0"], "--heldout 0: expected ≥ 1 with --clip search"),
     (["--group-size", "-4"], "--group-size -4: expected 0"),
-    (["--k-clip", "nan"], "--k-clip nan: expected a clip ratio"),
+    (["--clip", "fixed", "--k-clip", "nan"], "--k-clip nan: expected a clip ratio"),
 ])
 def test_nonsense_options_are_refused_before_any_work(run_cli, tiny_model_dir, text_file, tmp_path, no_model_work,
                                                       extra, words):
