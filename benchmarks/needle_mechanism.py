@@ -192,6 +192,8 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
         score = torch.nn.functional.max_pool1d(score[:, None], pool, 1, pool // 2)[:, 0]
         n = o["observed"]
         n_keep = min(T, n if isinstance(n, int) else max(1, round(n * T)))
+        if o.get("shared"):  # one choice for every KV head of the layer (each head's share of its mass, summed)
+            score = (score / score.sum(-1, keepdim=True)).sum(0, keepdim=True).expand(H, -1)
         idx = score.topk(n_keep, dim=-1).indices
         kh = kh.scatter(1, idx[..., None].expand(-1, -1, D), k.float().gather(1, idx[..., None].expand(-1, -1, D)))
         vh = vh.scatter(1, idx[..., None].expand(-1, -1, D), v.float().gather(1, idx[..., None].expand(-1, -1, D)))
@@ -256,6 +258,9 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
         out += [Variant(f"oscar, observed {frac * 100:.0f} %", observed=frac, extra_bits_k=frac * tok, extra_bits_v=frac * tok),
                 Variant(f"artifact codec, observed {frac * 100:.0f} %", extra_bits_k=n3 + frac * tok, extra_bits_v=frac * tok,
                         observed=frac, **art)]
+    for n in (32, 64):  # a fixed count per layer, the same tokens for every head (what a runtime tier can hold)
+        out += [Variant(f"artifact codec, observed {n} per layer", extra_bits_k=n3 + n / 32448 * tok,
+                        extra_bits_v=n / 32448 * tok, observed=n, shared=True, **art)]
     out += [Variant("artifact codec, observed 1 %, no pooling", extra_bits_k=n3 + 0.01 * tok, extra_bits_v=0.01 * tok,
                     observed=0.01, pool=1, **art)]
     if per_layer:

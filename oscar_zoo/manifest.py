@@ -18,9 +18,9 @@ from .errors import IntegrityError
 from .runtime import layout
 from .runtime.layout import MAX_WINDOW
 
-SCHEMA_VERSION = 3  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
-# quant.key_bits (per layer: 2- or 3-bit history keys)
-READ_VERSIONS = (1, 2, 3)  # what it reads: a version-1 manifest is an uncentred artifact and versions 1–2 have 2-bit
+SCHEMA_VERSION = 4  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
+# quant.key_bits (per layer: 2- or 3-bit history keys); 4 adds quant.pin (history tokens a prompt pins in BF16)
+READ_VERSIONS = (1, 2, 3, 4)  # what it reads: a version-1 manifest is an uncentred artifact and versions 1–2 have 2-bit
 # keys everywhere, loaded exactly as before
 MANIFEST_NAME = "manifest.json"
 ROTATIONS_NAME = "rotations.safetensors"
@@ -100,6 +100,9 @@ class QuantSpec(_Frozen):
     # Bits of the history keys per layer of rotation.layer_ids (2 or 3; docs/format.md §6b), values always `bits`.
     # Schema 3 only; absent (None) means 2 everywhere: today's INT2 codec, and what versions 1–2 mean.
     key_bits: list[Literal[2, 3]] | None = None
+    # History tokens per KV head that a prompt's last queries pin in BF16 beside the sink (docs/format.md §6c).
+    # Schema 4 only; absent (None) means 0: no pinning, what versions 1–3 mean.
+    pin: int | None = Field(default=None, ge=0, le=MAX_WINDOW)
     sink: int = Field(ge=0, le=MAX_WINDOW)
     recent: int = Field(ge=0, le=MAX_WINDOW)
     flush: int = Field(ge=1, le=MAX_WINDOW)
@@ -161,7 +164,7 @@ class ArtifactFile(_Frozen):
 
 
 class Manifest(_Frozen):
-    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4] = SCHEMA_VERSION
     tool: Literal["oscar-zoo"] = "oscar-zoo"
     model: ModelIdentity
     quant: QuantSpec
@@ -209,7 +212,14 @@ class Manifest(_Frozen):
             if len(q.key_bits) != len(self.rotation.layer_ids):
                 raise ValueError(f"quant.key_bits has {len(q.key_bits)} entries for "
                                  f"{len(self.rotation.layer_ids)} rotation layers")
+        if q.pin is not None and self.schema_version < 4:
+            raise ValueError(f"quant.pin needs schema_version 4 (version {self.schema_version} artifacts pin nothing)")
         return self
+
+    @property
+    def pin(self) -> int:
+        """History tokens per KV head pinned in BF16 (0 before schema 4)."""
+        return self.quant.pin or 0
 
     @property
     def key_bits(self) -> list[int]:
@@ -232,10 +242,10 @@ class Manifest(_Frozen):
 
     def bits_at(self, context: int) -> float:
         """Bits per cached element at `context` tokens, K and V averaged (docs/format.md §7): codes, float16 scale and
-        zero, the BF16 windows, and the 3-bit keys of `key_bits`."""
+        zero, the BF16 windows and pinned tokens, and the 3-bit keys of `key_bits`."""
         q = self.quant
         G = layout.resolve_group_size(self.model.head_dim, q.group_size)
-        return layout.kv_bits_per_element(context, G, q.sink, q.recent, self.mean_key_bits)
+        return layout.kv_bits_per_element(context, G, q.sink, q.recent, self.mean_key_bits, self.pin)
 
     @property
     def centred(self) -> bool:
@@ -252,6 +262,8 @@ class Manifest(_Frozen):
                 data["quant"].pop("centring", None)
             if self.quant.key_bits is None:  # versions 1–2 (and 2-bit keys) are written without the field
                 data["quant"].pop("key_bits", None)
+            if self.quant.pin is None:  # versions 1–3 are written without it
+                data["quant"].pop("pin", None)
         return data
 
     def to_json(self) -> str:

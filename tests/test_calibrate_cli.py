@@ -293,7 +293,7 @@ def test_calibrate_defaults_to_uncentred_and_centring_mean_still_writes_means(ca
     out, summary = calibrated
     manifest, rot = load_artifacts(out)
     assert summary["centring"] == "none"
-    assert manifest.schema_version == 3 and manifest.quant.centring == "none" and not manifest.centred
+    assert manifest.schema_version == 4 and manifest.quant.centring == "none" and not manifest.centred
     assert rot.k_mean is None and rot.v_mean is None
     assert not {"k_mean", "v_mean"} & set(load_tensors(out / "rotations.safetensors"))
     assert not OscarCache.from_folder(out).centred
@@ -305,7 +305,41 @@ def test_calibrate_defaults_to_uncentred_and_centring_mean_still_writes_means(ca
     again = json.loads(stdout)
     assert again["forward_passes"] == [] and again["centring"] == "mean"
     manifest, rot = load_artifacts(centred)
-    assert manifest.schema_version == 3 and manifest.quant.centring == "mean" and manifest.centred
+    assert manifest.schema_version == 4 and manifest.quant.centring == "mean" and manifest.centred
     assert rot.k_mean.shape == rot.v_mean.shape == (2, 2, 64)
     assert rot.k_mean.abs().max() > 0 and rot.v_mean.abs().max() > 0
     assert OscarCache.from_folder(centred).centred
+
+
+def test_calibrate_pins_32_tokens_by_default_and_the_runtime_reads_it(calibrated, run_cli, tiny_model_dir, text_file,
+                                                                    tmp_path):
+    """The default manifest (schema 4) asks for 32 pinned tokens per KV head (docs/format.md §6c), counted as BF16 in
+    its bits per element; `OscarCache.from_folder` builds a cache that pins them; `--pin 0` writes no `pin` field and a
+    cache that pins nothing; export refuses the pinning artifact without --accept-degraded."""
+    from oscar_zoo.runtime import layout
+    from oscar_zoo.runtime.cache import OscarCache
+
+    out, _ = calibrated
+    manifest, _ = load_artifacts(out)
+    G = manifest.quant.group_size
+    assert manifest.quant.pin == manifest.pin == layout.PIN == 32
+    want = layout.kv_bits_per_element(32768, G, 64, 256, manifest.mean_key_bits, 32)
+    assert manifest.bits_per_element["32768"] == round(want, 4) == round(manifest.bits_at(32768), 4)
+    # 32 BF16 tokens in place of 32 history tokens, per element at 32K: (16 − history bits) · 32 / 32768
+    unpinned = layout.kv_bits_per_element(32768, G, 64, 256, manifest.mean_key_bits)
+    assert want - unpinned == pytest.approx((16 - (unpinned * 32768 - 320 * 16) / (32768 - 320)) * 32 / 32768)
+    assert {layer.pin for layer in OscarCache.from_folder(out).layers} == {32}
+
+    plain = tmp_path / "plain"
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", plain, "--pin", "0")
+    assert code == 0, err
+    assert '"pin"' not in (plain / "manifest.json").read_text() and load_artifacts(plain)[0].pin == 0
+    assert {layer.pin for layer in OscarCache.from_folder(plain).layers} == {0}
+
+    int2 = tmp_path / "int2"  # INT2 keys everywhere, so that pinning is the only thing export cannot carry
+    assert run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", int2, "--key-bits", "2")[0] == 0
+    code, _, err = run_cli("export", int2, "--format", "oscar-pt", "--out", tmp_path / "pt", "--average-heads")
+    assert code == 2 and "pins 32 history tokens" in err and not (tmp_path / "pt").exists(), err
+    code, _, err = run_cli("export", int2, "--format", "oscar-pt", "--out", tmp_path / "pt", "--average-heads",
+                           "--accept-degraded")
+    assert code == 0 and "the reference runtime pins none" in err, err

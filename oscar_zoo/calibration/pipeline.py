@@ -56,6 +56,7 @@ class CalibrationSettings:
     sink: int = layout.SINK
     recent: int = layout.RECENT
     flush: int = layout.FLUSH
+    pin: int = layout.PIN  # history tokens per KV head a prompt pins in BF16 (docs/format.md §6c; 0: none)
     centring: str = "none"  # "none": rows stored as x·M (schema 1's); "mean": the centred codec (docs/format.md §6a),
     # lower KL but worse needle retrieval (benchmarks/QUALITY.md, "Decision")
     centred_value_target: bool = False  # weighted value target about μ_V (a covariance) instead of about 0; measured
@@ -425,7 +426,7 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
     return Manifest(
         model=loaded.identity,
         quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=settings.flush,
-                        centring=settings.centring, key_bits=key_bits),
+                        centring=settings.centring, key_bits=key_bits, pin=settings.pin or None),
         rotation=RotationSpec(granularity=Granularity(settings.granularity),
                               value_target=ValueTarget(settings.value_target), hadamard=mixing,
                               layer_ids=list(range(info.num_layers))),
@@ -443,5 +444,6 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_seconds=round(wall_seconds, 3),
         ),
         bits_per_element={str(c): round(layout.kv_bits_per_element(c, G, settings.sink, settings.recent,
-                                                                   mean_key_bits), 4) for c in BPE_CONTEXTS},
+                                                                   mean_key_bits, settings.pin), 4)
+                          for c in BPE_CONTEXTS},
     )

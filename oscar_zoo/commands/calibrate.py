@@ -78,6 +78,8 @@ def calibrate_command(
                                            "32768).")] = layout.SINK,
     recent: Annotated[int, typer.Option(help="Full-precision recent tokens the runtime keeps (≥ 0).")] =
     layout.RECENT,
+    pin: Annotated[int, typer.Option(help="History tokens per KV head that a prompt's last queries pin in BF16 "
+                   "(docs/format.md §6c): what a question asks about stays exact. 0 pins none.")] = layout.PIN,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed for the document order.")] = 0,
     device: Device = "auto",
@@ -107,7 +109,7 @@ def calibrate_command(
     v_clip = layout.DEFAULT_V_CLIP if v_clip is None else v_clip
     check_options(tokens=tokens, seq_len=seq_len, heldout=heldout, clip=clip, k_clip=k_clip, v_clip=v_clip,
                   group_size=group_size, sink=sink, recent=recent, batch_size=batch_size, nproc=nproc,
-                  key_bits=key_bits)
+                  key_bits=key_bits, pin=pin)
     n_sequences = tokens // seq_len
     out = out or Path("artifacts") / _slug(model_id_of(model))
     check_destination(out, "--out")  # before any model work: refuse to replace someone else's folder (exit 2)
@@ -143,7 +145,7 @@ def calibrate_command(
                                        clip=clip.value, k_clip=k_clip, v_clip=v_clip, grid=DEFAULT_GRID,
                                        group_size=group_size, sink=sink, recent=recent, batch_size=batch_size,
                                        seed=seed, accumulate_on=accumulate_on.value, centring=centring.value,
-                                       key_bits=key_bits)
+                                       key_bits=key_bits, pin=pin)
         store_dir = default_store_dir(loaded, seqs)
         with progress_reporter(enabled=not json_output and is_main) as report:
             result = calibrate(loaded, seqs, settings, progress=report, store_dir=store_dir, dp=dp, note=say)
@@ -201,7 +203,7 @@ def check_combinations(*, clip: ClipMode, k_clip: float | None, v_clip: float | 
 
 def check_options(*, tokens: int, seq_len: int, heldout: int, clip: ClipMode, k_clip: float, v_clip: float,
                   group_size: int, sink: int, recent: int, batch_size: int, nproc: int,
-                  key_bits: float = DEFAULT_KEY_BITS) -> None:
+                  key_bits: float = DEFAULT_KEY_BITS, pin: int = layout.PIN) -> None:
     """Every numeric option, before any work: InputError (exit 2) naming the option, its value and what is expected.
 
     The sink and recent windows are not used by the calibration itself (the clip search scores every held-out
@@ -223,6 +225,7 @@ def check_options(*, tokens: int, seq_len: int, heldout: int, clip: ClipMode, k_
     need(2 <= key_bits <= 3, "--key-bits", key_bits, "a mean key bit width in [2, 3]")
     need(sink >= 0, "--sink", sink, "a number of full-precision sink tokens ≥ 0")
     need(recent >= 0, "--recent", recent, "a number of full-precision recent tokens ≥ 0")
+    need(0 <= pin <= layout.MAX_WINDOW, "--pin", pin, f"a number of pinned tokens in [0, {layout.MAX_WINDOW:,}]")
     need(sink + recent < MAX_WINDOWS, "--sink + --recent", f"{sink} + {recent}", f"less than {MAX_WINDOWS:,} tokens "
          "(beyond that a 32K context keeps no INT2 history)")
     need(batch_size >= 1, "--batch-size", batch_size, "at least 1 sequence per forward pass")

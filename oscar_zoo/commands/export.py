@@ -29,9 +29,10 @@ def export_command(
     out: Annotated[Path, typer.Option(help="Output folder.")],
     average_heads: Annotated[bool, typer.Option(help="Allow per-head artifacts: average each layer's heads and "
                                                      "re-orthogonalise (polar factor). Quality may drop.")] = False,
-    accept_degraded: Annotated[bool, typer.Option(help="Allow centred artifacts (quant.centring mean) and 3-bit keys "
-                                                       "(quant.key_bits): the exported form has no means and INT2 "
-                                                       "keys everywhere. Quality drops.")] = False,
+    accept_degraded: Annotated[bool, typer.Option(help="Allow centred artifacts (quant.centring mean), 3-bit keys "
+                                                       "(quant.key_bits) and pinned tokens (quant.pin): the exported "
+                                                       "form has no means, INT2 keys everywhere and pins nothing. "
+                                                       "Quality drops.")] = False,
     json_output: Json = False,
 ) -> None:
     """Write `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""
@@ -47,6 +48,9 @@ def export_command(
         warnings.append(f"{result.manifest.key_bits.count(3)} of {len(result.manifest.key_bits)} layers keep 3-bit keys "
                         "in these artifacts; the reference runtime quantizes every key to INT2, so long-context "
                         f"retrieval drops in those layers: {measure} before serving this export")
+    if result.manifest.pin:
+        warnings.append(f"these artifacts pin {result.manifest.pin} history tokens per KV head in BF16; the reference "
+                        f"runtime pins none, so retrieval from long prompts drops: {measure} before serving this export")
     if result.averaged:
         warnings.append(f"per-head rotations were averaged per layer and re-orthogonalised (polar decomposition); "
                         f"inter-head agreement mean |diag(R_0ᵀ R_h)|: K {result.k_agreement:.3f}, V "

@@ -30,7 +30,7 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
     console.print(f"rotation {manifest.rotation.composition} {manifest.rotation.granularity.value}, value target "
                   f"{manifest.rotation.value_target.value}, mixing {manifest.rotation.hadamard}; clip "
                   f"{manifest.clip.mode.value}; {manifest.codec}, group {q.group_size}, sink {q.sink}, recent "
-                  f"{q.recent}; "
+                  f"{q.recent}, pinned {manifest.pin}; "
                   f"{'centred (K/V means removed)' if manifest.centred else 'uncentred'} · schema "
                   f"{manifest.schema_version}")
     console.print(f"calibrated on {c.tokens:,} tokens of {shown(c.dataset)} ({c.sequences}×{c.seq_len}, token sha256 "
@@ -42,7 +42,7 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
     console.print(f"K λmax/λmean: median {ks.median():.1f}, max {ks.max():.1f} · V: median {vs.median():.1f}, "
                   f"max {vs.max():.1f} · K clip mean {rotations.k_clip.mean():.3f}, V clip mean "
                   f"{rotations.v_clip.mean():.3f}")
-    table = Table(title="bits per element (K and V, incl. BF16 windows and float16 scale/zero)")
+    table = Table(title="bits per element (K and V, incl. BF16 windows, pinned tokens and float16 scale/zero)")
     table.add_column("context", justify="right")
     table.add_column("bits/element", justify="right")
     table.add_column("vs BF16", justify="right")

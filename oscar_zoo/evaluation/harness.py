@@ -239,7 +239,8 @@ def _cache_for(method: RotatedInt2, manifest, num_layers: int, head_dim: int):
     q = manifest.quant
     return OscarCache(rot_k, rot_v, method.k_clip, method.v_clip, torch.arange(num_layers),
                       group_size=q.group_size, sink=q.sink, recent=q.recent, flush=q.flush, num_layers=num_layers,
-                      k_mean=method.k_mean, v_mean=method.v_mean, key_bits=method.key_bits)
+                      k_mean=method.k_mean, v_mean=method.v_mean, key_bits=method.key_bits,
+                      pin=getattr(manifest, "pin", 0))
 
 
 def _cache_kwarg() -> str:

@@ -28,6 +28,7 @@ class ExportedForm:
     averaged: bool  # the heads were averaged (a per-head artifact)
     uncentred: bool  # the artifact's means were dropped (a centred artifact)
     int2_keys: bool  # the artifact's 3-bit keys became INT2
+    unpinned: bool  # the artifact's pinned tokens are not pinned
     k_clip: float
     v_clip: float
 
@@ -36,6 +37,7 @@ class ExportedForm:
         parts = ["heads averaged per layer (polar factor)" if self.averaged else "one rotation per layer",
                  "means dropped" if self.uncentred else "no means",
                  *(["3-bit keys served as INT2"] if self.int2_keys else []),
+                 *(["no pinned tokens"] if self.unpinned else []),
                  f"one clip K {self.k_clip:g} / V {self.v_clip:g} (medians)"]
         return "as exported: " + ", ".join(parts)
 
@@ -54,10 +56,10 @@ def as_exported(manifest: Manifest, r: Rotations) -> ExportedForm:
         layer_ids=r.layer_ids.clone(), k_mean=None, v_mean=None)
     exported = manifest.model_copy(update={
         "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
-        "quant": manifest.quant.model_copy(update={"centring": "none", "key_bits": None}),
+        "quant": manifest.quant.model_copy(update={"centring": "none", "key_bits": None, "pin": None}),
         "clip": manifest.clip.model_copy(update={"mode": ClipMode.FIXED, "grid": [], "k_default": k_ratio,
                                                  "v_default": v_ratio,
                                                  "objective": "the medians export --format sglang writes"}),
         "verification": None})
-    return ExportedForm(exported, rotations, per_head, r.k_mean is not None, max(manifest.key_bits) > 2, k_ratio,
-                        v_ratio)
+    return ExportedForm(exported, rotations, per_head, r.k_mean is not None, max(manifest.key_bits) > 2,
+                        manifest.pin > 0, k_ratio, v_ratio)

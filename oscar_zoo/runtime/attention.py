@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import ops, reference, rotate_op
+from . import layout, ops, reference, rotate_op
 from .cache import OscarCache
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -128,6 +128,9 @@ def oscar_attention(
             past_k, past_v = pending.past  # fp32, dequantized history included
             k, v = torch.cat([past_k, key.to(past_k.dtype)], dim=2), torch.cat([past_v, value.to(past_v.dtype)], dim=2)
         o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap, q_offset=pending.past_len)
+        if layer.staged is not None:  # the chunk's last queries choose the history tokens pinned in BF16
+            window = q_rot[:, :, -layout.PIN_WINDOW :]
+            layer.pin_tokens(lambda cand: reference.pin_scores(window, cand, k, scale))
     return _unrotate(o, Mvt_q, query.dtype, mu_v), None
 
 

@@ -57,12 +57,15 @@ class OscarLayer(CacheLayerMixin):
         recent: int = layout.RECENT,
         flush: int = layout.FLUSH,
         quantize: bool = True,
+        pin: int = 0,
     ):
         super().__init__()
         self.rotation, self.layer_idx, self.group_size = rotation, layer_idx, group_size
         self.v_fingerprint = fingerprint(rotation.v) if rotation is not None else None  # identifies M_V for folds
         self.sink, self.recent, self.flush, self.quantize = sink, recent, flush, quantize
-        self.n_sink = self.n_hist = self.n_recent = 0
+        self.pin = pin if quantize else 0  # history tokens per KV head a prompt pins in BF16 (docs/format.md §6c)
+        self.n_sink = self.n_hist = self.n_recent = self.n_pinned = 0
+        self.staged: tuple[Tensor, Tensor] | None = None  # a prompt chunk's rows bound for the history, until pinned
         self.storage_version = 0  # renewed whenever a storage tensor is replaced (a captured step must be re-captured)
         self.pending: Pending | None = None
         self.v_folded = False  # the model's v_proj/o_proj carry M_V (attention.fold_value_rotation): values arrive
@@ -89,8 +92,8 @@ class OscarLayer(CacheLayerMixin):
         self.rotation = self.rotation.to(self.device)
         self._per_query_head = {}
         bf16 = dict(dtype=layout.TIER_DTYPE, device=self.device)
-        self.sink_k = torch.zeros(B, H, self.sink, D, **bf16)
-        self.sink_v = torch.zeros(B, H, self.sink, D, **bf16)
+        self.sink_k = torch.zeros(B, H, self.sink + self.pin, D, **bf16)  # the sink, then the pinned tokens
+        self.sink_v = torch.zeros(B, H, self.sink + self.pin, D, **bf16)
         self.recent_k = torch.zeros(B, H, self.recent + self.flush, D, **bf16)
         self.recent_v = torch.zeros(B, H, self.recent + self.flush, D, **bf16)
         if self.quantize:  # codes [B, H, T_cap, packed] (K: packed_dim(D, k_bits); V: D/4, token-major) + float16
@@ -107,15 +110,19 @@ class OscarLayer(CacheLayerMixin):
         self.is_initialized = True
         self._new_lengths()
 
+    def _host_tier_lengths(self) -> tuple[int, int, int]:
+        """The lengths of the three tiers the decode kernels read: the BF16 sink tier holds the pinned tokens too."""
+        return self.n_sink + self.n_pinned, self.n_hist, self.n_recent
+
     def _new_lengths(self) -> None:
         """(Re)allocate the int32 [B] per-tier lengths the decode kernels read, from the host mirror."""
-        for name, n in zip(self._LENGTHS, (self.n_sink, self.n_hist, self.n_recent)):
+        for name, n in zip(self._LENGTHS, self._host_tier_lengths()):
             setattr(self, name, torch.full((self.batch_size,), n, dtype=torch.int32, device=self.device))
         self.storage_version = next(_STORAGE_IDS)
 
     def _sync_lengths(self) -> None:
         """Write the host mirror into the device lengths, in place (their addresses stay valid for a captured step)."""
-        for name, n in zip(self._LENGTHS, (self.n_sink, self.n_hist, self.n_recent)):
+        for name, n in zip(self._LENGTHS, self._host_tier_lengths()):
             getattr(self, name).fill_(n)
 
     def _ensure_history(self, needed: int) -> None:
@@ -169,6 +176,8 @@ class OscarLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)  # an empty (new or reset) cache takes any batch size
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
+        if self.staged is not None and key_states.shape[2] == 1:  # a decode step after a prompt whose attention never
+            self.pin_tokens(None)  # chose (K/V filed by `update` alone): the rows go to the history, unpinned
         n, past_len = key_states.shape[2], self.get_seq_length()
         past = None
         if self.is_static_step(n):
@@ -285,11 +294,46 @@ class OscarLayer(CacheLayerMixin):
             else:
                 all_k = torch.cat([self.recent_k[:, :, : self.n_recent], k], dim=2)  # [B, H, total, D]
                 all_v = torch.cat([self.recent_v[:, :, : self.n_recent], v], dim=2)
-                self._append_history(all_k[:, :, :n_demote], all_v[:, :, :n_demote])
+                if multi and self.pin:  # a prompt chunk: its attention chooses the pinned tokens first (`pin_tokens`);
+                    # rows of earlier chunks no attention has seen yet wait with them, exact, in position order
+                    staged = (all_k[:, :, :n_demote], all_v[:, :, :n_demote])
+                    if self.staged is not None:
+                        staged = tuple(torch.cat([old, new], dim=2) for old, new in zip(self.staged, staged))
+                    self.staged = staged
+                else:
+                    self._append_history(all_k[:, :, :n_demote], all_v[:, :, :n_demote])
                 self.recent_k[:, :, : total - n_demote] = all_k[:, :, n_demote:]
                 self.recent_v[:, :, : total - n_demote] = all_v[:, :, n_demote:]
                 total -= n_demote
             self.n_recent = total
+        self._sync_lengths()
+
+    def pin_tokens(self, scores_of=None) -> None:
+        """File the rows a prompt chunk moved out of the recent window (`staged`): among them and the tokens pinned so
+        far, the `pin` per KV head and batch row that `scores_of(candidate keys)` → [B, H, c] ranks highest stay BF16
+        in the sink tier (in position order), the rest are quantized onto the history in position order. Keys are
+        position-encoded before they are cached, so where a token sits in the tiers does not change its logits.
+        `scores_of` None (no queries seen): the pinned tokens stay, the staged rows go to the history."""
+        k_new, v_new = self.staged
+        self.staged = None
+        lo, P = self.sink, self.n_pinned
+        cand_k = torch.cat([self.sink_k[:, :, lo : lo + P], k_new], dim=2)  # [B, H, c, D]
+        cand_v = torch.cat([self.sink_v[:, :, lo : lo + P], v_new], dim=2)
+        B, H, c, D = cand_k.shape
+        keep = min(self.pin, c) if scores_of is not None else P
+        if scores_of is None:
+            rank = torch.arange(c, 0, -1, device=cand_k.device, dtype=torch.float32).expand(B, H, c)  # earliest first
+        else:
+            rank = scores_of(cand_k)
+        chosen = torch.zeros(B, H, c, dtype=torch.bool, device=cand_k.device)
+        chosen.scatter_(2, rank.topk(keep, dim=-1).indices, True)
+        order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)  # chosen first, each part in order
+        pick = lambda t, idx: t.gather(2, idx[..., None].expand(-1, -1, -1, D))  # noqa: E731
+        self.sink_k[:, :, lo : lo + keep] = pick(cand_k, order[..., :keep])
+        self.sink_v[:, :, lo : lo + keep] = pick(cand_v, order[..., :keep])
+        self.n_pinned = keep
+        if c > keep:
+            self._append_history(pick(cand_k, order[..., keep:]), pick(cand_v, order[..., keep:]))
         self._sync_lengths()
 
     def _append_history(self, k: Tensor, v: Tensor) -> None:
@@ -320,11 +364,14 @@ class OscarLayer(CacheLayerMixin):
         return k, v
 
     def dense_kv(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        """All cached tokens in position order as the tiers present them (rotated, and centred when the cache has
-        means), K, V [B, H, T, D] in `dtype`."""
+        """All cached tokens as the tiers present them (rotated, and centred when the cache has means), rows still
+        waiting to be pinned exactly, K, V [B, H, T, D] in `dtype`; in position order but for the pinned tokens,
+        which follow the sink."""
         hist_k, hist_v = self.history()
-        k = [self.sink_k[:, :, : self.n_sink], hist_k, self.recent_k[:, :, : self.n_recent]]
-        v = [self.sink_v[:, :, : self.n_sink], hist_v, self.recent_v[:, :, : self.n_recent]]
+        n_sink = self.n_sink + self.n_pinned
+        staged_k, staged_v = self.staged if self.staged is not None else (hist_k[:, :, :0], hist_v[:, :, :0])
+        k = [self.sink_k[:, :, :n_sink], hist_k, staged_k, self.recent_k[:, :, : self.n_recent]]
+        v = [self.sink_v[:, :, :n_sink], hist_v, staged_v, self.recent_v[:, :, : self.n_recent]]
         return torch.cat([t.to(dtype) for t in k], dim=2), torch.cat([t.to(dtype) for t in v], dim=2)
 
     def tier_args(self) -> tuple[Tensor, ...]:
@@ -338,7 +385,8 @@ class OscarLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------ transformers API
 
     def get_seq_length(self) -> int:
-        return self.n_sink + self.n_hist + self.n_recent
+        staged = self.staged[0].shape[2] if self.staged is not None else 0
+        return self.n_sink + self.n_pinned + self.n_hist + self.n_recent + staged
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -347,8 +395,8 @@ class OscarLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.n_sink = self.n_hist = self.n_recent = 0
-        self.pending = None
+        self.n_sink = self.n_hist = self.n_recent = self.n_pinned = 0
+        self.pending = self.staged = None
         if self.is_initialized:
             self._sync_lengths()
 
@@ -415,6 +463,7 @@ class OscarCache(Cache):
         k_mean: Tensor | None = None,
         v_mean: Tensor | None = None,
         key_bits: list[int] | None = None,
+        pin: int = 0,
     ):
         k_rotation, v_rotation = k_rotation.float(), v_rotation.float()
         square = k_rotation.dim() == 4 and k_rotation.shape[-1] == k_rotation.shape[-2]
@@ -425,9 +474,9 @@ class OscarCache(Cache):
             )
         L, H, D, _ = k_rotation.shape
         layout.resolve_group_size(D, group_size)
-        if min(sink, recent) < 0 or flush < 1 or max(sink, recent, flush) > layout.MAX_WINDOW:
-            raise ValueError(f"need 0 ≤ sink, recent ≤ {layout.MAX_WINDOW} and 1 ≤ flush ≤ {layout.MAX_WINDOW}, got "
-                             f"sink={sink} recent={recent} flush={flush}")
+        if min(sink, recent, pin) < 0 or flush < 1 or max(sink, recent, flush, pin) > layout.MAX_WINDOW:
+            raise ValueError(f"need 0 ≤ sink, recent, pin ≤ {layout.MAX_WINDOW} and 1 ≤ flush ≤ {layout.MAX_WINDOW}, "
+                             f"got sink={sink} recent={recent} flush={flush} pin={pin}")
         clips = []
         for name, clip in (("k_clip", k_clip), ("v_clip", v_clip)):
             clip = torch.as_tensor(clip, dtype=torch.float32).clone()  # fixed from here on (Rotation's bounds)
@@ -464,9 +513,9 @@ class OscarCache(Cache):
                               for m, r in zip(means, (k_rotation, v_rotation)))
                 rot = Rotation(k_rotation[i], v_rotation[i], clips[0][i].reshape(H, 1), clips[1][i].reshape(H, 1),
                                mu_k, mu_v, k_bits=key_bits[i])
-            layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize))
+            layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize, pin))
         super().__init__(layers=layers)
-        self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush)
+        self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush, pin=pin)
         self.quantize = quantize
         self.bound_layer: int | None = None  # set by enable_oscar's hook just before a module's update
         self.centred = k_mean is not None or v_mean is not None

@@ -45,6 +45,11 @@ RANGE_REL_FLOOR = 2.0**-12
 RANGE_ABS_FLOOR = 3 * 2.0**-14
 
 
+PIN = 32  # history tokens per KV head a prompt pins in BF16 (calibrate's default; docs/format.md §6c)
+PIN_WINDOW = 32  # the prompt's last queries whose attention chooses them
+PIN_POOL = 7  # a token's score is the largest of its neighbours' within this window (a needle is several tokens)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """The settings a quantized cache is built with; stored in the manifest and read by the runtime."""
@@ -53,12 +58,13 @@ class QuantSpec:
     sink: int = SINK
     recent: int = RECENT
     flush: int = FLUSH
+    pin: int = 0  # history tokens per KV head a prompt pins in BF16
 
     def group(self, head_dim: int) -> int:
         return resolve_group_size(head_dim, self.group_size)
 
     def bits_per_element(self, context: int, head_dim: int) -> float:
-        return bits_per_element(context, self.group(head_dim), self.sink, self.recent)
+        return bits_per_element(context, self.group(head_dim), self.sink, self.recent, pin=self.pin)
 
 
 def resolve_group_size(head_dim: int, group_size: int = 0) -> int:
@@ -97,23 +103,24 @@ def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_cont
 
 
 def bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT,
-                     bits: float = BITS) -> float:
+                     bits: float = BITS, pin: int = 0) -> float:
     """Average bits per cached element at `context` tokens (docs/format.md §7) of rows coded with `bits` bits (a
-    mean over layers may be fractional), float16 scale and zero per group."""
+    mean over layers may be fractional), float16 scale and zero per group; `pin` pinned tokens are BF16 like the
+    windows (a prompt pins them from what would be history)."""
     if context <= 0:
         raise ValueError(f"context must be positive, got {context}")
-    full = min(context, sink + recent)
+    full = min(context, sink + recent + pin)
     quant = context - full
     scale_bits = 2 * 16 / group_size
     return (quant * (bits + scale_bits) + full * 16) / context
 
 
 def kv_bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT,
-                        key_bits: float = BITS) -> float:
+                        key_bits: float = BITS, pin: int = 0) -> float:
     """The mean of K's and V's bits per element (`bits_per_element`): keys at `key_bits` (the mean of the layers'
     key bit widths), values at BITS. key_bits = 2 is `bits_per_element` itself."""
-    k = bits_per_element(context, group_size, sink, recent, key_bits)
-    return (k + bits_per_element(context, group_size, sink, recent)) / 2
+    k = bits_per_element(context, group_size, sink, recent, key_bits, pin)
+    return (k + bits_per_element(context, group_size, sink, recent, pin=pin)) / 2
 
 
 def bytes_per_token(head_dim: int, group_size: int, bits: int = BITS) -> int:

@@ -398,3 +398,19 @@ def windowed_attention_ref(
     p = torch.softmax(logits.masked_fill(~causal, -math.inf), dim=-1)
     vf, vq = _expand_kv(v.float(), H_q), _expand_kv(v_hat.float(), H_q)
     return (p * full) @ vf + (p * ~full) @ vq
+
+
+def pin_scores(q: Tensor, cand_k: Tensor, keys: Tensor, scale: float, pool: int = layout.PIN_POOL) -> Tensor:
+    """How much a prompt's last queries attend to each candidate history token (docs/format.md §6c): q [B, H_q, W, D]
+    (the last W queries, rotated like the keys), cand_k [B, H_kv, c, D] the candidates' keys, keys [B, H_kv, T, D]
+    every key those queries attend over (the softmax's normaliser; causality among the last W tokens is ignored).
+    Returns [B, H_kv, c]: the softmax weight w each candidate gets, summed over the W queries and the query heads of its
+    KV head, plus the largest w among its `pool` neighbouring candidates (so a needle's neighbours come with it, after
+    the needle itself)."""
+    B, H_q, W, D = q.shape
+    H_kv, c = cand_k.shape[1], cand_k.shape[2]
+    qf = q.float().reshape(B, H_kv, (H_q // H_kv) * W, D)  # query head j belongs to KV head j // (H_q / H_kv)
+    lse = torch.logsumexp(qf @ keys.float().transpose(-1, -2) * scale, dim=-1, keepdim=True)
+    weight = torch.exp(qf @ cand_k.float().transpose(-1, -2) * scale - lse).sum(2)  # [B, H_kv, c]
+    pooled = torch.nn.functional.max_pool1d(weight.reshape(B * H_kv, 1, c), pool, 1, pool // 2)
+    return weight + pooled.reshape(B, H_kv, c)

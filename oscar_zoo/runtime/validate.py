@@ -27,7 +27,7 @@ MEAN_NAMES = ("k_mean", "v_mean")  # schema 2 adds these (the centred codec, doc
 # orthogonal to 1e-6 or better; a rotation scaled by 1.0001 is already off by 2e-4, a random matrix by far more.
 ORTHOGONALITY_TOL = 1e-4
 MAX_LAYERS = 1 << 16  # no model has nearly this many; a cache allocates per-layer state for every id below the largest
-QUANT_KEYS = ("group_size", "sink", "recent", "flush")  # what the runtime reads from a manifest
+QUANT_KEYS = ("group_size", "sink", "recent", "flush", "pin")  # what the runtime reads from a manifest
 MANIFEST_MAX_BYTES = 1 << 20
 
 
