@@ -248,7 +248,8 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if kind == "oscar":
         Mk, Mv = oscar_rotations(L, H_kv, D)
-        return OscarCache(Mk, Mv, layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP, key_bits=oscar_key_bits(model))
+        return OscarCache(Mk, Mv, layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP, key_bits=oscar_key_bits(model),
+                          pin=getattr(model, "_oscar_pin", 0))
     if kind == "dynamic":
         return DynamicCache(config=cfg)
     if kind == "static":
@@ -300,7 +301,7 @@ def rotation_bytes(cache: Cache) -> int:
 
 
 def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capacity: int, G: int | None = None,
-                      key_bits: list[int] | None = None) -> int:
+                      key_bits: list[int] | None = None, pin: int = 0) -> int:
     """What `kv_bytes` should report for a cache of `kind` holding T tokens (OSCAR: T > sink + recent, history of
     `capacity` rows allocated, each layer's keys at `key_bits` (default 2); BF16 static/prealloc: `capacity` rows;
     dynamic: exactly T rows; QuantizedCache: `capacity` is the filled length, the rest decode steps)."""
@@ -308,7 +309,7 @@ def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capa
         return peer_caches.expected_peer_kv_bytes(kind, B, T, L, H_kv, D, filled=capacity)
     if kind == "oscar":
         G = G or D
-        bf16 = (layout.SINK + layout.RECENT + layout.FLUSH) * D * 2  # sink + recent tiers, one of K or V
+        bf16 = (layout.SINK + pin + layout.RECENT + layout.FLUSH) * D * 2  # sink (+ pinned) + recent, one of K or V
         per_layer = [
             2 * B * H_kv * bf16 + 3 * B * 4  # + int32 [B] lengths of 3 tiers
             + B * H_kv * capacity * (layout.bytes_per_token(D, G, kb) + layout.bytes_per_token(D, G))  # K, V codes
@@ -352,6 +353,8 @@ def fill_kv(cache: Cache, model, B: int, T: int, reserve: int, chunk: int = 8192
             for start in range(0, T, chunk):
                 n = min(chunk, T - start)
                 layer._append(k[:, :, :n], v[:, :, :n], multi=True)
+                if layer.staged is not None:  # what a prompt chunk's attention does: pin (any choice costs the same)
+                    layer.pin_tokens(lambda cand: cand.float().square().sum(-1))
         else:
             k = torch.randn(B, H_kv, T, D, device=dev, generator=gen, dtype=torch.bfloat16)
             v = torch.randn(B, H_kv, T, D, device=dev, generator=gen, dtype=torch.bfloat16)
@@ -552,7 +555,8 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
         ms_per_step=wall_s / steps * 1e3, host_ms_per_step=cpu_s / steps * 1e3, tokens_per_s=B * steps / wall_s,
         kv_bytes=kvb, rotation_bytes=rotation_bytes(cache), bytes_per_token_per_layer=kvb / (B * tokens_now * L),
         expected_kv_bytes=expected_kv_bytes(kind, B, tokens_now, L, H_kv, D, T if kind in PEER_KINDS
-                                            else _capacity(cache, capacity), key_bits=oscar_key_bits(model)),
+                                            else _capacity(cache, capacity), key_bits=oscar_key_bits(model),
+                                            pin=getattr(model, "_oscar_pin", 0)),
         generated=out.shape[1], status="ok",
     )  # fmt: skip
     if dev.type == "cuda":
@@ -588,13 +592,14 @@ def _capacity(cache: Cache, capacity: int) -> int:
     return capacity
 
 
-def floor_ms(kind: str, B: int, T: int, cfg, weight_bytes: int, bandwidth: float, key_bits: list[int]) -> float:
+def floor_ms(kind: str, B: int, T: int, cfg, weight_bytes: int, bandwidth: float, key_bits: list[int],
+             pin: int = 0) -> float:
     """Bandwidth floor of one decode step: the weights plus the KV bytes attention must read, at `bandwidth` B/s
     (OSCAR: each layer's history keys at `key_bits`)."""
     L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if kind == "oscar":
-        full = min(T, layout.SINK + layout.RECENT)
+        full = min(T, layout.SINK + layout.RECENT + pin)
         kv = sum(B * H_kv * ((T - full) * (layout.bytes_per_token(D, D, kb) + layout.bytes_per_token(D, D))
                              + 2 * full * D * 2) for kb in key_bits)  # fmt: skip
     else:
@@ -607,7 +612,7 @@ def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
     cfg = model.config
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     need = expected_kv_bytes(kind, B, T, cfg.num_hidden_layers, cfg.num_key_value_heads, D, T + 64,
-                             key_bits=oscar_key_bits(model))
+                             key_bits=oscar_key_bits(model), pin=args.pin)
     if free_bytes is not None and need > free_bytes:
         return dict(kind=kind, batch=B, context=T, status="does not fit",
                     note=f"needs {need / GB:.1f} GB of KV, {free_bytes / GB:.1f} GB free")  # fmt: skip
@@ -617,7 +622,8 @@ def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
         if kind in PEER_KINDS:  # the bytes it stores, read once: what an ideal kernel over its format would read
             row["floor_ms"] = (weights + row["kv_bytes"]) / (args.bandwidth_tbs * 1e12) * 1e3
         else:
-            row["floor_ms"] = floor_ms(kind, B, T, cfg, weights, args.bandwidth_tbs * 1e12, oscar_key_bits(model))
+            row["floor_ms"] = floor_ms(kind, B, T, cfg, weights, args.bandwidth_tbs * 1e12, oscar_key_bits(model),
+                                       args.pin)
         return row
     except torch.OutOfMemoryError as e:
         gc.collect()
@@ -734,6 +740,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--key-bits", type=float, default=float(layout.BITS),
                     help="OSCAR rows: mean history key bits, 2–3 (round((b − 2)·L) layers get 3-bit keys; calibrate's "
                          "--key-bits; default 2)")
+    ap.add_argument("--pin", type=int, default=0, help="OSCAR rows: history tokens per KV head pinned in BF16 "
+                    "(calibrate's --pin; default 0)")
     ap.add_argument("--extra", nargs="*", default=[], help="more rows as kind:context:batch (e.g. static:32768:1)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -744,9 +752,10 @@ def main(argv=None) -> dict:
     if not layout.BITS <= args.key_bits <= 3:
         ap.error(f"--key-bits must be between {layout.BITS} and 3, got {args.key_bits}")
     model._oscar_mean_key_bits = args.key_bits
+    model._oscar_pin = args.pin
     L = model.config.num_hidden_layers
     phase_rows = {tuple(int(x) for x in p.split(":")) for p in args.phases}
-    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), pin=args.pin, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                   torch=torch.__version__, steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
                   budget_gb=args.budget_gb, budget=[])  # fmt: skip
     if dev.type == "cuda":

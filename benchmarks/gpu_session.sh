@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|profile]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|profile]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -15,6 +15,9 @@
 # keybits-tests: the quantize/pack, decode-kernel, merge, rotate and static-step GPU tests (3-bit keys included)
 # keybits-bench: no tests; quantize/pack at 2 and 3 bits, the headline decode rows with 2- and 3-bit keys, and
 #   generate() at 100K batch 1 and 8 with 2-bit keys and with calibrate's default (--key-bits 2.7), same session
+# pin-tests: the pinned-token, static-step and attention GPU tests (docs/format.md §6c)
+# pin-bench: no tests; generate() at 100K batch 1 and 8 with calibrate's default keys (--key-bits 2.7), without and
+#   with 32 pinned tokens (calibrate's default --pin), same session
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -57,6 +60,19 @@ if [ "$mode" = keybits-tests ]; then
   timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_quantize_pack_kernel.py \
     tests/runtime/test_decode_kernels.py tests/runtime/test_merge_kernel.py tests/runtime/test_rotate_kernel.py \
     tests/runtime/test_static_step.py --durations 15 2>&1 | tee "$OUT/test_gpu.log" | tail -25
+  exit 0
+fi
+if [ "$mode" = pin-tests ]; then
+  timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_pinned.py \
+    tests/runtime/test_static_step.py tests/runtime/test_attention.py --durations 10 2>&1 | tee "$OUT/test_gpu.log" | tail -20
+  exit 0
+fi
+if [ "$mode" = pin-bench ]; then
+  for pin in 0 32; do
+    python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits 2.7 \
+      --pin $pin 2>&1 | tee "$OUT/bench_generate_pin$pin.log" | tail -8
+    [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_pin$pin.json"
+  done
   exit 0
 fi
 if [ "$mode" = keybits-bench ]; then

@@ -103,3 +103,21 @@ def test_peer_rows_without_the_package_and_the_comparison_table(model, monkeypat
 def test_max_batch_uses_measured_bytes():
     assert bg.max_batch(4096.0, 100_000, 36, 100e9) == 6
     assert bg.max_batch(590.0, 100_000, 36, 100e9) == 47
+
+
+def test_pinned_rows_are_counted_and_pinned_by_the_kv_fill(model):
+    """bench_generate --pin: the K/V fill pins as a prompt chunk would, and the analytic byte count (sink + pin BF16
+    rows) equals what the tensors hold."""
+    model._oscar_pin = 16
+    try:
+        cache = bg.make_cache("oscar", model, T + 20)
+        bg.use_attention(model, "oscar")
+        bg.fill_kv(cache, model, B, T, reserve=20)
+        layer = cache.layers[0]
+        assert (layer.n_pinned, layer.n_hist) == (16, T - 64 - 256 - 16) and layer.staged is None
+        cfg = model.config
+        expected = bg.expected_kv_bytes("oscar", B, T, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                        layer.hist_k.shape[2], pin=16)
+        assert bg.kv_bytes(cache) == _storage_bytes(cache) == expected
+    finally:
+        del model._oscar_pin

@@ -247,16 +247,18 @@ def _qwen3(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("arch", "B", "fold", "centred", "key_bits"),
-                         [("qwen3", 1, False, False, False), ("qwen3", 4, True, True, False),
-                          ("llama", 1, False, True, False), ("llama", 3, True, False, False),
-                          ("qwen3", 2, True, False, True), ("llama", 1, False, False, True)])
-def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred, key_bits):
+@pytest.mark.parametrize(("arch", "B", "fold", "centred", "key_bits", "pin"),
+                         [("qwen3", 1, False, False, False, 0), ("qwen3", 4, True, True, False, 0),
+                          ("llama", 1, False, True, False, 0), ("llama", 3, True, False, False, 0),
+                          ("qwen3", 2, True, False, True, 0), ("llama", 1, False, False, True, 0),
+                          ("qwen3", 2, False, False, True, 32), ("llama", 3, True, True, False, 16)])
+def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred, key_bits, pin):
     """generate() on a GPU with OscarCache replays a captured decode step (no user code): 220 greedy tokens from a
     400-token prompt (27 demotions, one history reallocation) equal the eager path's (compile disabled), logits
     included, and all but the first few steps were replays; with the value rotation folded into the weights too, and
     with centred tiers (means: the in-step subtraction and add-back are captured like the rest), and with 3-bit keys in
-    every other layer (docs/format.md §6b)."""
+    every other layer (docs/format.md §6b), and with pinned tokens (§6c: the prompt pins them, decode reads them in
+    the sink tier)."""
     model = enable_oscar(_qwen3("cuda") if arch == "qwen3" else _llama(device="cuda"))
     cfg = model.config
     L, H, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
@@ -267,7 +269,7 @@ def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred, 
     runs = {}
     bits = [3 - i % 2 if key_bits else 2 for i in range(L)]
     for mode in ("eager", "graph"):
-        cache = _cache(L, H, Dh, centred=centred, key_bits=bits)
+        cache = _cache(L, H, Dh, centred=centred, key_bits=bits, pin=pin)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=220, do_sample=False,
                              disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True,
                              **{cache_kw: cache})  # fmt: skip
@@ -276,4 +278,4 @@ def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred, 
     assert graphs.replays >= 210 and graphs.captures >= 2
     assert torch.equal(runs["graph"][0], runs["eager"][0])
     assert torch.equal(runs["graph"][1], runs["eager"][1])
-    assert runs["graph"][2] == runs["eager"][2] == 400 - layout.SINK - layout.RECENT + 8 * (219 // 8)
+    assert runs["graph"][2] == runs["eager"][2] == 400 - layout.SINK - layout.RECENT - pin + 8 * (219 // 8)
