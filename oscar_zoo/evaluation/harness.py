@@ -230,7 +230,8 @@ def _results(methods: list[Method], scores: dict[str, _Scores], layer_error: dic
 
 
 def _cache_for(method: RotatedInt2, manifest, num_layers: int, head_dim: int):
-    """The runtime OscarCache that stores K/V exactly as `method` models them (rotation or identity, its clips)."""
+    """The runtime OscarCache that stores K/V exactly as `method` models them (rotation or identity, its clips); the
+    artifact's own method pins what its manifest asks (docs/format.md §6c), the baselines pin nothing."""
     from ..runtime.cache import OscarCache
 
     rot_k, rot_v = method.k_rotation, method.v_rotation
@@ -240,7 +241,7 @@ def _cache_for(method: RotatedInt2, manifest, num_layers: int, head_dim: int):
     return OscarCache(rot_k, rot_v, method.k_clip, method.v_clip, torch.arange(num_layers),
                       group_size=q.group_size, sink=q.sink, recent=q.recent, flush=q.flush, num_layers=num_layers,
                       k_mean=method.k_mean, v_mean=method.v_mean, key_bits=method.key_bits,
-                      pin=getattr(manifest, "pin", 0))
+                      pin=getattr(manifest, "pin", 0) if method.name == "oscar" else 0)
 
 
 def _cache_kwarg() -> str:
