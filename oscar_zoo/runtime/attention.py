@@ -129,8 +129,9 @@ def oscar_attention(
             k, v = torch.cat([past_k, key.to(past_k.dtype)], dim=2), torch.cat([past_v, value.to(past_v.dtype)], dim=2)
         o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap, q_offset=pending.past_len)
         if layer.staged is not None:  # the chunk's last queries choose the history tokens pinned in BF16
-            window = q_rot[:, :, -layout.PIN_WINDOW :]
-            layer.pin_tokens(lambda cand: reference.pin_scores(window, cand, k, scale))
+            window, keys = q_rot[:, :, -layout.PIN_WINDOW :], _uncentred_keys(k, layer, softcap)
+            layer.pin_tokens(lambda cand: reference.pin_scores(window, _uncentred_keys(cand, layer, softcap), keys,
+                                                               scale, softcap=softcap))
     return _unrotate(o, Mvt_q, query.dtype, mu_v), None
 
 

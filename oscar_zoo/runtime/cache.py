@@ -354,6 +354,17 @@ class OscarLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------------- reading
 
+    def _staged_as_history(self) -> tuple[Tensor, Tensor]:
+        """The staged rows quantized and read back exactly as `_append_history` would store them (fp32): until the
+        next chunk's attention pins, a chunk reading them sees what it would see without pinning."""
+        rot = self.rotation
+        out = []
+        for rows, clip, min_clip, bits in ((self.staged[0], rot.k_clip, rot.k_min_clip, rot.k_bits),
+                                           (self.staged[1], rot.v_clip, rot.v_min_clip, layout.BITS)):
+            codes, scale_zero = ops.quantize_pack(rows, clip, self.group_size, min_ratio=min_clip, bits=bits)
+            out.append(reference.dequantize_unpack(codes, scale_zero, bits))
+        return out[0], out[1]
+
     def history(self) -> tuple[Tensor, Tensor]:
         """The live history rows as fp32 K, V [B, H, n_hist, D] (dequantized when quantized)."""
         rows = slice(0, self.n_hist)
@@ -365,11 +376,12 @@ class OscarLayer(CacheLayerMixin):
 
     def dense_kv(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """All cached tokens as the tiers present them (rotated, and centred when the cache has means), rows still
-        waiting to be pinned exactly, K, V [B, H, T, D] in `dtype`; in position order but for the pinned tokens,
-        which follow the sink."""
+        waiting to be pinned as the INT2 history would hold them, K, V [B, H, T, D] in `dtype`; in position order but
+        for the pinned tokens, which follow the sink."""
         hist_k, hist_v = self.history()
         n_sink = self.n_sink + self.n_pinned
-        staged_k, staged_v = self.staged if self.staged is not None else (hist_k[:, :, :0], hist_v[:, :, :0])
+        staged_k, staged_v = self._staged_as_history() if self.staged is not None else (hist_k[:, :, :0],
+                                                                                        hist_v[:, :, :0])
         k = [self.sink_k[:, :, :n_sink], hist_k, staged_k, self.recent_k[:, :, : self.n_recent]]
         v = [self.sink_v[:, :, :n_sink], hist_v, staged_v, self.recent_v[:, :, : self.n_recent]]
         return torch.cat([t.to(dtype) for t in k], dim=2), torch.cat([t.to(dtype) for t in v], dim=2)
@@ -414,6 +426,8 @@ class OscarLayer(CacheLayerMixin):
                 setattr(self, name, fn(t.transpose(2, 3)).transpose(2, 3))
             else:
                 setattr(self, name, fn(t))
+        if self.staged is not None:
+            self.staged = (fn(self.staged[0]), fn(self.staged[1]))
         self.batch_size = self.sink_k.shape[0]
         self._new_lengths()
 
@@ -515,7 +529,8 @@ class OscarCache(Cache):
                                mu_k, mu_v, k_bits=key_bits[i])
             layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize, pin))
         super().__init__(layers=layers)
-        self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush, pin=pin)
+        self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush,
+                                           pin=pin if quantize else 0)
         self.quantize = quantize
         self.bound_layer: int | None = None  # set by enable_oscar's hook just before a module's update
         self.centred = k_mean is not None or v_mean is not None
@@ -579,7 +594,8 @@ class OscarCache(Cache):
         fold, so a deep copy (same versions, other tensors) and a cache whose values were folded into o_proj since
         must not match it. Reserves the history rows a demotion needs first, so the step itself never allocates."""
         live = [layer for layer in self.layers if layer.rotation is not None]
-        if not live or not all(layer.is_initialized and layer.quantize and layer.is_static_step(1) for layer in live):
+        if not live or not all(layer.is_initialized and layer.quantize and layer.is_static_step(1)
+                               and layer.staged is None for layer in live):  # staged rows: the eager step files them
             return None
         demote = {layer.demotes_next() for layer in live}
         if len(demote) != 1:

@@ -400,17 +400,24 @@ def windowed_attention_ref(
     return (p * full) @ vf + (p * ~full) @ vq
 
 
-def pin_scores(q: Tensor, cand_k: Tensor, keys: Tensor, scale: float, pool: int = layout.PIN_POOL) -> Tensor:
+def pin_scores(q: Tensor, cand_k: Tensor, keys: Tensor, scale: float, pool: int = layout.PIN_POOL,
+               softcap: float | None = None) -> Tensor:
     """How much a prompt's last queries attend to each candidate history token (docs/format.md §6c): q [B, H_q, W, D]
     (the last W queries, rotated like the keys), cand_k [B, H_kv, c, D] the candidates' keys, keys [B, H_kv, T, D]
-    every key those queries attend over (the softmax's normaliser; causality among the last W tokens is ignored).
+    every key those queries attend over (the softmax's normaliser; causality among the last W tokens is ignored), all
+    as the attention sees them (with a logit softcap, uncentred keys).
     Returns [B, H_kv, c]: the softmax weight w each candidate gets, summed over the W queries and the query heads of its
     KV head, plus the largest w among its `pool` neighbouring candidates (so a needle's neighbours come with it, after
     the needle itself)."""
     B, H_q, W, D = q.shape
     H_kv, c = cand_k.shape[1], cand_k.shape[2]
     qf = q.float().reshape(B, H_kv, (H_q // H_kv) * W, D)  # query head j belongs to KV head j // (H_q / H_kv)
-    lse = torch.logsumexp(qf @ keys.float().transpose(-1, -2) * scale, dim=-1, keepdim=True)
-    weight = torch.exp(qf @ cand_k.float().transpose(-1, -2) * scale - lse).sum(2)  # [B, H_kv, c]
+
+    def logits(k: Tensor) -> Tensor:  # as the attention computes them (a logit softcap included)
+        x = qf @ k.float().transpose(-1, -2) * scale
+        return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+    lse = torch.logsumexp(logits(keys), dim=-1, keepdim=True)
+    weight = torch.exp(logits(cand_k) - lse).sum(2)  # [B, H_kv, c]
     pooled = torch.nn.functional.max_pool1d(weight.reshape(B * H_kv, 1, c), pool, 1, pool // 2)
     return weight + pooled.reshape(B, H_kv, c)

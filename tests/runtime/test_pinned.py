@@ -178,7 +178,9 @@ def test_pinning_the_whole_history_answers_as_bf16(device):
 def test_context_filed_without_attention_waits_exact_for_the_question(device):
     """The needle grid's flow: the context's K/V filed by `update` alone (no attention, so nothing is chosen yet),
     then the question as a chunk through the attention: its queries pin over the whole context — as if the prompt
-    had been one chunk — and until then the context's would-be history reads exact."""
+    had been one chunk — while the chunk itself reads the would-be history as INT2, bit for bit what the history
+    would hold without pinning (so the question's own answer token gains nothing from pinning). Until a decode step,
+    no step is static; a beam reorder moves the waiting rows with the rest."""
     B, n1, n2 = 1, 400, 12
     M = _identity(1).to(device)
     cache = OscarCache(M, M, 0.96, 0.92, pin=PIN)
@@ -187,7 +189,14 @@ def test_context_filed_without_attention_waits_exact_for_the_question(device):
     layer = cache.layers[0]
     assert layer.n_hist == 0 and cache.get_seq_length() == n1
     dense_k, _ = layer.dense_kv()
-    assert torch.equal(dense_k, k[:, :, :n1].to(layout.TIER_DTYPE).float())  # nothing quantized yet
+    rows = k[:, :, :n1].to(layout.TIER_DTYPE)
+    lo, hi = layout.SINK, n1 - layout.RECENT
+    assert torch.equal(dense_k[:, :, :lo], rows[:, :, :lo].float()) and torch.equal(dense_k[:, :, hi:],
+                                                                                     rows[:, :, hi:].float())
+    want = reference.dequantize_unpack(*reference.quantize_pack_ref(rows[:, :, lo:hi].float().cpu(), 0.96))
+    assert torch.equal(dense_k[:, :, lo:hi].cpu(), want)  # the INT2 view, not the exact rows
+    assert cache.static_step_key() is None
+    cache.reorder_cache(torch.zeros(B, dtype=torch.long, device=device))  # rows wait through a beam reorder too
     key, value = cache.update(k[:, :, n1:], v[:, :, n1:], 0)
     q = _aimed_queries(k, [90] * H_KV, n2, 4).to(device)
     oscar_attention(STUB, q, key, value, None, scaling=SCALE, oscar_cache=cache)
