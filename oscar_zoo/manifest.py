@@ -102,7 +102,7 @@ class QuantSpec(_Frozen):
     key_bits: list[Literal[2, 3]] | None = None
     # History tokens per KV head that a prompt's last queries pin in BF16 beside the sink (docs/format.md §6c).
     # Schema 4 only; absent (None) means 0: no pinning, what versions 1–3 mean.
-    pin: int | None = Field(default=None, ge=0, le=MAX_WINDOW)
+    pin: int | None = Field(default=None, ge=0, le=MAX_WINDOW, strict=True)
     sink: int = Field(ge=0, le=MAX_WINDOW)
     recent: int = Field(ge=0, le=MAX_WINDOW)
     flush: int = Field(ge=1, le=MAX_WINDOW)

@@ -136,7 +136,7 @@ def _manifest_cases(good: str, rng: random.Random) -> list[tuple[str, bytes]]:
     cases.append(("file listed twice", dump(_set(doc, ("artifacts",), doc["artifacts"] * 2))))
     cases.append(("sha256 of another file", dump(_set(doc, ("artifacts", 0, "sha256"), "0" * 64))))
     cases.append(("bytes off by one", dump(_set(doc, ("artifacts", 0, "bytes"), doc["artifacts"][0]["bytes"] + 1))))
-    cases.append(("schema_version 4", dump(_set(doc, ("schema_version",), 4))))
+    cases.append(("schema_version 5", dump(_set(doc, ("schema_version",), 5))))
     cases.append(("schema_version true", dump(_set(doc, ("schema_version",), True))))
     cases.append(("centring in a version-1 manifest", dump(_set(_set(doc, ("schema_version",), 1),
                                                                 ("quant", "centring"), "none"))))
@@ -145,6 +145,10 @@ def _manifest_cases(good: str, rng: random.Random) -> list[tuple[str, bytes]]:
     cases.append(("key_bits in a version-2 manifest", dump(_set(_set(doc, ("schema_version",), 2),
                                                                  ("quant", "key_bits"), [2, 3]))))
     cases.append(("4-bit keys", dump(_set(doc, ("quant", "key_bits"), [4, 2]))))
+    cases.append(("pin in a version-3 manifest", dump(_set(_set(doc, ("schema_version",), 3), ("quant", "pin"), 32))))
+    cases.append(("negative pin", dump(_set(doc, ("quant", "pin"), -1))))
+    cases.append(("pin past the window limit", dump(_set(doc, ("quant", "pin"), 2**21))))
+    cases.append(("pin as a string", dump(_set(doc, ("quant", "pin"), "32"))))
     cases.append(("key_bits for one of two layers", dump(_set(doc, ("quant", "key_bits"), [3]))))
     cases.append(("key_bits as a string", dump(_set(doc, ("quant", "key_bits"), "3"))))
     cases.append(("unknown key", dump(_set(doc, ("model", "surprise"), 1))))

@@ -93,7 +93,7 @@ def test_runtime_reader_refuses_unreadable_manifests(good_text, tmp_path):
                         (json.dumps({"quant": {"group_size": "16"}}).encode(), "expected an integer"),
                         (json.dumps({"quant": {"sink": 1.5}}).encode(), "expected an integer"),
                         (json.dumps({"quant": {"flush": True}}).encode(), "expected an integer"),
-                        (json.dumps({"quant": {"recent": -3}}).encode(), "0 ≤ sink, recent ≤"),
+                        (json.dumps({"quant": {"recent": -3}}).encode(), "0 ≤ sink, recent, pin ≤"),
                         (json.dumps({"quant": {"flush": 10**15}}).encode(), "1 ≤ flush ≤ 1048576")]:
         (folder / "manifest.json").write_bytes(data)
         with pytest.raises(ValueError, match=words):

@@ -45,7 +45,8 @@ def _polar(R: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def per_layer_plain(good_artifacts, tmp_path_factory):
     """The conftest artifact reduced to what the reference runtime can take unchanged: one rotation per layer (head 0),
-    no means, INT2 keys everywhere, uniform clips (its fixed 0.96 / 0.92; its 3-bit layer's unclipped keys get 0.96)."""
+    no means, INT2 keys everywhere, no pinned tokens, uniform clips (its fixed 0.96 / 0.92; its 3-bit layer's unclipped
+    keys get 0.96)."""
     manifest, rot = load_artifacts(good_artifacts)
     two = torch.tensor(manifest.key_bits) == 2
     assert torch.all(rot.k_clip[two] == layout.DEFAULT_K_CLIP) and torch.all(rot.v_clip == layout.DEFAULT_V_CLIP)
@@ -54,7 +55,7 @@ def per_layer_plain(good_artifacts, tmp_path_factory):
         k_clip=torch.full_like(rot.k_clip[:, :1], layout.DEFAULT_K_CLIP))
     manifest = manifest.model_copy(update={
         "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
-        "quant": manifest.quant.model_copy(update={"centring": "none", "key_bits": None})})
+        "quant": manifest.quant.model_copy(update={"centring": "none", "key_bits": None, "pin": None})})
     folder = tmp_path_factory.mktemp("as-exported") / "per-layer"
     write_artifacts(folder, manifest, shared)
     return folder
@@ -62,11 +63,12 @@ def per_layer_plain(good_artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def per_head_varied(good_artifacts, tmp_path_factory):
-    """The conftest artifact (per-head, centred) with varied clips and INT2 keys everywhere (the 3-bit keys' own
-    export path: `test_three_bit_keys_are_refused_or_exported_as_int2`)."""
+    """The conftest artifact (per-head, centred) with varied clips, INT2 keys everywhere and no pinned tokens (the 3-bit
+    keys' and the pins' own export paths: `test_three_bit_keys_are_refused_or_exported_as_int2`, and
+    tests/test_calibrate_cli.py)."""
     manifest, rot = load_artifacts(good_artifacts)
     assert manifest.rotation.granularity == Granularity.PER_HEAD and rot.k_rotation.shape[1] == 3 and manifest.centred
-    manifest = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={"key_bits": None})})
+    manifest = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={"key_bits": None, "pin": None})})
     folder = tmp_path_factory.mktemp("as-exported") / "per-head"
     write_artifacts(folder, manifest, dataclasses.replace(rot, k_clip=K_CLIPS.clone(), v_clip=V_CLIPS.clone()))
     return folder
