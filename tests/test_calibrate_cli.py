@@ -80,9 +80,9 @@ def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_mo
     _check_k_clips_minimise_the_logit_error(tmp_path / "cache", rot, manifest.clip.grid, manifest.key_bits)
     assert manifest.calibration.tokens == 256 and manifest.calibration.sequences == 4
     # head_dim 64: history V 2 + 32/64, K 2.5 + 32/64 (one layer of two at 3 bits), so 2.75 for K and V averaged;
-    # 64 sink + 256 recent + 32 pinned tokens at 16
+    # 64 sink + 256 recent tokens at 16
     L = 131072
-    assert manifest.bits_per_element["131072"] == pytest.approx((352 * 16 + (L - 352) * 2.75) / L, abs=1e-4)
+    assert manifest.bits_per_element["131072"] == pytest.approx((320 * 16 + (L - 320) * 2.75) / L, abs=1e-4)
     assert summary["forward_passes"] == ["pass1", "heldout", "pass2"] and len(summary["layers"]) == 2
 
     code, stdout, _ = run_cli("inspect", out)
@@ -313,35 +313,34 @@ def test_calibrate_defaults_to_uncentred_and_centring_mean_still_writes_means(ca
     assert OscarCache.from_folder(centred).centred
 
 
-def test_calibrate_pins_32_tokens_by_default_and_the_runtime_reads_it(calibrated, run_cli, tiny_model_dir, text_file,
-                                                                    tmp_path):
-    """The default manifest (schema 4) asks for 32 pinned tokens per KV head (docs/format.md §6c), counted as BF16 in
-    its bits per element; `OscarCache.from_folder` builds a cache that pins them; `--pin 0` writes no `pin` field and a
-    cache that pins nothing; export refuses the pinning artifact without --accept-degraded."""
+def test_calibrate_pin_writes_schema_4_pins_and_the_runtime_reads_them(calibrated, run_cli, tiny_model_dir,
+                                                                       text_file, tmp_path):
+    """The default pins nothing (no `pin` field, a cache that pins nothing); `--pin 32` writes quant.pin (schema 4,
+    docs/format.md §6c), counted as BF16 in its bits per element, and `OscarCache.from_folder` builds a cache that pins
+    them; export refuses the pinning artifact without --accept-degraded, and warns with it."""
     from oscar_zoo.runtime import layout
     from oscar_zoo.runtime.cache import OscarCache
 
     out, _ = calibrated
-    manifest, _ = load_artifacts(out)
+    assert '"pin"' not in (out / "manifest.json").read_text() and load_artifacts(out)[0].pin == 0
+    assert {layer.pin for layer in OscarCache.from_folder(out).layers} == {0}
+
+    pinned = tmp_path / "pinned"  # INT2 keys everywhere, so that pinning is the only thing export cannot carry
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", pinned, "--pin", "32",
+                           "--key-bits", "2")
+    assert code == 0, err
+    manifest, _ = load_artifacts(pinned)
     G = manifest.quant.group_size
-    assert manifest.quant.pin == manifest.pin == layout.PIN == 32
+    assert manifest.schema_version == 4 and manifest.quant.pin == manifest.pin == 32
     want = layout.kv_bits_per_element(32768, G, 64, 256, manifest.mean_key_bits, 32)
     assert manifest.bits_per_element["32768"] == round(want, 4) == round(manifest.bits_at(32768), 4)
-    # 32 BF16 tokens in place of 32 history tokens, per element at 32K: (16 − history bits) · 32 / 32768
+    # 32 BF16 tokens in place of 32 INT2 history tokens (2 + 32/64 bits): (16 − 2.5) · 32 / 32768 more per element
     unpinned = layout.kv_bits_per_element(32768, G, 64, 256, manifest.mean_key_bits)
-    assert want - unpinned == pytest.approx((16 - (unpinned * 32768 - 320 * 16) / (32768 - 320)) * 32 / 32768)
-    assert {layer.pin for layer in OscarCache.from_folder(out).layers} == {32}
+    assert want - unpinned == pytest.approx((16 - 2.5) * 32 / 32768)
+    assert {layer.pin for layer in OscarCache.from_folder(pinned).layers} == {32}
 
-    plain = tmp_path / "plain"
-    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", plain, "--pin", "0")
-    assert code == 0, err
-    assert '"pin"' not in (plain / "manifest.json").read_text() and load_artifacts(plain)[0].pin == 0
-    assert {layer.pin for layer in OscarCache.from_folder(plain).layers} == {0}
-
-    int2 = tmp_path / "int2"  # INT2 keys everywhere, so that pinning is the only thing export cannot carry
-    assert run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", int2, "--key-bits", "2")[0] == 0
-    code, _, err = run_cli("export", int2, "--format", "oscar-pt", "--out", tmp_path / "pt", "--average-heads")
+    code, _, err = run_cli("export", pinned, "--format", "oscar-pt", "--out", tmp_path / "pt", "--average-heads")
     assert code == 2 and "pins 32 history tokens" in err and not (tmp_path / "pt").exists(), err
-    code, _, err = run_cli("export", int2, "--format", "oscar-pt", "--out", tmp_path / "pt", "--average-heads",
+    code, _, err = run_cli("export", pinned, "--format", "oscar-pt", "--out", tmp_path / "pt", "--average-heads",
                            "--accept-degraded")
     assert code == 0 and "the reference runtime pins none" in err, err

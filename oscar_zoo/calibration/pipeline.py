@@ -56,7 +56,7 @@ class CalibrationSettings:
     sink: int = layout.SINK
     recent: int = layout.RECENT
     flush: int = layout.FLUSH
-    pin: int = layout.PIN  # history tokens per KV head a prompt pins in BF16 (docs/format.md §6c; 0: none)
+    pin: int = 0  # history tokens per KV head a prompt pins in BF16 (docs/format.md §6c; 0: none, the default)
     centring: str = "none"  # "none": rows stored as x·M (schema 1's); "mean": the centred codec (docs/format.md §6a),
     # lower KL but worse needle retrieval (benchmarks/QUALITY.md, "Decision")
     centred_value_target: bool = False  # weighted value target about μ_V (a covariance) instead of about 0; measured

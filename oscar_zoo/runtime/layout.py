@@ -45,7 +45,6 @@ RANGE_REL_FLOOR = 2.0**-12
 RANGE_ABS_FLOOR = 3 * 2.0**-14
 
 
-PIN = 32  # history tokens per KV head a prompt pins in BF16 (calibrate's default; docs/format.md §6c)
 PIN_WINDOW = 32  # the prompt's last queries whose attention chooses them
 PIN_POOL = 7  # a token's score is the largest of its neighbours' within this window (a needle is several tokens)
 
