@@ -17,7 +17,7 @@
 #   generate() at 100K batch 1 and 8 with 2-bit keys and with calibrate's default (--key-bits 2.7), same session
 # pin-tests: the pinned-token, static-step and attention GPU tests (docs/format.md §6c)
 # pin-bench: no tests; generate() at 100K batch 1 and 8 with calibrate's default keys (--key-bits 2.7), without and
-#   with 32 pinned tokens (calibrate's default --pin), same session
+#   with 32 pinned tokens (calibrate --pin 32), same session
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
