@@ -295,7 +295,7 @@ class OscarLayer(CacheLayerMixin):
                 all_k = torch.cat([self.recent_k[:, :, : self.n_recent], k], dim=2)  # [B, H, total, D]
                 all_v = torch.cat([self.recent_v[:, :, : self.n_recent], v], dim=2)
                 if multi and self.pin:  # a prompt chunk: its attention chooses the pinned tokens first (`pin_tokens`);
-                    # rows of earlier chunks no attention has seen yet wait with them, exact, in position order
+                    # rows of earlier chunks no attention has seen yet wait with them, in position order
                     staged = (all_k[:, :, :n_demote], all_v[:, :, :n_demote])
                     if self.staged is not None:
                         staged = tuple(torch.cat([old, new], dim=2) for old, new in zip(self.staged, staged))
@@ -320,11 +320,10 @@ class OscarLayer(CacheLayerMixin):
         cand_k = torch.cat([self.sink_k[:, :, lo : lo + P], k_new], dim=2)  # [B, H, c, D]
         cand_v = torch.cat([self.sink_v[:, :, lo : lo + P], v_new], dim=2)
         B, H, c, D = cand_k.shape
-        keep = min(self.pin, c) if scores_of is not None else P
-        if scores_of is None:
-            rank = torch.arange(c, 0, -1, device=cand_k.device, dtype=torch.float32).expand(B, H, c)  # earliest first
+        if scores_of is None:  # keep the P pinned tokens (the first candidates)
+            keep, rank = P, torch.arange(c, 0, -1, device=cand_k.device, dtype=torch.float32).expand(B, H, c)
         else:
-            rank = scores_of(cand_k)
+            keep, rank = min(self.pin, c), scores_of(cand_k)
         chosen = torch.zeros(B, H, c, dtype=torch.bool, device=cand_k.device)
         chosen.scatter_(2, rank.topk(keep, dim=-1).indices, True)
         order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)  # chosen first, each part in order
