@@ -280,7 +280,7 @@ def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method
         previous = model.config._attn_implementation
         results = {}
         try:
-            enable_oscar(model)
+            enable_oscar(model, compile=False)  # a few dozen tokens: compiling the step would cost more than it saves
             for i, m in enumerate(runnable):
                 peer = isinstance(m, PeerCache)
                 cache = new_cache(m.spec, model.config) if peer else _cache_for(m, manifest, info.num_layers,

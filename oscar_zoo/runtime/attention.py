@@ -23,7 +23,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import layout, ops, reference, rotate_op
+from . import compiled, layout, ops, reference, rotate_op
 from .cache import OscarCache
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -74,6 +74,9 @@ def oscar_attention(
     """transformers attention interface: query [B, H_q, n, D] post-RoPE, key/value as returned by the cache's
     `update` [B, H_kv, n, D]; `oscar_cache` the cache the module was called with (set by `enable_oscar`'s hook).
     Returns [B, n, H_q, D] in query's dtype, and no attention weights."""
+    if compiled.stepping() and torch.compiler.is_compiling():  # a compiled decode step: the cache side is one op
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return compiled.decode_attention(query, key, value, scale, softcap, sliding_window), None
     if attention_mask is not None:
         raise NotImplementedError(
             "oscar attention got an explicit attention mask: padded batches and custom masks are not supported; "
@@ -223,7 +226,10 @@ CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cac
 
 
 def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook of an attention module: pass the OscarCache it is called with on to the attention function."""
+    """Forward pre-hook of an attention module: pass the OscarCache it is called with on to the attention function.
+    (Not while a compiled step traces: its custom op binds, in the step.)"""
+    if compiled.stepping() and torch.compiler.is_compiling():
+        return args, kwargs
     cache = next((kwargs[name] for name in CACHE_ARGS if kwargs.get(name) is not None), None)
     if isinstance(cache, OscarCache):
         kwargs["oscar_cache"] = cache
@@ -248,10 +254,12 @@ def _attention_modules(model: torch.nn.Module):
             yield module
 
 
-def enable_oscar(model: torch.nn.Module) -> torch.nn.Module:
+def enable_oscar(model: torch.nn.Module, compile: bool = True) -> torch.nn.Module:
     """Register "oscar", switch `model` (a transformers PreTrainedModel) to it and bind its attention modules to the
     cache they are called with; returns the model. Rotations are applied only when an OscarCache is the cache; without
-    one the model runs exact. On a GPU, generate() then replays single-token decode steps as CUDA graphs (graph.py)."""
+    one the model runs exact. On a GPU, generate() then replays single-token decode steps as CUDA graphs (graph.py),
+    whose decoder layers are compiled by inductor around the OSCAR work (compiled.py; the first step compiles, once
+    per batch shape); `compile=False` captures the eager layers instead."""
     from .graph import install
 
     register()
@@ -260,5 +268,5 @@ def enable_oscar(model: torch.nn.Module) -> torch.nn.Module:
         if not getattr(module, "_oscar_bound", False):
             module.register_forward_pre_hook(_bind_cache, with_kwargs=True)
             module._oscar_bound = True
-    install(model)
+    install(model, compile=compile)
     return model

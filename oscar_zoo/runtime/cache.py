@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import layout, ops, reference, rotate_op
+from . import compiled, layout, ops, reference, rotate_op
 from .pinning import PinnedTokens
 from .rotation import Rotation, fingerprint
 from .validate import check_centring, check_mean, check_rotation_tensors, read_quant_settings
@@ -527,6 +527,8 @@ class OscarCache(Cache):
                    k_mean=t.get("k_mean"), v_mean=t.get("v_mean"), **settings)  # fmt: skip
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        if compiled.stepping() and torch.compiler.is_compiling():  # the step's custom op files the token
+            return key_states, value_states
         bound, self.bound_layer = self.bound_layer, None
         if (args or kwargs) and bound != layer_idx:  # a model's attention module (it passes its cache kwargs) that
             # enable_oscar's hook did not mark as running "oscar" attention

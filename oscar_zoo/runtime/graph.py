@@ -15,10 +15,13 @@ model's own compiled call). Prefill, CPU runs and steps that are not static stay
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from .attention import CACHE_ARGS
+from .compiled import CompiledLayers
 
 _STATIC_INPUTS = ("input_ids", "position_ids", "cache_position")  # tensors copied into the graph's inputs per step
 _EAGER_FLAGS = ("output_attentions", "output_hidden_states")  # outputs a replay does not give back
@@ -29,9 +32,10 @@ class DecodeGraphs:
     that offer a static step (OscarCache; the protocol is `static_step_key`, `host_lengths`, `restore_host_lengths`,
     `advance_host`, `get_seq_length`); every other call goes to `fallback`."""
 
-    def __init__(self, model: torch.nn.Module, fallback=None):
+    def __init__(self, model: torch.nn.Module, fallback=None, compile: bool = True):
         self.model = model
         self.fallback = fallback or model.__call__
+        self.compiled = CompiledLayers(model) if compile else None  # the layers a static step runs (None: eager)
         self.graphs: dict[tuple, _Step] = {}
         self.warm: set[tuple] = set()  # step kinds that have run eagerly once (kernels compiled, workspaces made)
         self.versions: tuple | None = None  # the cache, storage versions and value folds the graphs were captured for
@@ -53,15 +57,21 @@ class DecodeGraphs:
         kind = (demote,) + kind
         if kind not in self.warm:
             self.warm.add(kind)
-            return self.model(**kwargs)
+            with self._layers(cache):
+                return self.model(**kwargs)
         step = self.graphs.get(kind)
         if step is None:
-            step = self.graphs[kind] = self._capture(cache, kwargs)
+            with self._layers(cache):
+                step = self.graphs[kind] = self._capture(cache, kwargs)
         step.load(kwargs, cache)
         step.graph.replay()
         cache.advance_host()
         self.replays += 1
         return step.output(cache)
+
+    def _layers(self, cache):
+        """The decoder layers a static step runs: compiled (the OSCAR work as custom ops), or eager."""
+        return self.compiled.step(cache) if self.compiled is not None else contextlib.nullcontext()
 
     def reset(self) -> None:
         """Drop every captured graph and its memory pool (the next static step warms up and captures again)."""
@@ -134,13 +144,20 @@ class _Step:
         return self.out_type(**fields)
 
 
-def install(model: torch.nn.Module) -> None:
+def install(model: torch.nn.Module, compile: bool = True) -> None:
     """Make `model.get_compiled_call` (what generate() uses for decode steps with a compileable cache on a GPU) return
-    a `DecodeGraphs` that replays OscarCache steps and hands every other cache to the model's own compiled call."""
-    if getattr(model, "_oscar_graphs", None) is not None or not hasattr(model, "get_compiled_call"):
+    a `DecodeGraphs` that replays OscarCache steps (their layers compiled unless `compile` is False) and hands every
+    other cache to the model's own compiled call."""
+    installed = getattr(model, "_oscar_graphs", None)
+    if installed is not None:
+        if (installed.compiled is not None) != compile:
+            installed.compiled = CompiledLayers(model) if compile else None
+            installed.reset()
+        return
+    if not hasattr(model, "get_compiled_call"):
         return
     own = type(model).get_compiled_call
-    graphs = DecodeGraphs(model)
+    graphs = DecodeGraphs(model, compile=compile)
     model._oscar_graphs = graphs
 
     def get_compiled_call(compile_config=None):

@@ -1,0 +1,108 @@
+"""A compiled decode step: the model's own work (norms, projections, RoPE, MLP, residuals) fused by inductor
+(`torch.compile`) around the OSCAR work, which runs as one opaque custom op per layer.
+
+`oscar_zoo::decode_attention(query, key, value, layer_idx, scaling, softcap)` is the whole cache side of one layer's
+decode step — filing the token (`OscarCache.update`: rotation, tier write, the every-`flush`-steps demotion) and the
+tiered attention (q·M_K, the INT2 decode and merge, o·M_Vᵀ) — exactly as the eager step runs it. Dynamo never traces
+into it: its host-side state (the length mirror, the demotion schedule) stays Python, and the op reads the cache and
+the attention modules from the step that is running (`compiled_step`, a context manager that restores on exit, so
+nothing lives past the step). While a compiled step traces, `OscarCache.update` and the binding hook step aside
+(`stepping()`), and the "oscar" attention function hands its arguments to the op.
+
+Each decoder layer is compiled on its own (`dynamic=False`: one graph per layer and batch shape; lengths live on the
+device, so a later step or a demotion step reuses the graphs). `graph.DecodeGraphs` runs the warm-up step and the
+capture through `compiled_step`, so the compiled kernels are what the CUDA graph replays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import time
+
+import torch
+from torch import Tensor
+
+
+
+class _Running:
+    """A compiled step in progress: its cache, and the attention module of the layer running now."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.module: torch.nn.Module | None = None
+
+
+_ACTIVE: list[_Running] = []  # the compiled steps running now, innermost last
+
+
+def stepping() -> bool:
+    """True while a compiled step runs (and while dynamo traces one): the cache side goes through the custom op."""
+    return bool(_ACTIVE)
+
+
+@torch.library.custom_op("oscar_zoo::decode_attention", mutates_args=())
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None,
+                     sliding_window: int | None) -> Tensor:
+    """File this step's key/value [B, H_kv, 1, D] into the running layer of the running step's OscarCache and attend
+    query [B, H_q, 1, D] over its tiers; returns [B, 1, H_q, D] in query's dtype (what the attention function returns).
+    The layer is the step's state, not an argument, so that one compiled graph serves every layer."""
+    from .attention import _bind_cache, oscar_attention
+
+    run = _ACTIVE[-1]
+    cache, module = run.cache, run.module
+    _, kwargs = _bind_cache(module, (), {"cache": cache})  # what the pre-hook does in an eager call
+    key, value = cache.update(key, value, module.layer_idx, {})
+    out, _ = oscar_attention(module, query, key, value, None, scaling=scaling, softcap=softcap,
+                             sliding_window=sliding_window, **kwargs)
+    return out.contiguous()  # the layout the fake promises (the decode kernel's batch-major o may be strided)
+
+
+@decode_attention.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None,
+      sliding_window: int | None) -> Tensor:
+    B, H_q, n, D = query.shape
+    return query.new_empty(B, n, H_q, D)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that hold one attention module with a `layer_idx` as `self_attn` (a transformers decoder layer)."""
+    return [m for m in model.modules() if hasattr(getattr(m, "self_attn", None), "layer_idx")]
+
+
+class CompiledLayers:
+    """The decoder layers' forward compiled by inductor (one compiled function per layer class, shared by its layers),
+    used only inside `step` (prefill, CPU runs and steps that are not static stay eager). Compiles lazily on the first
+    step; reports the time it took once."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = decoder_layers(model)
+        self.compiled: dict[type, object] = {}  # made on the first step (torch.compile is lazy; dynamo imports are not)
+        self.compile_seconds: float | None = None
+
+    @contextlib.contextmanager
+    def step(self, cache):
+        """Run the model's layers compiled, with `cache` as the one the custom op files into; restores on exit."""
+        for cls in {type(m) for m in self.layers} - self.compiled.keys():
+            self.compiled[cls] = torch.compile(cls.forward, dynamic=False)
+        run = _Running(cache)
+        _ACTIVE.append(run)
+        for layer in self.layers:
+            layer.forward = functools.partial(self._layer, run, layer)
+        first = self.compile_seconds is None
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                del layer.forward  # the class's forward again
+            _ACTIVE.pop()
+        if first:
+            self.compile_seconds = time.perf_counter() - t0
+            print(f"oscar-zoo: compiled the decode step in {self.compile_seconds:.1f} s (torch.compile, inductor; "
+                  f"later processes reuse inductor's on-disk cache)", file=sys.stderr)
+
+    def _layer(self, run: _Running, layer: torch.nn.Module, *args, **kwargs):
+        run.module = layer.self_attn  # the op's layer
+        return self.compiled[type(layer)](layer, *args, **kwargs)

@@ -1,0 +1,134 @@
+"""The compiled decode step (runtime/compiled.py): decoder layers compiled by inductor around one opaque custom op per
+layer that files the token and attends over the tiers. On CPU inductor compiles C++ and the op runs the reference
+ops; the GPU copies check generate()'s compiled CUDA-graph replay against the eager path (marked gpu)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from oscar_zoo.models import ARCHITECTURES
+
+from oscar_zoo.runtime import compiled, layout
+from oscar_zoo.runtime.attention import enable_oscar
+from oscar_zoo.runtime.compiled import CompiledLayers
+
+from .test_static_step import D, _cache, _llama, _qwen3
+
+ARCH_EXTRA = {"gemma2": {"final_logit_softcapping": None}, "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2,
+                                                                      "moe_intermediate_size": 96}}
+
+
+@torch.no_grad()
+def _teacher_forced(model, cache, ids, prompt: int, layers: CompiledLayers | None) -> torch.Tensor:
+    """Prefill ids[:, :prompt] eagerly, then one token at a time (through `layers` when given); logits [B, steps, V]."""
+    out = [model(ids[:, :prompt], cache=cache).logits[:, -1]]
+    for t in range(prompt, ids.shape[1]):
+        if layers is None:
+            out.append(model(ids[:, t : t + 1], cache=cache).logits[:, -1])
+        else:
+            with layers.step(cache):
+                out.append(model(ids[:, t : t + 1], cache=cache).logits[:, -1])
+    return torch.stack(out, 1)
+
+
+def test_compiled_layers_equal_the_eager_step_across_demotions():
+    """A float32 Llama-shaped model, batch 2: 40 decode steps after a 330-token prompt (5 demotions of 8 rows) give
+    the eager path's logits to float32 round-off, one graph serves both layers (no recompilation from layer to layer,
+    step to step or at a demotion step), and the history grew by exactly the demoted rows (the op filed every token once)."""
+    model = enable_oscar(_llama(layers=2, dtype=torch.float32))
+    ids = torch.randint(0, 512, (2, 370), generator=torch.Generator().manual_seed(1))
+    eager_cache, compiled_cache = _cache(2), _cache(2)
+    want = _teacher_forced(model, eager_cache, ids, 330, None)
+    layers = CompiledLayers(model)
+    graphs = counters["stats"]["unique_graphs"]
+    got = _teacher_forced(model, compiled_cache, ids, 330, layers)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one graph for both layers, whatever the step
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-5 * scale
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    n_hist = 330 - layout.SINK - layout.RECENT + 40  # 40 decode tokens: 5 demotions of 8
+    assert compiled_cache.layers[1].n_hist == eager_cache.layers[1].n_hist == n_hist
+    assert not compiled.stepping() and all("forward" not in m.__dict__ for m in layers.layers)  # restored on exit
+
+
+def test_decode_attention_op_schema_and_fake_tensor():
+    """torch.library.opcheck: the op declares no input mutation and really mutates none, and its fake implementation
+    gives the real output's shape, dtype and strides."""
+    model = enable_oscar(_llama(layers=2, dtype=torch.float32))
+    cache = _cache(2)
+    with torch.no_grad():
+        model(torch.randint(0, 512, (1, 330)), cache=cache)  # windows full: a decode step files one token
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 1, 64, generator=g) for h in (9, 3, 3))
+    with CompiledLayers(model).step(cache), torch.no_grad():
+        compiled._ACTIVE[-1].module = model.model.layers[0].self_attn  # the layer a compiled forward would set
+        torch.library.opcheck(torch.ops.oscar_zoo.decode_attention.default, (q, k, v, 0.125, None, None),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("arch", "B", "dtype"), [("qwen3", 1, torch.float32), ("llama", 3, torch.float32),
+                                                  ("qwen3", 3, torch.bfloat16), ("llama", 1, torch.bfloat16)])
+def test_generate_compiled_replay_equals_eager_and_uncompiled(arch, B, dtype):
+    """generate() on a GPU: 220 greedy tokens from a 400-token prompt (27 demotions) with the compiled CUDA-graph step
+    against the uncompiled graph step and the eager path. float32: tokens equal and logits to round-off; bfloat16
+    (inductor rounds fused intermediates once): the same tokens, logits within bfloat16's resolution."""
+    model = _qwen3("cuda") if arch == "qwen3" else _llama(device="cuda")
+    model = enable_oscar(model.to(dtype))
+    cfg = model.config
+    L, H, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    ids = torch.randint(0, cfg.vocab_size, (B, 400), generator=torch.Generator().manual_seed(0)).cuda()
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    runs = {}
+    for mode in ("eager", "graph", "compiled"):
+        enable_oscar(model, compile=mode == "compiled")
+        cache = _cache(L, H, Dh)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=220, do_sample=False,
+                             disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True,
+                             **{cache_kw: cache})  # fmt: skip
+        runs[mode] = (out.sequences, torch.stack(out.logits, 1).float())
+        if mode != "eager":
+            assert model._oscar_graphs.replays >= 210
+    tol = (1e-4 if dtype == torch.float32 else 3e-2) * runs["eager"][1].abs().max()
+    for mode in ("graph", "compiled"):
+        assert torch.equal(runs[mode][0], runs["eager"][0])
+        assert (runs[mode][1] - runs["eager"][1]).abs().max() <= tol
+
+
+def _arch(model_type: str) -> torch.nn.Module:
+    """A random 2-layer model of `model_type` with SmolLM2's attention shape (9 q / 3 kv heads, head_dim 64), float32,
+    on the GPU."""
+    cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=144, intermediate_size=288,
+                               num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=D,
+                               max_position_embeddings=2048, initializer_range=0.1, **ARCH_EXTRA.get(model_type, {}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device="cuda", dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_every_supported_architecture_compiles_and_replays_as_eager(model_type):
+    """Every architecture models.py supports: 60 teacher-forced decode steps through DecodeGraphs with compiled layers
+    (captured and replayed) give the eager path's logits to float32 round-off."""
+    model = enable_oscar(_arch(model_type))
+    ids = torch.randint(0, 512, (2, 390), generator=torch.Generator().manual_seed(2)).cuda()
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    runs = []
+    for forward in (model, model._oscar_graphs):
+        cache = _cache(2)
+        with torch.no_grad():
+            out = [model(ids[:, :330], **{cache_kw: cache}).logits[:, -1]]
+            for t in range(330, 390):
+                out.append(forward(input_ids=ids[:, t : t + 1], use_cache=True, **{cache_kw: cache}).logits[:, -1])
+        runs.append(torch.stack(out, 1).float())
+    assert model._oscar_graphs.replays >= 50
+    assert (runs[1] - runs[0]).abs().max() <= 1e-4 * runs[0].abs().max()
