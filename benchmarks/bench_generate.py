@@ -22,19 +22,16 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import itertools
 import json
 import math
 import os
 import time
-import weakref
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, QuantizedCache, Qwen3Config, StaticCache
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from oscar_zoo.runtime import cache as cache_mod, layout, ops, reference, rotate_op
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation
@@ -43,8 +40,10 @@ from oscar_zoo.runtime.graph import install
 
 if __package__:  # imported: `from benchmarks import bench_generate`
     from . import peer_caches
+    from .bf16_caches import GraphBF16Cache, GraphBF16Layer, PreallocLayer, bf16_split_attention, check_bf16graph
 else:  # run as a script: python benchmarks/bench_generate.py (its folder is on sys.path)
     import peer_caches
+    from bf16_caches import GraphBF16Cache, GraphBF16Layer, PreallocLayer, bf16_split_attention, check_bf16graph
 PEER_KINDS = peer_caches.PEER_KINDS
 
 KINDS = ("oscar", "dynamic", "static", "prealloc", "bf16graph") + PEER_KINDS
@@ -96,134 +95,6 @@ def cache_kwarg(model) -> str:
 # ------------------------------------------------------------------------------------------------------- caches
 
 
-class PreallocLayer(CacheLayerMixin):
-    """BF16 K/V [B, H_kv, capacity, D] written in place; attention reads the exact-length view (no copy, no mask)."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity, self.n = capacity, 0
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        B, H, _, D = key_states.shape
-        self.keys = torch.empty(B, H, self.capacity, D, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.empty_like(self.keys)
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[2]
-        if self.n + n > self.capacity:
-            raise ValueError(f"prealloc cache full: {self.n} + {n} tokens > capacity {self.capacity}")
-        self.keys[:, :, self.n : self.n + n] = key_states
-        self.values[:, :, self.n : self.n + n] = value_states
-        self.n += n
-        return self.keys[:, :, : self.n], self.values[:, :, : self.n]
-
-    def get_seq_length(self) -> int:
-        return self.n
-
-    def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        q = query_length if isinstance(query_length, int) else query_length.shape[0]  # older API: cache_position
-        return self.n + q, 0
-
-    def get_max_length(self) -> int:
-        return self.capacity
-
-
-class GraphBF16Layer(PreallocLayer):
-    """A BF16 K/V buffer of fixed capacity with an int32 [B] device length: a decode token is written at that length
-    (index_copy_, no host value), and `bf16_split_attention` reads exactly `length` rows with the runtime's split-K
-    BF16 kernel. The fastest BF16 decode that a CUDA graph can hold (no mask, no repeat_kv, no padding reads)."""
-
-    is_compileable = True
-    LAYERS: "weakref.WeakValueDictionary[int, GraphBF16Layer]" = weakref.WeakValueDictionary()  # layer_idx → layer
-    # for the attention function (benchmark only; weak, so a finished row's cache is freed)
-    STORAGE_IDS = itertools.count(1)
-
-    def __init__(self, capacity: int, layer_idx: int):
-        super().__init__(capacity)
-        self.layer_idx = layer_idx
-        GraphBF16Layer.LAYERS[layer_idx] = self
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        B, H, _, D = key_states.shape
-        self.length = torch.zeros(B, dtype=torch.int32, device=key_states.device)
-        self.empty = torch.zeros(B, H, 0, D, dtype=key_states.dtype, device=key_states.device)  # no sink tier
-        self.storage_id = next(GraphBF16Layer.STORAGE_IDS)  # unique per allocation (graphs are keyed by it)
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape[2] != 1:
-            out = super().update(key_states, value_states)
-            self.length.fill_(self.n)
-            return out
-        slot = self.length[:1].long()
-        self.keys.index_copy_(2, slot, key_states)
-        self.values.index_copy_(2, slot, value_states)
-        self.length.add_(1)
-        self.n += 1  # host mirror (a replayed step advances it in `advance_host`)
-        return key_states, value_states
-
-
-class GraphBF16Cache(Cache):
-    """Cache of GraphBF16Layer with the static-step protocol of oscar_zoo.runtime.graph.DecodeGraphs."""
-
-    def __init__(self, capacity: int, num_layers: int):
-        super().__init__(layers=[GraphBF16Layer(capacity, i) for i in range(num_layers)])
-
-    def static_step_key(self):
-        ok = all(layer.is_initialized and layer.n < layer.capacity for layer in self.layers)
-        return (False, tuple(layer.storage_id for layer in self.layers)) if ok else None
-
-    def host_lengths(self):
-        return [layer.n for layer in self.layers]
-
-    def restore_host_lengths(self, lengths):
-        for layer, n in zip(self.layers, lengths):
-            layer.n = n
-
-    def advance_host(self):
-        for layer in self.layers:
-            layer.n += 1
-
-
-def bf16_split_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Attention of "bf16graph": decode steps through ops.decode_bf16_partial + merge over the exact length; a
-    prefill chunk (fill=model) through SDPA over the buffer's exact-length view."""
-    layer = GraphBF16Layer.LAYERS[module.layer_idx]
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if query.shape[2] != 1:
-        from oscar_zoo.runtime.attention import dense_attention
-
-        out = dense_attention(query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], scale)
-        return out.transpose(1, 2).contiguous(), None
-    zero = torch.zeros_like(layer.length)
-    B, H_kv, T_cap = layer.keys.shape[:3]
-    splits = ops._int2_splits(B, H_kv, query.shape[1] // H_kv, query.shape[-1], T_cap, query.device, None)  # the INT2 split rule
-    o, lse = ops.decode_bf16_partial(query[:, :, 0], layer.empty, layer.empty, zero, layer.keys, layer.values,
-                                     layer.length, scale, num_splits=splits)  # fmt: skip
-    o, _ = ops.merge_partials(o, lse)  # [B, H_q, D] fp32
-    return o.to(query.dtype).unsqueeze(1), None
-
-
-def check_bf16graph(model, cache: GraphBF16Cache) -> float:
-    """Max |kernel − SDPA| of layer 0's decode attention at the filled length, random q (0 when not on the kernels)."""
-    layer = cache.layers[0]
-    cfg = model.config
-    B = layer.keys.shape[0]
-    q = torch.randn(B, cfg.num_attention_heads, 1, layer.keys.shape[-1], device=layer.keys.device, dtype=torch.bfloat16)
-    got, _ = bf16_split_attention(SimpleNamespace(layer_idx=0), q, None, None, None)
-    from oscar_zoo.runtime.attention import dense_attention
-
-    ref = dense_attention(q, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], q.shape[-1] ** -0.5)
-    return (got.float() - ref.transpose(1, 2).float()).abs().max().item()
-
 
 def oscar_rotations(L: int, H_kv: int, D: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Random orthogonal per-head rotations M_K, M_V float32 [L, H_kv, D, D] (sign-fixed QR of Gaussians)."""
@@ -265,8 +136,9 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
 
 def use_attention(model, kind: str) -> None:
     """OscarCache needs attn_implementation "oscar"; the BF16 caches run transformers' own "sdpa"."""
+    compile_layers = getattr(model, "_bench_compile", True)  # --compile: graph rows replay inductor-compiled layers
     if kind == "oscar":
-        enable_oscar(model)
+        enable_oscar(model, compile=compile_layers)
     elif kind == "bf16graph":
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -274,7 +146,7 @@ def use_attention(model, kind: str) -> None:
         AttentionInterface.register("bf16graph", bf16_split_attention)
         AttentionMaskInterface.register("bf16graph", lambda *a, **kw: None)
         model.set_attn_implementation("bf16graph")
-        install(model)
+        install(model, compile=compile_layers)
     else:
         model.set_attn_implementation("sdpa")
 
@@ -653,8 +525,10 @@ def print_tables(result: dict) -> None:
         if r["status"] == "ok" and r["kind"] in BF16_KINDS:
             key = (r["context"], r["batch"])
             best[key] = min(best.get(key, math.inf), r["ms_per_step"])
+    compiled = ("compiled layers" + (f" ({result['compile_s']:.0f} s to compile)" if result.get("compile_s") else "")
+                if result.get("compile") else "eager layers")
     print(f"\n{result['model']} ({result['layers']} layers), {result['device']}, {result['steps']} timed decode steps, "
-          f"fill={result['fill']}")  # fmt: skip
+          f"fill={result['fill']}, graph rows: {compiled}")  # fmt: skip
     print("| context | batch | cache | graph | KV B/token/layer | KV GB | peak GB | ms/step | host ms/step | "
           "kernels ms/step | step / kernels | floor ms | tok/s | speedup vs best BF16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -690,7 +564,8 @@ def print_tables(result: dict) -> None:
     for r in rows:
         if r.get("top_kernels"):
             top = "; ".join(f"{name} {ms:.3f} ms ×{n:.0f}" for name, ms, n in r["top_kernels"][:5])
-            print(f"kernels {r['kind']} ctx {r['context']} batch {r['batch']}: {r['kernels_per_step']} per step; {top}")
+            print(f"kernels {r['kind']} ctx {r['context']} batch {r['batch']}: {r['kernels_per_step']} per eager step, "
+                  f"{r.get('graph_kernels_per_step')} per replayed step; {top}")
     for r in rows:
         if r.get("phases_ms_per_step"):
             parts = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_ms_per_step"].items())
@@ -727,6 +602,9 @@ def main(argv=None) -> dict:
                          "QuantizedCache (extra `peers`)")
     ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                     help="decode OSCAR and bf16graph as CUDA-graph replays (default: on a GPU)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="graph rows: the decoder layers compiled by inductor around the cache's custom op (both OSCAR "
+                         "and bf16graph; --no-compile captures the eager layers)")
     ap.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
                     help="fold OSCAR's value rotation into v_proj/o_proj (the served configuration)")
     ap.add_argument("--bandwidth-tbs", type=float, default=4.27, help="HBM bandwidth for the floor column (TB/s)")
@@ -753,11 +631,12 @@ def main(argv=None) -> dict:
         ap.error(f"--key-bits must be between {layout.BITS} and 3, got {args.key_bits}")
     model._oscar_mean_key_bits = args.key_bits
     model._oscar_pin = args.pin
+    model._bench_compile = args.compile
     L = model.config.num_hidden_layers
     phase_rows = {tuple(int(x) for x in p.split(":")) for p in args.phases}
     result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), pin=args.pin, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                   torch=torch.__version__, steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
-                  budget_gb=args.budget_gb, budget=[])  # fmt: skip
+                  compile=args.compile, budget_gb=args.budget_gb, budget=[])  # fmt: skip
     if dev.type == "cuda":
         result["model_bytes"] = torch.cuda.memory_allocated()
     print(f"{name}: {L} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params on {result['device']}",
@@ -772,7 +651,8 @@ def main(argv=None) -> dict:
 
     def save():
         if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], f"bench_generate_{name}.json"), "w") as f:
+            tag = "" if args.compile or not args.graph else "_uncompiled"
+            with open(os.path.join(os.environ["OUT"], f"bench_generate_{name}{tag}.json"), "w") as f:
                 json.dump(result, f, indent=2, default=str)
 
     combos = [(kind, T, B) for T in args.contexts for B in args.batches for kind in args.kinds]
@@ -806,6 +686,9 @@ def main(argv=None) -> dict:
         bf = [x for x in bf if x == x]
         if bf and "oscar" in per_kind:
             per_kind["oscar"]["ratio"] = f"{per_kind['oscar'].get('tokens_per_s', math.nan) / max(bf):.2f}x"
+    graphs = getattr(model, "_oscar_graphs", None)
+    if graphs is not None and graphs.compiled is not None:
+        result["compile_s"] = graphs.compiled.compile_seconds
     save()
     print_tables(result)
     return result

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|profile]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|profile]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -18,6 +18,10 @@
 # pin-tests: the pinned-token, static-step and attention GPU tests (docs/format.md §6c)
 # pin-bench: no tests; generate() at 100K batch 1 and 8 with calibrate's default keys (--key-bits 2.7), without and
 #   with 32 pinned tokens (calibrate --pin 32), same session
+# compile-tests: the compiled-step, static-step and attention GPU tests (runtime/compiled.py: generate() replaying
+#   inductor-compiled layers around the OSCAR custom op, every supported architecture)
+# compile-bench: no tests; generate() at 100K and 32K, batch 1 and 8, OSCAR and bf16graph with compiled layers
+#   (--compile), then with eager layers (--no-compile), each pair in one run
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -65,6 +69,18 @@ fi
 if [ "$mode" = pin-tests ]; then
   timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_pinned.py \
     tests/runtime/test_static_step.py tests/runtime/test_attention.py --durations 10 2>&1 | tee "$OUT/test_gpu.log" | tail -20
+  exit 0
+fi
+if [ "$mode" = compile-tests ]; then
+  timeout 580 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_compiled_step.py \
+    tests/runtime/test_static_step.py --durations 10 2>&1 | tee "$OUT/test_gpu.log" | tail -25
+  exit 0
+fi
+if [ "$mode" = compile-bench ]; then
+  for flag in ${FLAGS:---compile --no-compile}; do
+    python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-100000 32768} --batches 1 8 --budget-contexts \
+      --phases --key-bits 2.7 $flag 2>&1 | tee "$OUT/bench_generate$flag.log" | grep -E "^\||compiled|eager layers|kernels "
+  done
   exit 0
 fi
 if [ "$mode" = pin-bench ]; then

@@ -258,8 +258,8 @@ def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred, 
     included, and all but the first few steps were replays; with the value rotation folded into the weights too, and
     with centred tiers (means: the in-step subtraction and add-back are captured like the rest), and with 3-bit keys in
     every other layer (docs/format.md §6b), and with pinned tokens (§6c: the prompt pins them, decode reads them in
-    the sink tier)."""
-    model = enable_oscar(_qwen3("cuda") if arch == "qwen3" else _llama(device="cuda"))
+    the sink tier). Layers uncompiled: the capture alone is compared bit for bit (test_compiled_step.py: compiled)."""
+    model = enable_oscar(_qwen3("cuda") if arch == "qwen3" else _llama(device="cuda"), compile=False)
     cfg = model.config
     L, H, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     if fold:
