@@ -57,8 +57,10 @@ class DecodeGraphs:
         kind = (demote,) + kind
         if kind not in self.warm:
             self.warm.add(kind)
+            step = _Step(kwargs)  # the arguments the capture will pass: compiled layers see the same guards
+            step.load(kwargs, cache)
             with self._layers(cache):
-                return self.model(**kwargs)
+                return self.model(**{**kwargs, **step.inputs})
         step = self.graphs.get(kind)
         if step is None:
             with self._layers(cache):
