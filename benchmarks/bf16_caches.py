@@ -153,6 +153,7 @@ def bf16_decode(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Te
     """The running compiled step's layer: write this token's key/value at the device length and attend (what the
     eager step does in `GraphBF16Layer.update` + `bf16_split_attention`); [B, 1, H_q, D]."""
     module = compiled._ACTIVE[-1].module
+    query, key, value = compiled._eager_layout(query), compiled._eager_layout(key), compiled._eager_layout(value)
     GraphBF16Layer.LAYERS[module.layer_idx].update(key, value)
     out, _ = bf16_split_attention(module, query, key, value, None, scaling)
     return out.contiguous()

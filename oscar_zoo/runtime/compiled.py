@@ -52,11 +52,22 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float, 
 
     run = _ACTIVE[-1]
     cache, module = run.cache, run.module
+    query, key, value = _eager_layout(query), _eager_layout(key), _eager_layout(value)
     _, kwargs = _bind_cache(module, (), {"cache": cache})  # what the pre-hook does in an eager call
     key, value = cache.update(key, value, module.layer_idx, {})
     out, _ = oscar_attention(module, query, key, value, None, scaling=scaling, softcap=softcap,
                              sliding_window=sliding_window, **kwargs)
     return out.contiguous()  # the layout the fake promises (the decode kernel's batch-major o may be strided)
+
+
+def _eager_layout(t: Tensor) -> Tensor:
+    """t [B, H, n, D] laid out as transformers' eager attention gets it (a transpose of a contiguous [B, n, H, D]): the
+    layout the runtime's kernels were written for; inductor may pick another for the op's inputs."""
+    B, H, n, D = t.shape
+    want = (n * H * D, D, H * D, 1)
+    if all(s == w for s, w, size in zip(t.stride(), want, t.shape) if size > 1):
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 @decode_attention.register_fake
