@@ -1,7 +1,8 @@
 """Artifact folders: atomic writes, sha256 of every file, manifest ↔ files ↔ model consistency, safetensors I/O.
 
-Nothing is pickled. Loading checks the manifest schema, every listed file's size and sha256, and tensor shapes against
-the manifest (and against a model when one is given) before any tensor is handed out. Writing replaces a destination
+Nothing is pickled. Loading (`load_artifacts`) is the runtime's one reader (`runtime.artifact.read_artifact`: every
+listed file's size and sha256, the tensors against the format and the manifest, their values) with the manifest's
+pydantic schema on top; a model is checked against the manifest by `check_model_matches`. Writing replaces a destination
 only if it is absent, empty, or recognisably an artifact folder (`check_destination`): never someone else's files.
 """
 
@@ -16,17 +17,18 @@ import re
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import torch
 
 from .errors import InputError, IntegrityError
-from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
-from .runtime.validate import MEAN_NAMES, TENSOR_NAMES, check_rotation_tensors, check_tensor_names
-
-TENSOR_DTYPES = {name: torch.int32 if name == "layer_ids" else torch.float32 for name in (*TENSOR_NAMES, *MEAN_NAMES)}
+from .manifest import MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
+from .runtime import artifact
+from .runtime.artifact import ArtifactError, sha256_file  # noqa: F401 (sha256_file: for the modules that read it here)
+from .runtime.validate import MEAN_NAMES, TENSOR_NAMES
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,15 @@ class Rotations:
         return {name: getattr(self, name).contiguous() for name in names}
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+@contextmanager
+def integrity() -> Iterator[None]:
+    """The runtime reader's ArtifactError as an IntegrityError (exit 4), message and advice unchanged."""
+    try:
+        yield
+    except IntegrityError:
+        raise
+    except ArtifactError as exc:
+        raise IntegrityError(exc.message, exc.advice) from None
 
 
 # -- writing: usual modes, and disk failures a user can act on --------------------------------------------------------
@@ -134,13 +139,8 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise IntegrityError(f"{path} is not a readable safetensors file: {exc}") from None
+    with integrity():
+        return artifact.load_tensors(path)
 
 
 def describe_file(folder: Path, name: str) -> ArtifactFile:
@@ -202,11 +202,9 @@ def artifact_folder_problem(folder: Path) -> str | None:
     if not path.is_file():
         return f"it has no {MANIFEST_NAME}"
     try:
-        manifest = Manifest.from_json(_read_limited(path), source=MANIFEST_NAME)
-    except IntegrityError as exc:
+        manifest = Manifest.from_json(artifact.read_manifest_bytes(path), source=MANIFEST_NAME)
+    except ArtifactError as exc:
         return f"its {exc.message}"
-    except OSError as exc:
-        return f"its {MANIFEST_NAME} cannot be read ({exc})"
     listed = {MANIFEST_NAME} | {a.path for a in manifest.artifacts}
     if any(PurePosixPath(p).is_absolute() or ".." in PurePosixPath(p).parts for p in listed):
         return "its manifest lists a file outside the folder"
@@ -324,26 +322,23 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def read_manifest(folder: Path) -> Manifest:
+def artifact_folder(folder: Path) -> Path:
+    """`folder` as a Path, if it is an existing folder; InputError (exit 2) for a file or a missing path."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder} is a file, not an artifact folder", "pass the folder that holds manifest.json")
     if not folder.is_dir():
         raise InputError(f"artifact folder {folder} does not exist", "run `oscar-zoo calibrate` or `oscar-zoo pull`")
-    path = folder / MANIFEST_NAME
+    return folder
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The schema-checked manifest of an artifact folder, its files unread (`load_artifacts` reads them too)."""
+    path = artifact_folder(folder) / MANIFEST_NAME
     if not path.is_file():
         raise IntegrityError(f"{folder} has no {MANIFEST_NAME}; it is not an oscar-zoo artifact folder")
-    try:
-        data = _read_limited(path)
-    except OSError as exc:
-        raise IntegrityError(f"{path} cannot be read ({exc.strerror or exc})") from None
-    return Manifest.from_json(data, source=str(path))
-
-
-def _read_limited(path: Path) -> bytes:
-    """A manifest's bytes, at most MANIFEST_MAX_BYTES + 1 of them (the parser refuses that many)."""
-    with open(path, "rb") as f:
-        return f.read(MANIFEST_MAX_BYTES + 1)
+    with integrity():
+        return Manifest.from_json(artifact.read_manifest_bytes(path), source=str(path))
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
@@ -354,94 +349,43 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
 
 def check_files(folder: Path, manifest: Manifest) -> None:
     """Every file the manifest lists exists with its recorded size and sha256; raises IntegrityError naming the file."""
-    for entry in manifest.artifacts:
-        if Path(entry.path).is_absolute() or ".." in Path(entry.path).parts:
-            raise IntegrityError(f"manifest lists a file outside the folder: {entry.path}")
-        path = Path(folder) / entry.path
-        if not path.is_file():
-            raise IntegrityError(f"{entry.path} is listed in the manifest but missing from {folder}")
-        check_file(path, entry)
+    with integrity():
+        artifact.check_files(folder, manifest.artifacts)
 
 
 def check_file(path: Path, entry: ArtifactFile) -> None:
     """The file at `path` has the size and sha256 the manifest's `entry` records (the size first: it costs nothing)."""
-    size = Path(path).stat().st_size
-    if size != entry.bytes:
-        raise IntegrityError(f"{entry.path} has {size} bytes, the manifest says {entry.bytes}: the file is damaged")
-    digest = sha256_file(path)
-    if digest != entry.sha256:
-        raise IntegrityError(
-            f"{entry.path} sha256 {digest[:12]}… does not match the manifest's {entry.sha256[:12]}…: "
-            "the file was altered or corrupted",
-            "re-download or re-calibrate; do not use these rotations",
-        )
+    with integrity():
+        artifact.check_file(path, entry)
 
 
 def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
-    """Read and fully check an artifact folder: schema, checksums, tensor names, dtypes and shapes, and the values
-    (`check_rotations`). Every command that reads an artifact folder (inspect, verify, export, push, pull) reads it
-    here."""
-    folder = Path(folder)
-    manifest = read_manifest(folder)
-    check_files(folder, manifest)
-    if ROTATIONS_NAME not in {a.path for a in manifest.artifacts}:
-        raise IntegrityError(f"the manifest in {folder} does not list {ROTATIONS_NAME}")
-    tensors = load_tensors(folder / ROTATIONS_NAME)
-    try:
-        names = check_tensor_names(tensors)
-    except ValueError as exc:
-        raise IntegrityError(f"{ROTATIONS_NAME}: {exc}") from None
-    rotations = Rotations(**{n: tensors[n] for n in names})
-    check_rotations(rotations, manifest)
-    return manifest, rotations
+    """Read and fully check an artifact folder through the runtime's one reader (`runtime.artifact.read_artifact`, the
+    reader of `OscarCache.from_folder` too) with the pydantic schema: schema, checksums, tensor names, dtypes and
+    shapes, and the values. Every command that reads an artifact folder (inspect, verify, export, push, pull) reads it
+    here; what it refuses is an IntegrityError (exit 4) with the reader's message."""
+    folder = artifact_folder(folder)
+    source = str(folder / MANIFEST_NAME)
+    with integrity():
+        art = artifact.read_artifact(folder, parse=lambda data: Manifest.from_json(data, source=source))
+    return art.manifest, Rotations(**art.tensors)
 
 
 def check_rotations(r: Rotations, manifest: Manifest) -> None:
-    """The tensors are what the format and the manifest say (float32 / int32, shapes from the manifest's geometry,
-    the manifest's layer ids) and values a runtime may use (`runtime.validate`: finite, orthogonal rotations, clips in
-    (0, 1], finite means); IntegrityError (exit 4) naming the tensor, layer and head otherwise. The means are there
-    exactly when the manifest says the codec is centred (`quant.centring` "mean", schema 2)."""
-    if r.centred != manifest.centred or (r.k_mean is None) != (r.v_mean is None):
-        has = "carries" if r.k_mean is not None or r.v_mean is not None else "lacks"
-        raise IntegrityError(f"{ROTATIONS_NAME} {has} k_mean/v_mean but the manifest (schema_version "
-                             f"{manifest.schema_version}) says quant.centring {manifest.quant.centring!r}: the two "
-                             "files do not belong together", "re-calibrate or re-download")
-    for name, dtype in TENSOR_DTYPES.items():
-        if getattr(r, name) is None:
-            continue
-        got = getattr(r, name).dtype
-        if got != dtype:
-            raise IntegrityError(f"{ROTATIONS_NAME}: {name} has dtype {str(got).removeprefix('torch.')}, the format "
-                                 f"stores {str(dtype).removeprefix('torch.')}")
-    for name, shape in expected_shapes(manifest).items():
-        got = tuple(getattr(r, name).shape)
-        if got != shape:
-            raise IntegrityError(f"{ROTATIONS_NAME}: {name} has shape {list(got)}, the manifest implies {list(shape)}")
-    if r.layer_ids.tolist() != list(manifest.rotation.layer_ids):
-        raise IntegrityError(f"{ROTATIONS_NAME}: layer_ids differ from the manifest's rotation.layer_ids")
-    try:
-        check_rotation_tensors(r.tensors())
-    except ValueError as exc:
-        raise IntegrityError(f"{ROTATIONS_NAME}: {exc}", "do not use these rotations; re-calibrate or re-download") \
-            from None
+    """The tensors are what the format and the manifest say and values a runtime may use: the reader's own checks
+    (`runtime.artifact.check_against_manifest`, `check_values`), for what is about to be written. IntegrityError
+    (exit 4) naming the tensor, layer and head otherwise."""
+    with integrity():
+        tensors = {name: getattr(r, name) for name in (*TENSOR_NAMES, *MEAN_NAMES) if getattr(r, name) is not None}
+        artifact.check_against_manifest(tensors, manifest.model_dump(mode="json"), Path(MANIFEST_NAME))
+        artifact.check_values(tensors)
 
 
 def expected_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of `rotations.safetensors`, as the manifest's model and rotation spec imply."""
     m = manifest.model
-    L = len(manifest.rotation.layer_ids)
     H = m.num_kv_heads if manifest.rotation.granularity.value == "per-head" else 1
-    D = m.head_dim
-    return {
-        "k_rotation": (L, H, D, D),
-        "v_rotation": (L, H, D, D),
-        "k_eigenvalues": (L, H, D),
-        "v_eigenvalues": (L, H, D),
-        "k_clip": (L, H),
-        "v_clip": (L, H),
-        "layer_ids": (L,),
-        **({name: (L, H, D) for name in MEAN_NAMES} if manifest.centred else {}),
-    }
+    return artifact.expected_shapes(len(manifest.rotation.layer_ids), H, m.head_dim, manifest.centred)
 
 
 SAFETENSORS_HEADER_MAX = 1 << 16  # the JSON header of 7 tensors takes well under 1 KiB

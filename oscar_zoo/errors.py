@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .runtime.artifact import ArtifactError
+
 
 class OscarZooError(Exception):
     """Base of every error oscar-zoo reports to a user as one line (plus optional advice) instead of a traceback."""
@@ -29,9 +31,9 @@ class VerificationFailed(OscarZooError):
     exit_code = 3
 
 
-class IntegrityError(OscarZooError):
+class IntegrityError(OscarZooError, ArtifactError):
     """Artifact integrity: checksum mismatch, invalid or unknown-version manifest, manifest/model mismatch, refused
-    pickle."""
+    pickle. An ArtifactError (a ValueError): what `OscarCache.from_folder` raises for the same folder, same message."""
 
     exit_code = 4
 

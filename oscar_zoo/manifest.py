@@ -15,19 +15,14 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from .errors import IntegrityError
-from .runtime import layout
+from .runtime import artifact, layout
+from .runtime.artifact import (ARTIFACT_FILES, MANIFEST_MAX_BYTES, MANIFEST_NAME, READ_VERSIONS,  # noqa: F401
+                               ROTATIONS_NAME, SCHEMA_VERSION, ArtifactError)
+from .runtime.artifact import one_line as _one_line
 from .runtime.layout import MAX_WINDOW
 
-SCHEMA_VERSION = 4  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
-# quant.key_bits (per layer: 2- or 3-bit history keys); 4 adds quant.pin (history tokens a prompt pins in BF16)
-READ_VERSIONS = (1, 2, 3, 4)  # what it reads: a version-1 manifest is an uncentred artifact and versions 1–2 have 2-bit
-# keys everywhere, loaded exactly as before
-MANIFEST_NAME = "manifest.json"
-ROTATIONS_NAME = "rotations.safetensors"
-ARTIFACT_FILES = (ROTATIONS_NAME,)  # the files a manifest may list: the format has no others (the model card that push
-# writes beside them is generated from the manifest, not listed in it)
-MANIFEST_MAX_BYTES = 1 << 20  # a manifest (or catalog entry) takes a few KiB; anything near this is not one
-JSON_MAX_DEPTH = 32  # a manifest nests 4 deep, a catalog entry with a verification report 6
+# The format's file names, size limits and schema versions live in `runtime/artifact.py` (the runtime reads folders
+# too); they are imported here for the schema and for the modules that read them from `manifest`.
 
 
 class _Frozen(BaseModel):
@@ -164,7 +159,7 @@ class ArtifactFile(_Frozen):
 
 
 class Manifest(_Frozen):
-    schema_version: Literal[1, 2, 3, 4] = SCHEMA_VERSION
+    schema_version: Literal[READ_VERSIONS] = SCHEMA_VERSION
     tool: Literal["oscar-zoo"] = "oscar-zoo"
     model: ModelIdentity
     quant: QuantSpec
@@ -282,13 +277,10 @@ def parse_versioned(model: type[BaseModel], text: str | bytes, source: str, vers
     data = load_json(text, source)
     if not isinstance(data, dict):
         raise IntegrityError(f"{source} must hold a JSON object, found {type(data).__name__}")
-    found = data.get(version_field)
-    if isinstance(found, bool) or found not in versions:
-        raise IntegrityError(
-            f"{source} has {version_field} {_one_line(repr(data.get(version_field)), 40)}; this oscar-zoo reads "
-            f"version {' and '.join(str(v) for v in versions)}",
-            "upgrade oscar-zoo, or re-create the file with this version",
-        )
+    try:
+        artifact.check_version(data, source, version_field, versions)
+    except ArtifactError as exc:
+        raise IntegrityError(exc.message, exc.advice) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -298,67 +290,13 @@ def parse_versioned(model: type[BaseModel], text: str | bytes, source: str, vers
             from None
 
 
-class _BadNumber(ValueError):
-    pass
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise _BadNumber(f"the number {text[:40]} is out of range")
-    return value
-
-
-def _int64(text: str) -> int:
-    if len(text.lstrip("-")) > 19 or not -(2**63) <= int(text) < 2**63:
-        raise _BadNumber(f"the integer {text[:40]}{'…' if len(text) > 40 else ''} is out of range")
-    return int(text)
-
-
-def _no_constant(name: str):
-    raise _BadNumber(f"{name} is not a JSON number")
-
-
 def load_json(data: str | bytes, source: str) -> Any:
-    """A JSON document as strict JSON: UTF-8, at most MANIFEST_MAX_BYTES and JSON_MAX_DEPTH deep, numbers finite and
-    within int64 (no NaN/Infinity); IntegrityError naming `source` otherwise."""
-    if len(data) > MANIFEST_MAX_BYTES:
-        raise IntegrityError(f"{source} has {len(data):,} bytes, too many for an oscar-zoo document")
-    if isinstance(data, bytes):
-        try:
-            data = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise IntegrityError(f"{source} is not UTF-8 text (byte {exc.start}); it is not an oscar-zoo document") \
-                from None
+    """A JSON document as strict JSON (`runtime.artifact.load_json`: UTF-8, at most MANIFEST_MAX_BYTES and
+    JSON_MAX_DEPTH deep, numbers finite and within int64); IntegrityError naming `source` otherwise."""
     try:
-        doc = json.loads(data, parse_float=_finite_float, parse_int=_int64, parse_constant=_no_constant)
-    except RecursionError:
-        raise IntegrityError(f"{source} nests JSON deeper than {JSON_MAX_DEPTH} levels") from None
-    except json.JSONDecodeError as exc:
-        raise IntegrityError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except _BadNumber as exc:
-        raise IntegrityError(f"{source} is not valid oscar-zoo JSON: {exc}") from None
-    stack = [(doc, 1)]
-    while stack:  # iterative: the depth limit also keeps every later recursive walk (pydantic, json.dumps) safe
-        node, depth = stack.pop()
-        if isinstance(node, (dict, list)):
-            if depth > JSON_MAX_DEPTH:
-                raise IntegrityError(f"{source} nests JSON deeper than {JSON_MAX_DEPTH} levels")
-            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-            stack.extend((key, depth) for key in (node if isinstance(node, dict) else ()))
-        elif isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate (\ud800): no file or terminal could take it back
-                raise IntegrityError(f"{source} holds a string that is not valid Unicode "
-                                     f"({_one_line(repr(node), 60)})") from None
-    return doc
-
-
-def _one_line(text: str, limit: int) -> str:
-    """User-controlled text for a one-line message: control characters escaped, at most `limit` characters."""
-    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+        return artifact.load_json(data, source)
+    except ArtifactError as exc:
+        raise IntegrityError(exc.message, exc.advice) from None
 
 
 def canonical_json(data: Any) -> str:

@@ -1,13 +1,15 @@
 """Values no runtime may use (NaN/Inf, clips outside (0, 1], non-orthogonal rotations, non-finite or unmatched means of
 the centred codec), re-checksummed so that only
-validation can catch them: refused with exit 4 by every command that reads an artifact folder, and with ValueError by
-`OscarCache.from_folder`; nothing is exported."""
+validation can catch them: refused with exit 4 by every command that reads an artifact folder, and by `OscarCache.from_folder` (the same reader)
+with an ArtifactError, a ValueError, of the same message; nothing is exported. So are files changed behind the
+manifest's sha256."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from oscar_zoo.runtime.artifact import ArtifactError
 from oscar_zoo.runtime.cache import OscarCache
 
 from .hub.helpers import make_artifacts, random_rotations, rewrite_rotations, run_cli
@@ -93,18 +95,62 @@ def test_every_reader_refuses_with_exit_4(poisoned, tmp_path):
     assert not (tmp_path / "sg").exists() and not (tmp_path / "pt").exists()
 
 
-def test_from_folder_raises_value_error(poisoned):
+def test_from_folder_refuses_as_the_cli_does(poisoned):
+    """One reader: `OscarCache.from_folder` refuses every poisoned folder with an ArtifactError (a ValueError) whose
+    message is the very line the CLI prints."""
     folder, words = poisoned
-    if "k_mean/v_mean but the manifest" in words:  # the runtime's own reading of quant.centring
-        words = "the files do not belong together"
-    if "layer_ids differ" in words or "dtype" in words:  # the runtime has no manifest check and takes any float
-        words = "twice" if "layer_ids" in words else None
-    if words is None:
+    code, _, err = run_cli("inspect", str(folder))
+    with pytest.raises(ArtifactError) as exc:
         OscarCache.from_folder(folder)
-        return
-    with pytest.raises(ValueError) as exc:
+    assert isinstance(exc.value, ValueError) and words in exc.value.message
+    assert code == 4 and _one_line_error(err) == f"error: {exc.value.message}"
+
+
+def _tamper(folder):
+    """Change one byte of k_eigenvalues in rotations.safetensors (the lowest mantissa byte of its first value: still a
+    finite eigenvalue, so only the sha256 can tell), leaving the manifest as it was."""
+    import json
+    import struct
+
+    path = folder / "rotations.safetensors"
+    raw = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    start = 8 + n + json.loads(raw[8:8 + n])["k_eigenvalues"]["data_offsets"][0]
+    raw[start] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_tampered_rotations_are_refused_by_the_runtime_too(tmp_path):
+    """A rotations.safetensors whose bytes changed while the manifest's sha256 did not: the tensors alone are valid
+    (the runtime's value checks pass them), yet `from_folder` refuses the folder as the CLI does."""
+    from safetensors.torch import load_file
+
+    from oscar_zoo.runtime.validate import check_rotation_tensors
+
+    folder = tmp_path / "art"
+    make_artifacts(folder, L=L, H_kv=H_KV, D=D)
+    before = {k: v.clone() for k, v in load_file(str(folder / "rotations.safetensors")).items()}  # not a mapped view
+    _tamper(folder)
+    after = load_file(str(folder / "rotations.safetensors"))
+    assert not torch.equal(before["k_eigenvalues"], after["k_eigenvalues"])
+    check_rotation_tensors(after)  # nothing but the checksum can catch it
+    code, _, err = run_cli("inspect", str(folder))
+    assert code == 4 and "sha256" in err and "does not match the manifest's" in err
+    with pytest.raises(ArtifactError, match="rotations.safetensors sha256 .* does not match the manifest's") as exc:
         OscarCache.from_folder(folder)
-    assert words in str(exc.value)
+    assert _one_line_error(err) == f"error: {exc.value.message}"
+
+
+def test_resized_rotations_are_refused_by_the_runtime_too(tmp_path):
+    folder = tmp_path / "art"
+    make_artifacts(folder, L=L, H_kv=H_KV, D=D)
+    path = folder / "rotations.safetensors"
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes() + b" ")  # one byte more: the size recorded in the manifest catches it first
+    code, _, err = run_cli("inspect", str(folder))
+    with pytest.raises(ArtifactError, match=f"has {size + 1} bytes, the manifest says {size}") as exc:
+        OscarCache.from_folder(folder)
+    assert code == 4 and _one_line_error(err) == f"error: {exc.value.message}"
 
 
 def test_honest_artifacts_still_load(tmp_path):

@@ -99,4 +99,4 @@ def test_runtime_reader_refuses_unreadable_manifests(good_text, tmp_path):
         with pytest.raises(ValueError, match=words):
             OscarCache.from_folder(folder)
     (folder / "manifest.json").write_text(json.dumps({"quant": {"group_size": 8, "sink": 16, "recent": 32}}))
-    assert OscarCache.from_folder(folder).quant_spec.group_size == 8
+    assert OscarCache.from_folder(folder).quant_settings["group_size"] == 8

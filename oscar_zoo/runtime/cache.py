@@ -22,9 +22,10 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import compiled, layout, ops, reference, rotate_op
+from .artifact import read_artifact
 from .pinning import PinnedTokens
 from .rotation import Rotation, fingerprint
-from .validate import check_centring, check_mean, check_rotation_tensors, read_quant_settings
+from .validate import check_mean
 
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
@@ -491,38 +492,23 @@ class OscarCache(Cache):
                                mu_k, mu_v, k_bits=key_bits[i])
             layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize, pin))
         super().__init__(layers=layers)
-        self.quant_spec = layout.QuantSpec(group_size=group_size, sink=sink, recent=recent, flush=flush,
-                                           pin=pin if quantize else 0)
+        self.quant_settings = {"group_size": group_size, "sink": sink, "recent": recent, "flush": flush,
+                               "pin": pin if quantize else 0}  # what the cache was built with (artifact.QUANT_KEYS)
         self.quantize = quantize
         self.bound_layer: int | None = None  # set by enable_oscar's hook just before a module's update
         self.centred = k_mean is not None or v_mean is not None
 
     @classmethod
     def from_folder(cls, path: str | Path, *, quantize: bool = True, **overrides) -> OscarCache:
-        """Build from an artifact folder: `rotations.safetensors` (k/v_rotation, k/v_eigenvalues, k/v_clip, layer_ids;
-        k/v_mean in centred schema-2 folders) and, when present, `manifest.json`'s quant.{group_size, sink, recent, flush}; keyword overrides win.
-        Every tensor is checked first (`validate.check_rotation_tensors`: finite, orthogonal, clips in (0, 1], shapes,
-        layer ids); anything malformed raises ValueError. Checksums and the model match are `oscar_zoo.artifacts`'s."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        folder = Path(path)
-        tensors_path = folder / "rotations.safetensors"
-        if not tensors_path.is_file():
-            raise FileNotFoundError(f"{tensors_path} not found: pass an OSCAR artifact folder (oscar-zoo pull)")
-        try:
-            t = load_file(str(tensors_path))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ValueError(f"{tensors_path} is not a readable safetensors file: {exc}") from None
-        try:
-            check_rotation_tensors(t)
-        except ValueError as exc:
-            raise ValueError(f"{tensors_path}: {exc}") from None
-        manifest = folder / "manifest.json"
-        settings = read_quant_settings(manifest) if manifest.is_file() else {}
-        if manifest.is_file():
-            check_centring(manifest, t)
-        settings.update(overrides)
+        """Build from an artifact folder, read by the one reader every command uses (`artifact.read_artifact`): the
+        manifest's listed files' sizes and sha256, `rotations.safetensors` (k/v_rotation, k/v_eigenvalues, k/v_clip,
+        layer_ids; k/v_mean in centred folders) against the format and the manifest, every value (finite, orthogonal,
+        clips in (0, 1]), and manifest.json's quant.{group_size, sink, recent, flush, pin, key_bits}; keyword overrides
+        win. Anything it refuses raises `artifact.ArtifactError` (a ValueError) with the message the CLI prints. A
+        folder without manifest.json is read as before: the tensors' values checked, layout defaults. The model match
+        is `oscar_zoo.artifacts`'s."""
+        art = read_artifact(path)
+        t, settings = art.tensors, {**art.settings, **overrides}
         return cls(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"], quantize=quantize,
                    k_mean=t.get("k_mean"), v_mean=t.get("v_mean"), **settings)  # fmt: skip
 

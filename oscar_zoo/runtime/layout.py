@@ -16,7 +16,6 @@ plus int32 [B] lengths per tier. All tiers hold *rotated* keys/values (k·M_K, v
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -47,23 +46,6 @@ RANGE_ABS_FLOOR = 3 * 2.0**-14
 
 PIN_WINDOW = 32  # the prompt's last queries whose attention chooses them
 PIN_POOL = 7  # a token's score is the largest of its neighbours' within this window (a needle is several tokens)
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """The settings a quantized cache is built with; stored in the manifest and read by the runtime."""
-
-    group_size: int = 0  # 0 means one group per row (G = D)
-    sink: int = SINK
-    recent: int = RECENT
-    flush: int = FLUSH
-    pin: int = 0  # history tokens per KV head a prompt pins in BF16
-
-    def group(self, head_dim: int) -> int:
-        return resolve_group_size(head_dim, self.group_size)
-
-    def bits_per_element(self, context: int, head_dim: int) -> float:
-        return bits_per_element(context, self.group(head_dim), self.sink, self.recent, pin=self.pin)
 
 
 def resolve_group_size(head_dim: int, group_size: int = 0) -> int:

@@ -2,17 +2,14 @@
 distinct and non-negative, every value finite (the centred codec's means too, and bounded: `check_mean`), rotations
 orthogonal, clip ratios in (0, 1].
 
-Every load path calls `check_rotation_tensors` (`oscar_zoo.artifacts` maps its ValueError to exit 4, `OscarCache.
-from_folder` raises it as is); the reference `.pt` reader uses `check_rotation` on its per-layer matrices. Comparisons
-are written so that NaN fails them (`not err < tol`, never `err > tol`). `read_quant_settings` is the runtime's
-reader of the few manifest fields it uses.
+Every artifact folder is read by `artifact.read_artifact`, which calls `check_rotation_tensors`; the reference `.pt`
+reader uses `check_rotation` on its per-layer matrices. Comparisons are written so that NaN fails them
+(`not err < tol`, never `err > tol`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -27,8 +24,6 @@ MEAN_NAMES = ("k_mean", "v_mean")  # schema 2 adds these (the centred codec, doc
 # orthogonal to 1e-6 or better; a rotation scaled by 1.0001 is already off by 2e-4, a random matrix by far more.
 ORTHOGONALITY_TOL = 1e-4
 MAX_LAYERS = 1 << 16  # no model has nearly this many; a cache allocates per-layer state for every id below the largest
-QUANT_KEYS = ("group_size", "sink", "recent", "flush", "pin")  # what the runtime reads from a manifest
-MANIFEST_MAX_BYTES = 1 << 20
 
 
 def check_rotation_tensors(tensors: Mapping[str, Tensor], tol: float = ORTHOGONALITY_TOL) -> None:
@@ -168,56 +163,3 @@ def _where(index: list[int], layer_ids: list[int]) -> str:
     layer = layer_ids[index[0]] if index[0] < len(layer_ids) else index[0]
     head = f" head {index[1]}" if len(index) > 1 else ""
     return f"at layer {layer}{head} (index {index})"
-
-
-def read_quant_settings(manifest: Path) -> dict[str, int | list[int]]:
-    """The quant settings a runtime takes from an artifact folder's `manifest.json`: quant.{group_size, sink, recent,
-    flush} that are present and not null, each an integer, and quant.key_bits (schema 3) when present. ValueError naming the file when it is not a UTF-8 JSON
-    object (of sane size and depth) or a setting is not an integer; the values themselves are the cache's to check."""
-    quant = _read_quant(manifest)
-    settings = {}
-    for key in QUANT_KEYS:
-        value = (quant or {}).get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{manifest}: quant.{key} is {str(value)[:40]!r}, expected an integer")
-        settings[key] = value
-    key_bits = (quant or {}).get("key_bits")
-    if key_bits is not None:  # schema 3: per rotation layer, 2 or 3
-        if not isinstance(key_bits, list) or any(b not in (2, 3) or isinstance(b, bool) for b in key_bits):
-            raise ValueError(f"{manifest}: quant.key_bits is {str(key_bits)[:40]!r}, expected a list of 2s and 3s")
-        settings["key_bits"] = key_bits
-    return settings
-
-
-def check_centring(manifest: Path, tensors: Mapping[str, object]) -> None:
-    """The manifest's quant.centring ("mean" or "none"; absent: a version-1 manifest, uncentred) agrees with the
-    tensors: means present exactly when centred. ValueError naming the file otherwise (the two files do not belong
-    together)."""
-    centring = (_read_quant(manifest) or {}).get("centring", "none")
-    if centring not in ("mean", "none"):
-        raise ValueError(f"{manifest}: quant.centring is {str(centring)[:40]!r}, expected 'mean' or 'none'")
-    has_means = all(name in tensors for name in MEAN_NAMES)
-    if has_means != (centring == "mean"):
-        raise ValueError(f"{manifest} says quant.centring {centring!r} but the tensors "
-                         f"{'carry' if has_means else 'lack'} k_mean/v_mean: the files do not belong together")
-
-
-def _read_quant(manifest: Path) -> dict | None:
-    """The 'quant' object of a manifest.json (None when absent); ValueError when the file is not a sane JSON object."""
-    with open(manifest, "rb") as f:
-        data = f.read(MANIFEST_MAX_BYTES + 1)
-    if len(data) > MANIFEST_MAX_BYTES:
-        raise ValueError(f"{manifest} has more than {MANIFEST_MAX_BYTES:,} bytes; it is not an oscar-zoo manifest")
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except RecursionError:
-        raise ValueError(f"{manifest} nests JSON too deep; it is not an oscar-zoo manifest") from None
-    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError among them
-        raise ValueError(f"{manifest} is not UTF-8 JSON ({str(exc).splitlines()[0][:120]})") from None
-    quant = doc.get("quant") if isinstance(doc, dict) else None
-    if not isinstance(doc, dict) or not isinstance(quant, (dict, type(None))):
-        raise ValueError(f"{manifest} must hold a JSON object with an object 'quant'; found "
-                         f"{type(doc if not isinstance(doc, dict) else quant).__name__}")
-    return quant
