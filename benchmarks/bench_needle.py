@@ -48,7 +48,7 @@ def main():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = model.to(device).eval()
     texts = [(Path(args.texts) / f"{play}_gut.txt").read_text(encoding="utf-8") for play in EVALUATION_PLAYS]
-    filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids  # as verify's _filler
+    filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids  # as verify's (evaluation/pipeline.py _filler)
     manifest, rotations = load_artifacts(Path(args.artifacts))
     settings = NeedleSettings(lengths=(), depths=QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS,
                               trials=1 if args.quick else 2)  # as verify --needle[-quick]

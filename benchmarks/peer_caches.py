@@ -10,7 +10,8 @@ Its decode step dequantizes the whole history and concatenates it with the resid
 
 from __future__ import annotations
 
-from oscar_zoo.evaluation.peers import PEERS, layer_bytes, missing_package, new_cache
+from oscar_zoo.evaluation.peers import layer_bytes, missing_package, new_cache
+from oscar_zoo.evaluation.registry import PEERS
 
 PEER_KINDS = tuple(PEERS)  # hf-quanto-int2, hf-hqq-int2, hf-quanto-int4, hf-hqq-int4
 INT2_PEERS = tuple(k for k in PEER_KINDS if PEERS[k].nbits == 2)

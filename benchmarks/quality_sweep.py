@@ -49,11 +49,11 @@ from oscar_zoo.evaluation.baselines import (
     Kivi,
     Method,
     RotatedInt2,
-    build_methods,
     hadamard_rotation,
 )
 from oscar_zoo.evaluation.harness import Attender, _logits, quantizer
-from oscar_zoo.evaluation.peers import PEERS, PeerCache, build_peers
+from oscar_zoo.evaluation.peers import PeerCache
+from oscar_zoo.evaluation.registry import ARTIFACT, BASELINES, PEERS, Setup, check_baselines
 from oscar_zoo.models import cache_root, load_model
 from oscar_zoo.runtime import layout, reference
 
@@ -409,7 +409,9 @@ def main() -> None:
         log(f"method {name} ready")
     methods += [m for m in (kivi("kivi-32", 32, D), kivi("kivi-64", 64, D)) if keep is None or m.name in keep]
     # transformers' QuantizedCache (its defaults, only nbits set): only when asked for (extra `peers`)
-    methods += build_peers(tuple(n for n in PEERS if keep is not None and n in keep), model.config, D)
+    peers = tuple(n for n in PEERS if keep is not None and n in keep)
+    check_baselines(peers)
+    methods += [BASELINES[n].build(Setup(None, L, D, 0, SINK, RECENT, config=model.config)) for n in peers]
     centred = next((m for m in methods if m.name == "centred"), None)
     if centred is not None and (keep is None or "centred-lm" in keep):
         methods.append(LloydMax(centred, cal_large))
@@ -419,7 +421,7 @@ def main() -> None:
     for spec in args.artifact:  # artifact folders, exactly as `verify` builds their OSCAR method
         name, folder = spec.split("=", 1)
         manifest, rot = load_artifacts(Path(folder))
-        m = build_methods(rot, L, D, manifest.quant.group_size, SINK, RECENT, (), manifest.key_bits)[1]
+        m = ARTIFACT.build(Setup(rot, L, D, manifest.quant.group_size, SINK, RECENT, manifest.key_bits))
         m.name, m.kind, m.label = name, "variant", f"{m.label} [{folder}]"
         methods.append(m)
     diag_methods = [rotated(name, label, cal, kind=kind, D=D, **kw) for name, label, cal, kw, kind in diag_specs]

@@ -3,7 +3,6 @@ optional plot, optional report in the manifest; exit 3 when the artifact misses 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -11,20 +10,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..artifacts import check_model_matches, load_artifacts, write_manifest
-from ..calibration.data import EVALUATION_PLAYS, check_dataset_options, load_texts, make_sequences
+from ..calibration.data import check_dataset_options
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError, VerificationFailed
-from ..evaluation.baselines import BASELINES, DEFAULT_BASELINES
-from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings, resolve_backend, run_verification
-from ..evaluation.needle import (DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleSettings, default_lengths, run_needle)
-from ..evaluation.peers import PEERS, require_installed
+from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings
+from ..evaluation.needle import DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleSettings
+from ..evaluation.pipeline import VerifyRequest, verify_artifacts
+from ..evaluation.registry import BASELINES, DEFAULT_BASELINES, SHORT, check_baselines
 from ..evaluation.report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
-from ..export.as_exported import as_exported as as_exported_form
-from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, load_model
 from .options import ArtifactsArg, Dataset, Device, Dtype, Json, Revision, Split, TextField
-
-ALL_BASELINES = BASELINES + tuple(PEERS)
 
 
 def verify_command(
@@ -37,7 +31,7 @@ def verify_command(
     split: Split = None,
     context: Annotated[int, typer.Option(help="Tokens per teacher-forced sequence.")] = 2048,
     sequences: Annotated[int, typer.Option(help="Held-out sequences.")] = 8,
-    baselines: Annotated[str, typer.Option(help=f"Comma-separated baselines from {', '.join(ALL_BASELINES)}, or "
+    baselines: Annotated[str, typer.Option(help=f"Comma-separated baselines from {', '.join(BASELINES)}, or "
                                                "`none`. hf-*: transformers' QuantizedCache with its defaults (extra "
                                                "`peers`).")]
     = ",".join(DEFAULT_BASELINES),
@@ -87,7 +81,6 @@ def verify_command(
     json_output: Json = False,
 ) -> None:
     """Verify ARTIFACTS: how close INT2 attention with these rotations stays to BF16 (exit 3 below thresholds)."""
-    start = time.perf_counter()
     if as_exported and write:
         raise InputError("--write stores the artifact's own verification; an --as-exported report describes the "
                          "exported form, not the artifact, and is not written to the manifest",
@@ -98,11 +91,7 @@ def verify_command(
     if generate < 0:
         raise InputError(f"--generate must be ≥ 0 (0 skips the generation check), got {generate}")
     chosen = tuple(b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none")
-    unknown = [b for b in chosen if b not in ALL_BASELINES]
-    if unknown:
-        raise InputError(f"unknown baseline(s) {', '.join(unknown)}",
-                         f"choose from {', '.join(ALL_BASELINES)}, or none")
-    require_installed(tuple(b for b in chosen if b in PEERS))  # before the model loads
+    check_baselines(chosen)  # before the model loads: an unknown name, a missing package
     check_dataset_options(dataset, split, text_field)
     # a needle option given alone asks for the grid: it implies --needle rather than being ignored
     needle = needle or needle_quick or any(v is not None for v in (needle_lengths, needle_depths, needle_trials,
@@ -117,48 +106,16 @@ def verify_command(
 
     needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
                                        min_needle_accuracy, seed) if needle else None
-    manifest, rotations = load_artifacts(artifacts)
-    exported = as_exported_form(manifest, rotations) if as_exported else None
-    # what is verified: the artifact, or its exported form (the manifest itself stays the artifact's, for --write)
-    used, used_rotations = (manifest, rotations) if exported is None else (exported.manifest, exported.rotations)
-    say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
-    name, rev = model, revision
-    if name is None:
-        demo = manifest.model.id == DEMO_HF_ID and manifest.model.revision == DEMO_REVISION
-        name, rev = (DEMO, revision) if demo else (manifest.model.id, revision or manifest.model.revision)
-    loaded = load_model(name, revision=rev, device=device, dtype=dtype, progress=say)
-    if needle and needle_settings.lengths == ():
-        limit = getattr(loaded.model.config, "max_position_embeddings", 8192)
-        needle_settings.lengths = default_lengths(limit - needle_settings.new_tokens, needle_quick)
-    check_model_matches(manifest, loaded.identity)
-    resolved = resolve_backend(backend, next(loaded.model.parameters()).device)
-    texts, source = load_texts(dataset, split=split, text_field=text_field, plays=EVALUATION_PLAYS,
-                               default_split="test")
-    seqs = make_sequences(loaded.tokenizer, texts, context, sequences, 0, seed, dataset=source)
-    say(f"verifying {artifacts}{f' ({exported.describe()})' if exported else ''} on {loaded.identity.id}: {sequences}×{context} tokens of {source}, backend {resolved}")
-    settings = VerifySettings(context=context, sequences=sequences, baselines=chosen, backend=resolved,
+    settings = VerifySettings(context=context, sequences=sequences, baselines=chosen, backend=backend,
                               positions_from=score_from, generate_tokens=generate,
                               thresholds=Thresholds(max_ppl_increase=max_ppl_increase, max_kl=max_kl,
                                                     min_top1=min_top1))
-    with progress_reporter(enabled=not json_output) as report_progress:
-        report = run_verification(loaded, used, used_rotations, seqs.input_ids, settings, artifacts=str(artifacts),
-                                  dataset=source, progress=report_progress)
-        if needle:
-            found = run_needle(loaded, used, used_rotations, _filler(loaded.tokenizer, texts), needle_settings,
-                               tuple(b for b in chosen if b in NEEDLE_BASELINES), report_progress)
-            report = report.model_copy(update={"needle": found, "passed": report.passed and found.passed,
-                                               "failures": report.failures + found.failures})
-    if exported is not None:
-        report = _mark_as_exported(report, exported.describe())
-    report = report.model_copy(update={"wall_seconds": round(time.perf_counter() - start, 2)})
-    if plot is not None:
-        from ..evaluation.plot import write_needle_plot, write_plot
-
-        write_plot(report, plot)
-        if report.needle is not None:
-            write_needle_plot(report.needle, report.model, needle_plot)
-    if write:
-        write_manifest(artifacts, manifest.model_copy(update={"verification": report.model_dump(mode="json")}))
+    request = VerifyRequest(artifacts, settings, model=model, revision=revision, dataset=dataset,
+                            text_field=text_field, split=split, seed=seed, device=device, dtype=dtype,
+                            needle=needle_settings, needle_quick=needle_quick, as_exported=as_exported, plot=plot,
+                            needle_plot=needle_plot, write=write)
+    say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
+    report = verify_artifacts(request, say, lambda: progress_reporter(enabled=not json_output))
     if json_output:
         console.print_json(report.model_dump_json())
     else:
@@ -168,21 +125,6 @@ def verify_command(
         what = f"{artifacts}{' as exported' if as_exported else ''}"
         raise VerificationFailed(f"{what} missed the thresholds: {'; '.join(report.failures)}",
                                  "see the table; do not publish these rotations as verified")
-
-
-def _mark_as_exported(report: VerifyReport, description: str) -> VerifyReport:
-    """The report flagged `as_exported`, its artifact rows (and the needle grid's) labelled with what export changed."""
-    def relabel(methods):
-        return [m.model_copy(update={"label": f"{m.label}; {description}"}) if m.kind == "artifact" else m
-                for m in methods]
-
-    needle = None if report.needle is None else report.needle.model_copy(
-        update={"methods": relabel(report.needle.methods)})
-    return report.model_copy(update={"as_exported": True, "methods": relabel(report.methods), "needle": needle})
-
-
-# the baselines with a cache to decode through: OscarCache rotations, and transformers' QuantizedCache
-NEEDLE_BASELINES = ("naive", "hadamard", "clip-only") + tuple(PEERS)
 
 
 def _parse_list(option: str, value: str, kind):
@@ -213,19 +155,9 @@ def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed) -> Need
                           min_relative_accuracy=min_accuracy)
 
 
-def _filler(tokenizer, texts: list[str]) -> list[int]:
-    """The held-out documents as one token stream (the needle prompts' filler)."""
-    return tokenizer("\n\n".join(texts), add_special_tokens=False).input_ids
-
-
 def _needle_plot_path(plot: Path) -> Path:
     """Where the needle heatmap goes beside the --plot file (whose extension `check_plot_path` has settled)."""
     return plot.with_name(f"{plot.stem}-needle{plot.suffix}")
-
-
-SHORT = {"oscar": "OSCAR", "naive": "naive INT2", "clip-only": "clip-only INT2",
-         "hadamard": "Hadamard INT2", "kivi": "KIVI-2-style", "hf-quanto-int2": "HF quanto INT2",
-         "hf-hqq-int2": "HF HQQ INT2", "hf-quanto-int4": "HF quanto INT4", "hf-hqq-int4": "HF HQQ INT4"}
 
 
 def _short(m) -> str:

@@ -1,6 +1,7 @@
 """Teacher-forced tiered attention for `verify`: an attention function registered with transformers (so the model's own
 RoPE / QK-norm run unchanged) that hands post-RoPE q, k, v of the whole sequence to a runner, and a fast blocked
-equivalent of `reference.windowed_attention_ref` (same windows, same math, SDPA over only the keys a query block reads).
+equivalent of `reference.windowed_attention_ref` (same windows, same math, SDPA over only the keys a query block reads);
+and the name under which this transformers takes a cache (generation and the needle grid pass one).
 """
 
 from __future__ import annotations
@@ -100,3 +101,12 @@ def verifying(model: torch.nn.Module, runner: Runner) -> Iterator[None]:
     finally:
         _runner = None
         model.set_attn_implementation(previous)
+
+
+def cache_argument() -> str:
+    """transformers 5 renamed generate's `past_key_values` to `cache` (the old name warns, and goes in 6.0)."""
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+    except ImportError:
+        return "past_key_values"
+    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"

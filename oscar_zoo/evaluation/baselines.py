@@ -1,7 +1,8 @@
 """The attention variants `verify` compares: exact BF16, the artifact's OSCAR rotations, and data-free baselines
 (naive INT2, clip-only INT2, Hadamard-only INT2, KIVI-2-style), each turning post-RoPE q/k/v of one layer into what
-attention reads. Every quantization goes through the runtime's own quantize/pack (`ops` on Triton, `reference` on
-torch) and `reference.dequantize_unpack`: nothing here re-implements the codec.
+attention reads, and storing K/V in a runtime cache where it can. Every quantization goes through the runtime's own
+quantize/pack (`ops` on Triton, `reference` on torch) and `reference.dequantize_unpack`: nothing here re-implements the
+codec. Which of them `verify` runs, under which names, is registry.py's.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import torch
 from torch import Tensor
 
 from ..runtime import layout, reference
+from .attention import causal_attention, windowed_attention
 
-BASELINES = ("naive", "clip-only", "hadamard", "kivi")
-DEFAULT_BASELINES = ("naive", "hadamard", "kivi")
 KIVI_GROUP = 32  # KIVI-2: keys per channel over groups of 32 tokens, values per token over groups of 32 channels
 
 # quantize_pack(x [..., D], clip_ratio, group_size) -> (packed uint8 [..., D/4], scale_zero float16 [..., D/G, 2])
@@ -46,19 +46,50 @@ class LayerKV:
     out_mean: Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Windows:
+    """How teacher-forced attention reads a method's history: the runtime's quantize/pack, and the exact windows (the
+    first `sink` keys and the last `recent` before each query)."""
+
+    quantize_pack: QuantizePack
+    sink: int
+    recent: int
+
+
 class Method:
-    """An attention variant: `prepare` maps (layer, q, k, v) to a LayerKV; bits per K and V element at a context."""
+    """An attention variant. Teacher forcing: `attend` one layer (by default `prepare` → windowed attention → the
+    value mean added back → un-rotate); bits per K and V element at a context; and, when `cache_path` is set, a fresh
+    cache that stores K/V as the method models them (`make_cache`: generation and the needle grid decode through it)."""
 
     name: str = ""
     label: str = ""
     kind: str = "baseline"  # "reference" | "artifact" | "baseline"
     head_dim: int = 0
+    # the cache it decodes through: "dynamic-cache" (the model's own), "oscar-cache" (the runtime's OscarCache),
+    # "quantized-cache" (transformers' QuantizedCache); None: teacher forcing only
+    cache_path: str | None = None
 
     def prepare(self, layer: int, q: Tensor, k: Tensor, v: Tensor, quantize_pack: QuantizePack) -> LayerKV:
         raise NotImplementedError
 
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, windows: Windows) -> Tensor:
+        """q [B, H_q, T, D], k/v [B, H_kv, T, D] post-RoPE of the whole sequence → fp32 [B, H_q, T, D]."""
+        kv = self.prepare(layer, q, k, v, windows.quantize_pack)
+        if kv.k_hat is None:
+            out = causal_attention(kv.q, kv.k, kv.v, scale)
+        else:
+            out = windowed_attention(kv.q, kv.k, kv.v, kv.k_hat, kv.v_hat, scale, windows.sink, windows.recent)
+        out = reference.add_value_mean(out, kv.out_mean)  # centred values: + μ_V·M_V (M_V space)
+        if kv.out_rotation is not None:
+            out = reference.rotate(out, kv.out_rotation)  # fp32 o·M_Vᵀ per query head
+        return out  # fp32 [B, H_q, T, D]
+
     def bits(self, context: int) -> tuple[float, float]:
         raise NotImplementedError
+
+    def make_cache(self):
+        """A fresh cache of the kind `cache_path` names, for `generate` and the needle grid."""
+        raise NotImplementedError(f"{self.name} runs teacher-forced only: it has no cache to decode through")
 
 
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}
@@ -68,7 +99,7 @@ class Exact(Method):
     """The model's own cache, unquantized: the reference. Its name stays "bf16" (reports key on it); its label says
     the dtype the model ran in (`for_dtype`)."""
 
-    name, label, kind = "bf16", "BF16 (reference)", "reference"
+    name, label, kind, cache_path = "bf16", "BF16 (reference)", "reference", "dynamic-cache"
 
     @classmethod
     def for_dtype(cls, dtype: torch.dtype) -> Exact:
@@ -82,6 +113,11 @@ class Exact(Method):
     def bits(self, context):
         return 16.0, 16.0
 
+    def make_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
 
 class RotatedInt2(Method):
     """Rotate (per layer, per KV head) → centre → clip → INT2 per row groups → attention → add the value mean back →
@@ -89,13 +125,16 @@ class RotatedInt2(Method):
 
     k_rotation/v_rotation float32 [L, H, D, D] (H = H_kv or 1) indexed by model layer; clips float32 [L, H] (0 = none);
     k_mean/v_mean float32 [L, H, D] in the model's basis (None: uncentred; needs rotations); key_bits: the history
-    keys' bits per model layer (None: 2 everywhere)."""
+    keys' bits per model layer (None: 2 everywhere); flush and pin: the settings of its OscarCache (`make_cache`)."""
+
+    cache_path = "oscar-cache"
 
     def __init__(self, name: str, label: str, kind: str, k_rotation: Tensor | None, v_rotation: Tensor | None,
                  k_clip: Tensor, v_clip: Tensor, group_size: int, sink: int, recent: int,
-                 k_mean: Tensor | None = None, v_mean: Tensor | None = None, key_bits: list[int] | None = None):
+                 k_mean: Tensor | None = None, v_mean: Tensor | None = None, key_bits: list[int] | None = None,
+                 flush: int = layout.FLUSH, pin: int = 0):
         self.name, self.label, self.kind = name, label, kind
-        self.key_bits = key_bits
+        self.key_bits, self.flush, self.pin = key_bits, flush, pin
         self.k_rotation, self.v_rotation = k_rotation, v_rotation
         self.k_mean, self.v_mean = k_mean, v_mean
         self.k_clip, self.v_clip = k_clip.float(), v_clip.float()
@@ -148,6 +187,19 @@ class RotatedInt2(Method):
         return (layout.bits_per_element(context, G, self.sink, self.recent, key_bits),
                 layout.bits_per_element(context, G, self.sink, self.recent))
 
+    def make_cache(self):
+        """The runtime OscarCache that stores K/V exactly as this method models them (rotation or identity, its clips,
+        means, key bits and pins; docs/format.md §6c)."""
+        from ..runtime.cache import OscarCache
+
+        L, D = self.k_clip.shape[0], self.head_dim
+        rot_k, rot_v = self.k_rotation, self.v_rotation
+        if rot_k is None:
+            rot_k = rot_v = torch.eye(D).expand(L, 1, D, D).contiguous()
+        return OscarCache(rot_k, rot_v, self.k_clip, self.v_clip, torch.arange(L), group_size=self.group_size,
+                          sink=self.sink, recent=self.recent, flush=self.flush, num_layers=L, k_mean=self.k_mean,
+                          v_mean=self.v_mean, key_bits=self.key_bits, pin=self.pin)
+
 
 class Kivi(Method):
     """KIVI-2-style: no rotation, no clip; keys per channel over groups of 32 tokens (counted from the sink's end),
@@ -184,48 +236,3 @@ def hadamard_rotation(num_layers: int, head_dim: int) -> Tensor:
     """H·P for every layer (data-free, QuaRot-like): `reference.compose_rotation` of the identity, float32 [L, 1, D, D]."""
     M = reference.compose_rotation(torch.eye(head_dim, dtype=torch.float64)).float()
     return M.expand(num_layers, 1, head_dim, head_dim).contiguous()
-
-
-def build_methods(rotations, num_layers: int, head_dim: int, group_size: int, sink: int, recent: int,
-                  baselines: tuple[str, ...], key_bits: list[int] | None = None) -> list[Method]:
-    """BF16, the artifact's OSCAR rotations (`rotations`: artifacts.Rotations, indexed by model layer; `key_bits` per
-    entry of its layer_ids, None: 2 everywhere), then the requested baselines in the order of BASELINES. Baselines
-    use the artifact's group size and windows, and INT2 keys."""
-    unknown = [b for b in baselines if b not in BASELINES]
-    if unknown:
-        raise ValueError(f"unknown baselines {unknown}; choose from {', '.join(BASELINES)}")
-    L = num_layers
-    order = torch.argsort(rotations.layer_ids.long())  # entries sorted by model layer
-    fixed_k = torch.full((L, 1), layout.DEFAULT_K_CLIP)
-    fixed_v = torch.full((L, 1), layout.DEFAULT_V_CLIP)
-    no_clip = torch.zeros(L, 1)
-    H = rotations.k_rotation.shape[1]
-    layer_bits = None if key_bits is None or max(key_bits) == layout.BITS else [key_bits[i] for i in order.tolist()]
-    three = f", 3-bit keys in {layer_bits.count(3)}/{len(layer_bits)} layers" if layer_bits else ""
-    oscar = RotatedInt2(
-        "oscar", f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, calibrated clips"
-        f"{', centred' if rotations.k_mean is not None else ''}{three})", "artifact",
-        rotations.k_rotation[order], rotations.v_rotation[order], rotations.k_clip[order], rotations.v_clip[order],
-        group_size, sink, recent, *((None, None) if rotations.k_mean is None else
-                                    (rotations.k_mean[order], rotations.v_mean[order])), key_bits=layer_bits)
-    methods: list[Method] = [Exact(), oscar]
-    for b in BASELINES:
-        if b not in baselines:
-            continue
-        if b == "naive":
-            methods.append(RotatedInt2("naive", "naive INT2 (no rotation, no clip)", "baseline", None, None, no_clip,
-                                       no_clip, group_size, sink, recent))
-        elif b == "clip-only":
-            methods.append(RotatedInt2("clip-only", f"clip-only INT2 (no rotation, clip {layout.DEFAULT_K_CLIP}/"
-                                       f"{layout.DEFAULT_V_CLIP})", "baseline", None, None, fixed_k, fixed_v,
-                                       group_size, sink, recent))
-        elif b == "hadamard":
-            M = hadamard_rotation(L, head_dim)
-            methods.append(RotatedInt2("hadamard", f"Hadamard-only INT2 (H·P, fixed clip {layout.DEFAULT_K_CLIP}/"
-                                       f"{layout.DEFAULT_V_CLIP})", "baseline", M, M, fixed_k, fixed_v, group_size,
-                                       sink, recent))
-        elif b == "kivi":
-            methods.append(Kivi(head_dim, sink, recent))
-    for m in methods:
-        m.head_dim = head_dim
-    return methods

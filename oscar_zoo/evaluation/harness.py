@@ -19,9 +19,9 @@ from ..errors import InputError
 from ..models import LoadedModel
 from ..runtime import layout, reference
 from . import metrics
-from .attention import causal_attention, verifying, windowed_attention
-from .baselines import BASELINES, DEFAULT_BASELINES, Exact, Method, QuantizePack, RotatedInt2, build_methods
-from .peers import PEERS, PeerCache, build_peers, new_cache
+from .attention import cache_argument, verifying
+from .baselines import Method, QuantizePack, Windows
+from .registry import DEFAULT_BASELINES, Setup, build_methods
 from .report import DEFAULT_THRESHOLDS, Generation, MethodResult, Thresholds, VerifyReport, check_thresholds
 
 Progress = Callable[..., None]
@@ -86,35 +86,11 @@ def quantizer(backend: str) -> QuantizePack:
     return reference.quantize_pack_ref
 
 
-class Attender:
-    """Computes one layer's attention for a method: prepare (rotate, quantize) → windowed attention → un-rotate."""
-
-    def __init__(self, quantize_pack: QuantizePack, sink: int, recent: int):
-        self.quantize_pack, self.sink, self.recent = quantize_pack, sink, recent
+class Attender(Windows):
+    """Computes one layer's attention for a method (`Method.attend`) with the runtime's quantize/pack and windows."""
 
     def __call__(self, method: Method, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        if isinstance(method, PeerCache):  # transformers' QuantizedCache decides what each query reads
-            return method.attend(layer, q, k, v, scale)
-        kv = method.prepare(layer, q, k, v, self.quantize_pack)
-        if kv.k_hat is None:
-            out = causal_attention(kv.q, kv.k, kv.v, scale)
-        else:
-            out = windowed_attention(kv.q, kv.k, kv.v, kv.k_hat, kv.v_hat, scale, self.sink, self.recent)
-        out = reference.add_value_mean(out, kv.out_mean)  # centred values: + μ_V·M_V (M_V space)
-        if kv.out_rotation is not None:
-            out = reference.rotate(out, kv.out_rotation)  # fp32 o·M_Vᵀ per query head
-        return out  # fp32 [B, H_q, T, D]
-
-
-def all_methods(config, rotations, num_layers: int, head_dim: int, quant, baselines: tuple[str, ...]) -> list[Method]:
-    """BF16, OSCAR and the re-implemented baselines (`build_methods`), then transformers' QuantizedCache peers."""
-    unknown = [b for b in baselines if b not in BASELINES and b not in PEERS]
-    if unknown:
-        raise InputError(f"unknown baselines {unknown}", f"choose from {', '.join(BASELINES + tuple(PEERS))}")
-    peers = build_peers(tuple(b for b in baselines if b in PEERS), config, head_dim)  # first: a missing package
-    methods = build_methods(rotations, num_layers, head_dim, quant.group_size, quant.sink, quant.recent,
-                            tuple(b for b in baselines if b in BASELINES), quant.key_bits)
-    return methods + peers
+        return method.attend(layer, q, k, v, scale, self)  # fp32 [B, H_q, T, D]
 
 
 def _logits(model: torch.nn.Module, ids: Tensor) -> Tensor:
@@ -141,8 +117,7 @@ def run_verification(loaded: LoadedModel, manifest, rotations, input_ids: Tensor
     if sorted(int(i) for i in rotations.layer_ids) != list(range(L)):
         raise InputError(f"the artifacts cover layers {rotations.layer_ids.tolist()}, the model has {L}: verify needs "
                          "a rotation for every attention layer")
-    methods = all_methods(model.config, rotations, L, D, q, settings.baselines)
-    methods[0] = Exact.for_dtype(next(model.parameters()).dtype)  # labelled by the dtype that ran
+    methods = build_methods(Setup.of(manifest, rotations, model, info), settings.baselines)  # methods[0]: BF16
     quantized = [m for m in methods if m.kind != "reference"]
     attend = Attender(quantizer(settings.backend), sink, recent)
 
@@ -184,7 +159,7 @@ def run_verification(loaded: LoadedModel, manifest, rotations, input_ids: Tensor
 
     generations = {}
     if settings.generate_tokens > 0:
-        generations = compare_generation(loaded, ids_all[:1], methods, manifest, settings.generate_tokens, progress)
+        generations = compare_generation(loaded, ids_all[:1], methods, settings.generate_tokens, progress)
 
     results = _results(methods, scores, layer_error, generations, start, T, settings.bin_size)
     artifact = next(r for r in results if r.kind == "artifact")
@@ -229,49 +204,25 @@ def _results(methods: list[Method], scores: dict[str, _Scores], layer_error: dic
 # ------------------------------------------------------------------------------------------------------ generation
 
 
-def _cache_for(method: RotatedInt2, manifest, num_layers: int, head_dim: int):
-    """The runtime OscarCache that stores K/V exactly as `method` models them (rotation or identity, its clips); the
-    artifact's own method pins what its manifest asks (docs/format.md §6c), the baselines pin nothing."""
-    from ..runtime.cache import OscarCache
-
-    rot_k, rot_v = method.k_rotation, method.v_rotation
-    if rot_k is None:
-        rot_k = rot_v = torch.eye(head_dim).expand(num_layers, 1, head_dim, head_dim).contiguous()
-    q = manifest.quant
-    return OscarCache(rot_k, rot_v, method.k_clip, method.v_clip, torch.arange(num_layers),
-                      group_size=q.group_size, sink=q.sink, recent=q.recent, flush=q.flush, num_layers=num_layers,
-                      k_mean=method.k_mean, v_mean=method.v_mean, key_bits=method.key_bits,
-                      pin=getattr(manifest, "pin", 0) if method.name == "oscar" else 0)
-
-
-def _cache_kwarg() -> str:
-    """transformers 5 renamed generate's `past_key_values` to `cache` (the old name warns, and goes in 6.0)."""
-    try:
-        from transformers.generation.utils import ALL_CACHE_NAMES
-    except ImportError:
-        return "past_key_values"
-    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
-
-
 def _greedy(model: torch.nn.Module, prompt: Tensor, new_tokens: int, pad_id: int, cache=None) -> Tensor:
-    kwargs = {_cache_kwarg(): cache} if cache is not None else {}
+    kwargs = {cache_argument(): cache} if cache is not None else {}
     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id, **kwargs)
     return out[0, prompt.shape[1]:].cpu()
 
 
-def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method], manifest, new_tokens: int,
+def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method], new_tokens: int,
                        progress: Progress) -> dict[str, Generation]:
-    """Greedy continuation of `prompt` [1, P]: BF16 (the model's own attention, DynamicCache) vs every method the
-    runtime can store (OscarCache + the `oscar` attention: prefill exact, decode through the INT2 tiers) and the
-    QuantizedCache peers (their own cache; the `oscar` attention is plain attention over what that cache returns)."""
+    """Greedy continuation of `prompt` [1, P]: BF16 (methods[0]: the model's own attention, DynamicCache) vs every
+    method with a cache (`Method.make_cache`): OscarCache + the `oscar` attention (prefill exact, decode through the
+    INT2 tiers), or transformers' QuantizedCache (the `oscar` attention is plain attention over what it returns)."""
     from ..runtime.attention import enable_oscar
 
-    model, info = loaded.model, loaded.info
+    model = loaded.model
     device = next(model.parameters()).device
     prompt = prompt.to(device)
     pad_id = getattr(loaded.tokenizer, "eos_token_id", None) or 0
-    runnable = [m for m in methods if isinstance(m, (RotatedInt2, PeerCache))]
+    runnable = [m for m in methods if m.kind != "reference" and m.cache_path is not None]
     total = 1 + len(runnable)
     progress("greedy generation", 0, total, rate="")
     with torch.inference_mode():
@@ -282,21 +233,17 @@ def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method
         try:
             enable_oscar(model, compile=False)  # a few dozen tokens: compiling the step would cost more than it saves
             for i, m in enumerate(runnable):
-                peer = isinstance(m, PeerCache)
-                cache = new_cache(m.spec, model.config) if peer else _cache_for(m, manifest, info.num_layers,
-                                                                                 info.head_dim)
-                tokens = _greedy(model, prompt, new_tokens, pad_id, cache)
+                tokens = _greedy(model, prompt, new_tokens, pad_id, m.make_cache())
                 same = (tokens == reference_tokens[: tokens.shape[0]])
                 n = min(tokens.shape[0], reference_tokens.shape[0])
                 diverged = (~same[:n]).nonzero()
-                results[m.name] = Generation(path="quantized-cache" if peer else "oscar-cache",
-                                             prompt_tokens=prompt.shape[1], new_tokens=n,
+                results[m.name] = Generation(path=m.cache_path, prompt_tokens=prompt.shape[1], new_tokens=n,
                                              first_divergence=int(diverged[0]) if diverged.numel() else None,
                                              matched_tokens=int(same[:n].sum()))
                 progress("greedy generation", 2 + i, total, rate="")
         finally:
             model.set_attn_implementation(previous)
     n = reference_tokens.shape[0]
-    results["bf16"] = Generation(path="dynamic-cache", prompt_tokens=prompt.shape[1], new_tokens=n,
-                                 first_divergence=None, matched_tokens=n)
+    results[methods[0].name] = Generation(path=methods[0].cache_path, prompt_tokens=prompt.shape[1], new_tokens=n,
+                                          first_divergence=None, matched_tokens=n)
     return results

@@ -20,13 +20,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
-
 from ..errors import InputError
 from ..models import LoadedModel
-from .baselines import BASELINES, DTYPE_NAMES, RotatedInt2, build_methods
-from .harness import _cache_for, _cache_kwarg
-from .peers import PEERS, PeerCache, build_peers, new_cache
+from .attention import cache_argument
+from .baselines import DTYPE_NAMES
+from .registry import Setup, build_methods
 from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleReport
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
@@ -97,7 +95,7 @@ class NeedleSettings:
 
 def _forward(model, ids: Tensor, cache) -> Tensor:
     """Last-position logits of `ids` [1, n] run after what `cache` holds."""
-    return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kwarg(): cache}).logits[:, -1]
+    return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(): cache}).logits[:, -1]
 
 
 def _answer(model, cache, question: Tensor, new_tokens: int) -> list[int]:
@@ -113,7 +111,8 @@ def _answer(model, cache, question: Tensor, new_tokens: int) -> list[int]:
 
 def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], settings: NeedleSettings,
                baselines: tuple[str, ...], progress: Callable[..., None] | None = None) -> NeedleReport:
-    """The retrieval grid: for every (length, depth, trial) prompt, BF16 and every method the runtime can store."""
+    """The retrieval grid: for every (length, depth, trial) prompt, BF16 and every method with a cache to decode
+    through (`Method.make_cache`); requested baselines without one (kivi) are left out."""
     from ..runtime.attention import enable_oscar
 
     progress = progress or (lambda *a, **k: None)
@@ -126,11 +125,9 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
         if limit is not None and length + settings.new_tokens > limit:
             raise InputError(f"needle length {length} + {settings.new_tokens} answer tokens exceeds the model's "
                              f"{limit} positions", f"use --needle-lengths up to {limit - settings.new_tokens}")
-    methods = [m for m in build_methods(rotations, info.num_layers, info.head_dim, q.group_size, q.sink, q.recent,
-                                        tuple(b for b in baselines if b in BASELINES), q.key_bits)
-               if isinstance(m, RotatedInt2)]
-    methods += build_peers(tuple(b for b in baselines if b in PEERS), model.config, info.head_dim)
-    names = ["bf16"] + [m.name for m in methods]
+    reference, *others = build_methods(Setup.of(manifest, rotations, model, info), baselines)
+    methods = [m for m in others if m.cache_path is not None]
+    names = [reference.name] + [m.name for m in methods]
     right = {n: [[0] * len(settings.depths) for _ in settings.lengths] for n in names}
     answers: dict[str, list[str]] = {n: [] for n in names}
     rng = random.Random(settings.seed)
@@ -146,17 +143,16 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                         prompt = build_prompt(tok, filler, length, depth, rng)
                         context = torch.tensor([prompt.context], device=device)
                         question = torch.tensor([prompt.question], device=device)
-                        bf16 = DynamicCache()
+                        bf16 = reference.make_cache()  # the model's own DynamicCache
                         for s in range(0, context.shape[1], PREFILL_CHUNK):
                             _forward(model, context[:, s : s + PREFILL_CHUNK], bf16)
                         kv = [(layer.keys, layer.values) for layer in bf16.layers]
                         for m in methods:
-                            cache = (new_cache(m.spec, model.config) if isinstance(m, PeerCache)
-                                     else _cache_for(m, manifest, info.num_layers, info.head_dim))
+                            cache = m.make_cache()
                             for idx, (k, v) in enumerate(kv):
                                 cache.update(k, v, idx)  # files the prompt as a prefill chunk would
                             answers[m.name].append(tok.decode(_answer(model, cache, question, settings.new_tokens)))
-                        answers["bf16"].append(tok.decode(_answer(model, bf16, question, settings.new_tokens)))
+                        answers[reference.name].append(tok.decode(_answer(model, bf16, question, settings.new_tokens)))
                         for n in names:
                             right[n][li][di] += answer_is_right(answers[n][-1], prompt.key)
                         done += 1
@@ -164,7 +160,7 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
     finally:
         model.set_attn_implementation(previous)
     ran = DTYPE_NAMES.get(next(model.parameters()).dtype, "BF16")
-    labels = {"bf16": (f"{ran} (DynamicCache)", "reference")} | {m.name: (m.label, m.kind) for m in methods}
+    labels = {reference.name: (f"{ran} (DynamicCache)", reference.kind)} | {m.name: (m.label, m.kind) for m in methods}
     results = [NeedleMethod(name=n, label=labels[n][0], kind=labels[n][1],
                             accuracy=[[c / settings.trials for c in row] for row in right[n]],
                             overall=sum(map(sum, right[n])) / total, answers=answers[n]) for n in names]

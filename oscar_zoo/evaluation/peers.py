@@ -7,7 +7,8 @@ unset; only `nbits` is chosen). Teacher forcing feeds a layer's K/V to such a la
 flushes its residual window during decode — the first token, then `residual_length` tokens at a time — so every query
 attends to exactly what that cache would return at its position had the text been decoded one token at a time
 (tests/evaluation/test_peers.py checks this against real token-by-token decoding). Bits per element are counted from
-the bytes the cache holds (packed codes, scales, zero points or shifts, and the residual window).
+the bytes the cache holds (packed codes, scales, zero points or shifts, and the residual window). Which peers `verify`
+offers, and under which names, is registry.py's.
 """
 
 from __future__ import annotations
@@ -29,13 +30,6 @@ class PeerSpec:
     backend: str  # QuantizedCache backend: "quanto" or "hqq"
     nbits: int
 
-
-PEERS = {
-    "hf-quanto-int2": PeerSpec("quanto", 2),
-    "hf-hqq-int2": PeerSpec("hqq", 2),
-    "hf-quanto-int4": PeerSpec("quanto", 4),
-    "hf-hqq-int4": PeerSpec("hqq", 4),
-}
 # backend → (module that must import, PyPI package that provides it)
 PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
 INSTALL_ADVICE = "pip install 'oscar-zoo[peers]' (optimum-quanto and hqq), or leave that baseline out"
@@ -51,13 +45,12 @@ def missing_package(backend: str) -> str | None:
     return None if found else package
 
 
-def require_installed(names: tuple[str, ...]) -> None:
-    """InputError (exit 2) naming the first requested peer whose package is missing."""
-    for name in names:
-        package = missing_package(PEERS[name].backend)
-        if package is not None:
-            raise InputError(f"baseline {name} runs transformers' QuantizedCache, which needs the package {package} "
-                             "(not installed)", INSTALL_ADVICE)
+def require_installed(name: str, spec: PeerSpec) -> None:
+    """InputError (exit 2) when the package of peer `name` is missing."""
+    package = missing_package(spec.backend)
+    if package is not None:
+        raise InputError(f"baseline {name} runs transformers' QuantizedCache, which needs the package {package} "
+                         "(not installed)", INSTALL_ADVICE)
 
 
 def new_cache(spec: PeerSpec, config):
@@ -122,12 +115,12 @@ def layer_bytes(layer) -> tuple[int, int]:
 
 class PeerCache(Method):
     """transformers' QuantizedCache as a verify method. `attend` replaces prepare + windowed attention: the real
-    cache layer returns the K/V a query reads (dequantized history, exact residual), attention runs in fp32."""
+    cache layer returns the K/V a query reads (dequantized history, exact residual), attention runs in fp32;
+    generation and the needle grid decode through a fresh QuantizedCache (`make_cache`)."""
 
-    kind = "baseline"
+    kind, cache_path = "baseline", "quantized-cache"
 
-    def __init__(self, name: str, config, head_dim: int):
-        spec = PEERS[name]
+    def __init__(self, name: str, spec: PeerSpec, config, head_dim: int):
         self.name, self.spec, self.config, self.head_dim = name, spec, config, head_dim
         layer = new_cache(spec, config).layers[0]
         self.settings = layer_settings(layer)
@@ -137,15 +130,16 @@ class PeerCache(Method):
                       f"residual_length {s['residual_length']})")
         self.measured: dict[int, tuple[float, float]] = {}  # context → bits per K, V element, from a real run
 
+    def make_cache(self):
+        return new_cache(self.spec, self.config)
+
     def new_layer(self, layer_idx: int = 0):
-        return new_cache(self.spec, self.config).layers[layer_idx]
+        return self.make_cache().layers[layer_idx]
 
-    def prepare(self, layer, q, k, v, quantize_pack):
-        raise NotImplementedError("PeerCache runs through `attend` (the cache decides what each query reads)")
-
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float, windows=None) -> Tensor:
         """q [B, H_q, T, D], k/v [B, H_kv, T, D] post-RoPE of the whole sequence → fp32 [B, H_q, T, D]: each chunk of
-        `flush_chunks` goes through a fresh cache layer's `update`; its queries attend causally to what it returns."""
+        `flush_chunks` goes through a fresh cache layer's `update`; its queries attend causally to what it returns
+        (the cache decides what each query reads: `windows` is not used)."""
         B, H_q, T, D = q.shape
         layer = self.new_layer(layer_idx)
         out = torch.empty(B, H_q, T, D, dtype=torch.float32, device=q.device)
@@ -192,9 +186,3 @@ class PeerCache(Method):
         layer.update(x, x)
         return 8 * sum(layer_bytes(layer)) / (2 * x.numel())
 
-
-def build_peers(names: tuple[str, ...], config, head_dim: int) -> list[PeerCache]:
-    """The requested peers, in the order of PEERS; a missing package is an InputError."""
-    chosen = tuple(n for n in PEERS if n in names)
-    require_installed(chosen)
-    return [PeerCache(n, config, head_dim) for n in chosen]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oscar_zoo.artifacts import Rotations
-from oscar_zoo.evaluation import needle
+from oscar_zoo.evaluation.baselines import RotatedInt2
 from oscar_zoo.evaluation.needle import NeedleSettings, answer_is_right, build_prompt, run_needle
 from oscar_zoo.runtime.cache import OscarCache
 
@@ -64,11 +64,11 @@ def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monke
     L, D = loaded.info.num_layers, loaded.info.head_dim
     sink, recent = 16, 32
 
-    def exact_cache(method, manifest, num_layers, head_dim):
-        eye = torch.eye(head_dim).expand(num_layers, 1, head_dim, head_dim).contiguous()
-        return OscarCache(eye, eye, quantize=False, sink=sink, recent=recent, num_layers=num_layers)
+    def exact_cache(method):
+        eye = torch.eye(D).expand(L, 1, D, D).contiguous()
+        return OscarCache(eye, eye, quantize=False, sink=sink, recent=recent, num_layers=L)
 
-    monkeypatch.setattr(needle, "_cache_for", exact_cache)
+    monkeypatch.setattr(RotatedInt2, "make_cache", exact_cache)
     settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5)
     report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), _filler(tokenizer, heldout_file),
                         settings, baselines=())

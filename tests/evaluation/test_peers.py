@@ -14,7 +14,8 @@ import torch
 from transformers import QuantizedCache
 
 from oscar_zoo.evaluation import peers
-from oscar_zoo.evaluation.peers import PEERS, PeerCache, flush_chunks
+from oscar_zoo.evaluation.peers import PeerCache, flush_chunks
+from oscar_zoo.evaluation.registry import PEERS
 from oscar_zoo.evaluation.report import VerifyReport
 
 from .conftest import CONTEXT, KL_RTOL, PPL_ATOL, RECENT, SINK, TOP1_POSITIONS
@@ -84,7 +85,7 @@ def test_bits_are_the_bytes_the_cache_holds(loaded, name, dtype):
     """PeerCache.bits after a run equals the count from the storage format, at lengths with and without a residual
     window, in float32 and bfloat16 (scales, zeros and residual in the cache's dtype)."""
     H, D = 3, 64
-    method = PeerCache(name, loaded.model.config, D)
+    method = PeerCache(name, PEERS[name], loaded.model.config, D)
     assert method.settings == {"nbits": PEERS[name].nbits, "axis_key": 0, "axis_value": 0, "q_group_size": 64,
                                "residual_length": 128}  # the installed transformers' documented defaults
     for T in (129, 300, 385):

@@ -11,7 +11,7 @@ import torch
 
 from oscar_zoo.artifacts import load_artifacts, write_artifacts
 from oscar_zoo.errors import IntegrityError
-from oscar_zoo.evaluation import baselines
+from oscar_zoo.evaluation import baselines, registry
 from oscar_zoo.evaluation.attention import verifying
 from oscar_zoo.evaluation.harness import Attender, VerifySettings, run_verification
 from oscar_zoo.evaluation.report import Thresholds, VerifyReport, check_thresholds
@@ -43,7 +43,7 @@ def test_identity_quantization_reproduces_bf16_logits(good_artifacts, heldout_id
     monkeypatch.setattr(baselines, "fake_quant_with", lambda quantize_pack, x, clip, group_size=0, bits=2: x.float())
     model = outlier_model()  # float32, so the rotations' rounding is negligible
     manifest, rot = load_artifacts(good_artifacts)
-    methods = baselines.build_methods(rot, 2, 64, 0, 16, 32, baselines.BASELINES)
+    methods = registry.build_methods(registry.Setup(rot, 2, 64, 0, 16, 32), ("naive", "clip-only", "hadamard", "kivi"))
     attend = Attender(reference.quantize_pack_ref, 16, 32)
     ids = heldout_ids[:1]
     logits = {}
