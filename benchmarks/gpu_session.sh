@@ -20,7 +20,7 @@
 #   with 32 pinned tokens (calibrate --pin 32), same session
 # compile-tests: the compiled-step, static-step and attention GPU tests (runtime/compiled.py: generate() replaying
 #   inductor-compiled layers around the OSCAR custom op, every supported architecture)
-# compile-bench: no tests; generate() at 100K and 32K, batch 1 and 8, OSCAR and bf16graph with compiled layers
+# compile-bench: no tests; generate() at 100K and 32K, batch 1 (BATCHES), OSCAR and bf16graph with compiled layers
 #   (--compile), then with eager layers (--no-compile), each pair in one run
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
@@ -78,7 +78,7 @@ if [ "$mode" = compile-tests ]; then
 fi
 if [ "$mode" = compile-bench ]; then
   for flag in ${FLAGS:---compile --no-compile}; do
-    python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-100000 32768} --batches 1 8 --budget-contexts \
+    python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-100000 32768} --batches ${BATCHES:-1} --budget-contexts \
       --phases --key-bits 2.7 $flag 2>&1 | tee "$OUT/bench_generate$flag.log" | grep -E "^\||compiled|eager layers|kernels "
   done
   exit 0
