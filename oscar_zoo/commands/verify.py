@@ -14,7 +14,7 @@ from ..calibration.data import check_dataset_options
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError, VerificationFailed
 from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings
-from ..evaluation.needle import DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleSettings
+from ..evaluation.needle import DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleProtocol, NeedleSettings
 from ..evaluation.pipeline import VerifyRequest, verify_artifacts
 from ..evaluation.registry import BASELINES, DEFAULT_BASELINES, SHORT, check_baselines
 from ..evaluation.report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
@@ -74,6 +74,11 @@ def verify_command(
     min_needle_accuracy: Annotated[float | None, typer.Option(help="Smallest needle accuracy of the artifact "
                                                                    "relative to BF16's (exit 3 below; default "
                                                                    "0.9).")] = None,
+    needle_protocol: Annotated[NeedleProtocol | None, typer.Option(
+        help="follow-up (default): the context is cached first and the question reads it through the INT2 tiers, "
+             "first answer token included (a question about a cached document); prompt: context and question are "
+             "one prompt, as model.generate(prompt, past_key_values=cache) runs it (the prompt attends to its own "
+             "exact K/V).")] = None,
     as_exported: Annotated[bool, typer.Option("--as-exported", help="Verify the form `oscar-zoo export` deploys "
                                                                     "to the reference runtime: per-head rotations "
                                                                     "averaged per layer, means dropped, the median "
@@ -95,7 +100,7 @@ def verify_command(
     check_dataset_options(dataset, split, text_field)
     # a needle option given alone asks for the grid: it implies --needle rather than being ignored
     needle = needle or needle_quick or any(v is not None for v in (needle_lengths, needle_depths, needle_trials,
-                                                                   min_needle_accuracy))
+                                                                   min_needle_accuracy, needle_protocol))
     needle_plot = None
     if plot is not None:  # a name matplotlib cannot write, or a folder, is refused now, not after the whole run
         from ..evaluation.plot import check_plot_path
@@ -105,7 +110,7 @@ def verify_command(
             needle_plot = check_plot_path(_needle_plot_path(plot), needle_of=plot)
 
     needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
-                                       min_needle_accuracy, seed) if needle else None
+                                       min_needle_accuracy, seed, needle_protocol) if needle else None
     settings = VerifySettings(context=context, sequences=sequences, baselines=chosen, backend=backend,
                               positions_from=score_from, generate_tokens=generate,
                               thresholds=Thresholds(max_ppl_increase=max_ppl_increase, max_kl=max_kl,
@@ -137,7 +142,7 @@ def _parse_list(option: str, value: str, kind):
     return items
 
 
-def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed) -> NeedleSettings:
+def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed, protocol) -> NeedleSettings:
     trials = (1 if quick else 2) if trials is None else trials
     min_accuracy = DEFAULT_MIN_NEEDLE_ACCURACY if min_accuracy is None else min_accuracy
     if trials <= 0:
@@ -152,7 +157,8 @@ def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed) -> Need
     if any(not 0 <= d <= 1 for d in parsed_depths):
         raise InputError(f"--needle-depths must lie in [0, 1], got {depths}")
     return NeedleSettings(lengths=parsed_lengths, depths=parsed_depths, trials=trials, seed=seed,
-                          min_relative_accuracy=min_accuracy)
+                          min_relative_accuracy=min_accuracy,
+                          protocol=(protocol or NeedleProtocol.FOLLOW_UP).value)
 
 
 def _needle_plot_path(plot: Path) -> Path:
@@ -246,8 +252,8 @@ def _print_kl_by_distance(report: VerifyReport) -> None:
 
 
 def _print_needle(needle: NeedleReport) -> None:
-    table = Table(title=f"needle retrieval through the runtime · accuracy per length (rows) × depth (columns) · "
-                        f"{needle.trials} trial(s) per cell")
+    table = Table(title=f"needle retrieval through the runtime ({needle.protocol} protocol) · accuracy per length "
+                        f"(rows) × depth (columns) · {needle.trials} trial(s) per cell")
     table.add_column("method")
     table.add_column("length", justify="right")
     for d in needle.depths:

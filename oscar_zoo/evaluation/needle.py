@@ -2,12 +2,19 @@
 
 A prompt is a long filler text (held-out) with a short fact placed at a depth — "The secret passkey is 48213.
 Remember it: the passkey is 48213." — followed, as a second turn, by a question ("what is the secret passkey?") whose
-answer is the five digits. The context is prefilled once in BF16 (chunked); each quantized method's `OscarCache` is
-filed from that prefill's K/V exactly as `OscarCache.update` files a prompt (rotation, clip, INT2 history, BF16
-windows); transformers' QuantizedCache peers get the same K/V as their prefill `update` (all of it quantized, the
-residual window empty). The question is then a second chunk — it reads the context through the cache's tiers, INT2
-history included — and the answer is decoded greedily through the runtime (`oscar` attention, tiered decode). BF16 continues
-the same way on its DynamicCache. An answer is right when its first non-space characters are the passkey's digits and no other digit follows.
+answer is the five digits, decoded greedily through the runtime (`oscar` attention, tiered decode). Two protocols:
+
+- "follow-up" (the default; a question about a document already in the cache): the context is prefilled once in BF16
+  (chunked); each quantized method's `OscarCache` is filed from that prefill's K/V exactly as `OscarCache.update`
+  files a prompt (rotation, clip, INT2 history, BF16 windows); transformers' QuantizedCache peers get the same K/V as
+  their prefill `update` (all of it quantized, the residual window empty). The question is then a second chunk: it
+  reads the context through the cache's tiers, INT2 history included, so the first answer token already does.
+- "prompt" (`model.generate(prompt, past_key_values=cache)`'s path): context and question are one prompt, prefilled
+  through a fresh cache of each method; the prompt attends to its own exact K/V, and the answer tokens after the first
+  read the tiers.
+
+BF16 runs the same way on its DynamicCache. An answer is right when its first non-space characters are the passkey's
+digits and no other digit follows.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import Tensor
@@ -83,6 +91,16 @@ def answer_is_right(text: str, key: str) -> bool:
     return found is not None and found.group(1) == key
 
 
+class NeedleProtocol(str, Enum):
+    """How the question meets the cached context (module docstring); NeedleReport.protocol records the value."""
+
+    FOLLOW_UP = "follow-up"
+    PROMPT = "prompt"
+
+
+PROTOCOLS = tuple(p.value for p in NeedleProtocol)
+
+
 @dataclass
 class NeedleSettings:
     lengths: tuple[int, ...]
@@ -91,6 +109,7 @@ class NeedleSettings:
     seed: int = 0
     new_tokens: int = 7  # " 48213." and a spare: the first non-space characters decide
     min_relative_accuracy: float = DEFAULT_MIN_NEEDLE_ACCURACY  # the artifact's overall accuracy / BF16's
+    protocol: str = NeedleProtocol.FOLLOW_UP.value  # one of PROTOCOLS
 
 
 def _forward(model, ids: Tensor, cache) -> Tensor:
@@ -99,7 +118,8 @@ def _forward(model, ids: Tensor, cache) -> Tensor:
 
 
 def _answer(model, cache, question: Tensor, new_tokens: int) -> list[int]:
-    """The question as one chunk after the cached context, then greedy decode steps; the generated token ids."""
+    """`question` (the question, or the whole prompt) as one chunk after what `cache` holds, then greedy decode steps;
+    the generated token ids."""
     logits = _forward(model, question, cache)
     out = []
     for _ in range(new_tokens):
@@ -107,6 +127,31 @@ def _answer(model, cache, question: Tensor, new_tokens: int) -> list[int]:
         out.append(int(token))
         logits = _forward(model, token, cache)
     return out
+
+
+def _asked(model, prompt: NeedlePrompt, methods: list, protocol: str, device) -> list[tuple[object, Tensor]]:
+    """Per method (the reference first): its cache and the ids still to run before the answer. "follow-up": the
+    context prefilled once in BF16, each quantized cache filed from that prefill's K/V exactly as its `update` files a
+    prompt, the question left to run; "prompt": a fresh cache each, the whole prompt left to run (its own exact K/V
+    first, then the tiers: `model.generate(prompt, cache)`'s path)."""
+    if protocol == NeedleProtocol.PROMPT.value:
+        ids = torch.tensor([prompt.context + prompt.question], device=device)
+        return [(m.make_cache(), ids) for m in methods]
+    if protocol != NeedleProtocol.FOLLOW_UP.value:
+        raise InputError(f"needle protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    context = torch.tensor([prompt.context], device=device)
+    question = torch.tensor([prompt.question], device=device)
+    bf16 = methods[0].make_cache()  # the model's own DynamicCache
+    for s in range(0, context.shape[1], PREFILL_CHUNK):
+        _forward(model, context[:, s : s + PREFILL_CHUNK], bf16)
+    kv = [(layer.keys, layer.values) for layer in bf16.layers]
+    asked = [(bf16, question)]
+    for m in methods[1:]:
+        cache = m.make_cache()
+        for idx, (k, v) in enumerate(kv):
+            cache.update(k, v, idx)  # files the prompt as a prefill chunk would
+        asked.append((cache, question))
+    return asked
 
 
 def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], settings: NeedleSettings,
@@ -141,18 +186,10 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                 for di, depth in enumerate(settings.depths):
                     for _ in range(settings.trials):
                         prompt = build_prompt(tok, filler, length, depth, rng)
-                        context = torch.tensor([prompt.context], device=device)
-                        question = torch.tensor([prompt.question], device=device)
-                        bf16 = reference.make_cache()  # the model's own DynamicCache
-                        for s in range(0, context.shape[1], PREFILL_CHUNK):
-                            _forward(model, context[:, s : s + PREFILL_CHUNK], bf16)
-                        kv = [(layer.keys, layer.values) for layer in bf16.layers]
-                        for m in methods:
-                            cache = m.make_cache()
-                            for idx, (k, v) in enumerate(kv):
-                                cache.update(k, v, idx)  # files the prompt as a prefill chunk would
+                        for m, ids in zip([reference] + methods, _asked(model, prompt, [reference] + methods,
+                                                                        settings.protocol, device)):
+                            cache, question = ids
                             answers[m.name].append(tok.decode(_answer(model, cache, question, settings.new_tokens)))
-                        answers[reference.name].append(tok.decode(_answer(model, bf16, question, settings.new_tokens)))
                         for n in names:
                             right[n][li][di] += answer_is_right(answers[n][-1], prompt.key)
                         done += 1
@@ -179,4 +216,5 @@ def needle_report(results: list[NeedleMethod], settings: NeedleSettings, sink: i
     return NeedleReport(lengths=list(settings.lengths), depths=list(settings.depths), trials=settings.trials,
                         seed=settings.seed, needle=NEEDLE.strip(), question=QUESTION.strip(), sink=sink, recent=recent,
                         methods=results, min_relative_accuracy=settings.min_relative_accuracy,
-                        passed=not failures, failures=failures, wall_seconds=round(wall, 2))
+                        passed=not failures, failures=failures, wall_seconds=round(wall, 2),
+                        protocol=settings.protocol)

@@ -87,6 +87,9 @@ class NeedleReport(_Frozen):
     passed: bool
     failures: list[str]
     wall_seconds: float
+    # "follow-up": the context filed first, the question a second chunk read through the tiers; "prompt": context and
+    # question one prompt (generate()'s path). Reports written before the option existed used "follow-up".
+    protocol: Literal["follow-up", "prompt"] = "follow-up"
 
     def method(self, name: str) -> NeedleMethod:
         return next(m for m in self.methods if m.name == name)

@@ -77,6 +77,50 @@ def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monke
     assert oscar.answers == bf16.answers and oscar.accuracy == bf16.accuracy
 
 
+def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_file, monkeypatch):
+    """--needle-protocol prompt is `model.generate(prompt, past_key_values=cache)`'s path: every answer equals what
+    transformers' own generate() writes with a fresh quantizing OscarCache (random rotations, INT2 history between a
+    16-token sink and a 32-token recent window) and, for BF16, with no cache at all; and each first answer token is
+    BF16's (the prompt attends to its own exact K/V), which the follow-up protocol does not promise."""
+    from oscar_zoo.evaluation.attention import cache_argument
+    from oscar_zoo.evaluation.needle import NeedleProtocol
+    from oscar_zoo.runtime.attention import enable_oscar
+    from oscar_zoo.runtime.reference import random_orthogonal
+
+    model, L, D = loaded.model, loaded.info.num_layers, loaded.info.head_dim
+    sink, recent = 16, 32
+    M = torch.stack([random_orthogonal(D, seed=i) for i in range(L)]).float().unsqueeze(1)  # [L, 1, D, D]
+
+    def int2_cache(method=None):
+        return OscarCache(M, M, 0.9, 0.9, sink=sink, recent=recent, num_layers=L)
+
+    monkeypatch.setattr(RotatedInt2, "make_cache", int2_cache)
+    settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=1, new_tokens=5,
+                              protocol=NeedleProtocol.PROMPT.value)
+    filler = _filler(tokenizer, heldout_file)
+    report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), filler, settings, baselines=())
+    assert report.protocol == "prompt"
+    rng, want = random.Random(settings.seed), {"bf16": [], "oscar": []}
+    previous = model.config._attn_implementation
+    try:
+        enable_oscar(model, compile=False)
+        for length in settings.lengths:
+            for depth in settings.depths:
+                p = build_prompt(tokenizer, filler, length, depth, rng)
+                ids = torch.tensor([p.context + p.question])
+                for name, cache in (("bf16", None), ("oscar", int2_cache())):
+                    kw = {} if cache is None else {cache_argument(): cache}
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                                         do_sample=False, **kw)
+                    want[name].append(out[0, ids.shape[1]:].tolist())
+    finally:
+        model.set_attn_implementation(previous)
+    bf16, oscar = report.method("bf16"), report.method("oscar")
+    assert bf16.answers == [tokenizer.decode(t) for t in want["bf16"]]
+    assert oscar.answers == [tokenizer.decode(t) for t in want["oscar"]]
+    assert [t[0] for t in want["oscar"]] == [t[0] for t in want["bf16"]]
+
+
 def test_real_smollm2_retrieves_and_a_broken_artifact_fails(smollm2, heldout_file):
     """SmolLM2-135M at 1,024 tokens, needle at depths 0.3 and 0.7 (inside the INT2 history): BF16 answers both; an
     artifact whose clips flatten every key and value (r = 0.05) answers none, and fails the gate."""
@@ -116,17 +160,22 @@ def test_cli_needle_table_json_heatmap_and_bad_options(run_cli, good_artifacts, 
 
 def test_needle_options_imply_needle_and_are_never_ignored(run_cli, good_artifacts, model_dir, heldout_file):
     """A --needle-* option without --needle runs the grid it describes (it was silently ignored); --needle-trials
-    with --needle-quick is honoured (quick's one trial is only its default)."""
+    with --needle-quick is honoured (quick's one trial is only its default); --needle-protocol is recorded, and an
+    unknown protocol is a usage error."""
     base = ("verify", good_artifacts, "--model", model_dir, "--dataset", heldout_file, "--context", "192",
             "--sequences", "1", "--generate", "0", "--baselines", "none", "--max-kl", "9", "--min-top1", "0",
             "--max-ppl-increase", "99", "--min-needle-accuracy", "0", "--needle-lengths", "300", "--json")
-    for extra, trials, depths in ((("--needle-depths", "0.5"), 2, [0.5]), (("--needle-quick", "--needle-trials", "2"),
-                                                                         2, [0.25, 0.75])):
+    for extra, trials, depths, protocol in ((("--needle-depths", "0.5"), 2, [0.5], "follow-up"),
+                                            (("--needle-quick", "--needle-trials", "2"), 2, [0.25, 0.75], "follow-up"),
+                                            (("--needle-protocol", "prompt", "--needle-quick"), 1, [0.25, 0.75],
+                                             "prompt")):
         code, out, err = run_cli(*base, *extra)
         assert code == 0, err
         needle = json.loads(out)["needle"]
         assert needle is not None and needle["lengths"] == [300], extra
-        assert needle["trials"] == trials and needle["depths"] == depths, extra
+        assert needle["trials"] == trials and needle["depths"] == depths and needle["protocol"] == protocol, extra
+    code, out, err = run_cli(*base, "--needle-protocol", "first-turn")
+    assert code == 2 and "first-turn" in err
     code, out, err = run_cli(*base[:-5], "--json")  # no needle option at all: no grid
     assert code == 0, err
     assert json.loads(out)["needle"] is None
