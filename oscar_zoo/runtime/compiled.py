@@ -1,17 +1,19 @@
 """A compiled decode step: the model's own work (norms, projections, RoPE, MLP, residuals) fused by inductor
 (`torch.compile`) around the OSCAR work, which runs as one opaque custom op per layer.
 
-`oscar_zoo::decode_attention(query, key, value, layer_idx, scaling, softcap)` is the whole cache side of one layer's
-decode step — filing the token (`OscarCache.update`: rotation, tier write, the every-`flush`-steps demotion) and the
-tiered attention (q·M_K, the INT2 decode and merge, o·M_Vᵀ) — exactly as the eager step runs it. Dynamo never traces
-into it: its host-side state (the length mirror, the demotion schedule) stays Python, and the op reads the cache and
-the attention modules from the step that is running (`compiled_step`, a context manager that restores on exit, so
-nothing lives past the step). While a compiled step traces, `OscarCache.update` and the binding hook step aside
-(`stepping()`), and the "oscar" attention function hands its arguments to the op.
+`oscar_zoo::decode_attention(query, key, value, scaling, softcap, sliding_window)` is the whole cache side of one
+layer's decode step — filing the token (`OscarCache.update`: rotation, tier write, the every-`flush`-steps demotion)
+and the tiered attention (q·M_K, the INT2 decode and merge, o·M_Vᵀ) — exactly as the eager step runs it. Dynamo never
+traces into it: its host-side state (the length mirror, the demotion schedule) stays Python. The op reads the cache and
+the layer from the step that is running (`CompiledLayers.step`, a context manager that restores on exit, so nothing
+lives past the step), not from its arguments, so one compiled graph serves every layer of a model. While a step
+traces, `OscarCache.update` and the binding hook step aside (`stepping()`), and the "oscar" attention function hands
+its arguments to the op.
 
-Each decoder layer is compiled on its own (`dynamic=False`: one graph per layer and batch shape; lengths live on the
-device, so a later step or a demotion step reuses the graphs). `graph.DecodeGraphs` runs the warm-up step and the
-capture through `compiled_step`, so the compiled kernels are what the CUDA graph replays.
+Compilation is `dynamic=False`: one graph per layer class and batch shape; the tier lengths live on the device, so a
+later step or a demotion step reuses it. `graph.DecodeGraphs` runs the warm-up step and the capture through
+`CompiledLayers.step`, so the compiled kernels are what the CUDA graph replays (batch 1 of `COMPILED_TYPES`; graph.py
+says why not more).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import time
 
 import torch
 from torch import Tensor
-
 
 
 class _Running:
@@ -78,8 +79,8 @@ def _(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float 
 
 
 # model types whose compiled step the H200 runs checked against the eager step (tests/runtime/test_compiled_step.py);
-# Gemma2 (logit softcap: the decode reads the tiers densely) and Qwen3-MoE (expert routing copies between host and
-# device, which a CUDA graph cannot hold once compiled) replay their eager layers
+# Gemma2 (logit softcap: the decode reads the tiers densely) gave wrong logits compiled and replays its eager layers;
+# Qwen3-MoE's step is never captured (graph.UNCAPTURED_TYPES)
 COMPILED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
 
 
