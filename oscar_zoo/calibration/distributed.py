@@ -6,6 +6,7 @@ which starts N local processes with that same environment (what `--nproc N` does
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import subprocess
@@ -91,7 +92,8 @@ def from_env(device: str) -> DataParallel | None:
         # building a transformers model does): imported after the group exists, those defaults keep the group alive
         # past destroy_process_group, and gloo's threads are then torn down at interpreter exit, where a rank can
         # abort ("terminate called without an active exception"). Imported first, the defaults hold None.
-        import torch.distributed.nn.functional  # noqa: F401
+        importlib.import_module("torch.distributed.nn.functional")  # not `import torch.…`: that would make `torch` a
+        # local name of this whole function, unbound at its first use above
 
         dist.init_process_group("nccl" if use_gpu else "gloo", device_id=torch.device("cuda", local_rank)
                                 if use_gpu else None)

@@ -121,3 +121,18 @@ def test_a_failing_rank_gives_its_exit_code_and_stops_the_others(tmp_path):
     assert code == 2
     assert without_option(["calibrate", "--nproc", "2", "x", "--nproc=3", "--out", "o"], "--nproc") == \
         ["calibrate", "x", "--out", "o"]
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda", "cpu"])
+def test_joining_a_process_group_reads_the_device_for_every_device_option(device, monkeypatch):
+    """from_env under torchrun's environment with any --device (a group already joined): the GPU check runs. A
+    function-local `import torch.distributed…` once made `torch` unbound there, so every run but --device cpu died
+    with UnboundLocalError before joining."""
+    from oscar_zoo.calibration import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: False)
+    dp = distributed.from_env(device)
+    assert (dp.rank, dp.world) == (1, 2)
