@@ -19,7 +19,7 @@ from .runtime import artifact, layout
 from .runtime.artifact import (ARTIFACT_FILES, MANIFEST_MAX_BYTES, MANIFEST_NAME, READ_VERSIONS,  # noqa: F401
                                ROTATIONS_NAME, SCHEMA_VERSION, ArtifactError)
 from .runtime.artifact import one_line as _one_line
-from .runtime.layout import MAX_WINDOW
+from .runtime.layout import MAX_WINDOW, Centring  # noqa: F401 -- Centring: the format's, re-exported
 
 # The format's file names, size limits and schema versions live in `runtime/artifact.py` (the runtime reads folders
 # too); they are imported here for the schema and for the modules that read them from `manifest`.
@@ -91,7 +91,7 @@ class QuantSpec(_Frozen):
     # "mean": rows are stored as x·M − μ·M with the calibrated means k_mean, v_mean of rotations.safetensors
     # (docs/format.md §6a); "none": no centring, no mean tensors. Schema 2 only (a version-1 manifest has no such field
     # and means "none").
-    centring: Literal["none", "mean"] = "none"
+    centring: Centring = Centring.NONE
     # Bits of the history keys per layer of rotation.layer_ids (2 or 3; docs/format.md §6b), values always `bits`.
     # Schema 3 only; absent (None) means 2 everywhere: today's INT2 codec, and what versions 1–2 mean.
     key_bits: list[Literal[2, 3]] | None = None
@@ -198,7 +198,7 @@ class Manifest(_Frozen):
         outside = [i for i in self.rotation.layer_ids if i >= m.num_layers]
         if outside:
             raise ValueError(f"rotation.layer_ids {outside[:4]} reach past model.num_layers {m.num_layers}")
-        if self.schema_version == 1 and q.centring != "none":
+        if self.schema_version == 1 and q.centring != Centring.NONE:
             raise ValueError("quant.centring needs schema_version 2 (a version-1 artifact is uncentred)")
         if q.key_bits is not None:
             if self.schema_version < 3:
@@ -245,7 +245,7 @@ class Manifest(_Frozen):
     @property
     def centred(self) -> bool:
         """True when rotations.safetensors carries k_mean and v_mean and the cache stores centred rows."""
-        return self.quant.centring == "mean"
+        return self.quant.centring == Centring.MEAN
 
     @model_serializer(mode="wrap")
     def _version_1_form(self, handler):

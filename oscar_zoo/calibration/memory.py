@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InputError
+from ..errors import SettingError, literal
 
 GiB = 2**30
 ACTIVATION_MARGIN = 1.25  # allocator rounding and fragmentation on top of the tensors counted below
@@ -31,18 +31,19 @@ def parse_max_memory(text: str | None) -> dict[int | str, int]:
         number = size.rstrip("abcdefghijklmnopqrstuvwxyz")
         unit = size[len(number):] or "b"
         if not key or unit not in _UNITS or not number:
-            raise InputError(f"--max-memory: cannot read {part.strip()!r}",
+            raise SettingError("max_memory", f"{{max_memory}}: cannot read {literal(repr(part.strip()))}",
                              "use DEVICE=SIZE pairs separated by commas, e.g. 0=70GiB,1=70GiB,cpu=200GiB")
         try:
             value = int(float(number) * _UNITS[unit])
         except ValueError:
-            raise InputError(f"--max-memory: {number!r} is not a number") from None
+            raise SettingError("max_memory", f"{{max_memory}}: {literal(repr(number))} is not a number") from None
         device = int(key.removeprefix("cuda:")) if key.removeprefix("cuda:").isdigit() else key
         if device == "disk":
-            raise InputError("--max-memory: `disk` takes no budget (offloaded weights use the free space of "
-                             "--offload-folder)", "use GPU indices (0, 1, …) and `cpu`")
+            raise SettingError("max_memory", "{max_memory}: `disk` takes no budget (offloaded weights use the free "
+                               "space of {offload_folder})", "use GPU indices (0, 1, …) and `cpu`")
         if device != "cpu" and not isinstance(device, int):
-            raise InputError(f"--max-memory: unknown device {key!r}", "use GPU indices (0, 1, …) and `cpu`")
+            raise SettingError("max_memory", f"{{max_memory}}: unknown device {literal(repr(key))}",
+                               "use GPU indices (0, 1, …) and `cpu`")
         out[device] = value
     return out
 
@@ -68,7 +69,7 @@ def budgets(max_memory: dict[int | str, int]) -> dict[str, int]:
     for key, value in max_memory.items():
         name = f"cuda:{key}" if isinstance(key, int) else key
         if name.startswith("cuda:") and name not in found:
-            raise InputError(f"--max-memory names GPU {key} but {len(found) - 1} GPUs are visible")
+            raise SettingError("max_memory", f"{{max_memory}} names GPU {key} but {len(found) - 1} GPUs are visible")
         if name != "disk":
             found[name] = value if name == "cpu" else min(value, found[name])
     return found
@@ -109,13 +110,13 @@ class MemoryPlan:
         return all(n.fits for n in self.needs)
 
     def check(self) -> None:
-        """Raise InputError (exit 2) naming every device that is short, with its numbers."""
+        """Raise SettingError (InputError, exit 2) naming every device that is short, with its numbers."""
         short = [n.describe() for n in self.needs if not n.fits]
         if short:
-            raise InputError(
-                "calibration will not fit in memory: " + "; ".join(short),
-                "lower --batch-size or --seq-len, use --device-map auto (with --max-memory and --offload-folder "
-                "to offload to CPU and disk), or --accumulate-on cpu",
+            raise SettingError(
+                "batch_size", "calibration will not fit in memory: " + literal("; ".join(short)),
+                "lower {batch_size} or {seq_len}, use {device_map} auto (with {max_memory} and {offload_folder} "
+                "to offload to CPU and disk), or {accumulate_on} cpu",
             )
 
 
@@ -172,7 +173,7 @@ def plan(config, info, *, dtype: torch.dtype, device: torch.device, batch_size: 
     if device_map is None:
         name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
         if name not in avail:
-            raise InputError(f"device {name} is not visible", "pick a visible device with --device")
+            raise SettingError("device", f"device {name} is not visible", "pick a visible device with {device}")
         acc_on = "cpu" if accumulate_on == "cpu" else name
         rows = {name: DeviceNeed(name, weight_bytes(model) * replicas, act * replicas,
                                  acc * replicas if acc_on == name else 0, held if name == "cpu" else 0,
@@ -213,10 +214,10 @@ def _plan_device_map(model, avail: dict[str, int], mode: str, act: int, acc: int
     if "disk" in per_device:
         needs.append(DeviceNeed("disk", per_device["disk"]))
         if not offload:
-            raise InputError(
-                f"the weights do not fit in GPU and host memory: {_gib(per_device['disk'])} would go to disk "
-                f"({'; '.join(n.describe() for n in needs[:-1])})",
-                "pass --offload-folder DIR to offload them to disk (slow), or raise --max-memory",
+            raise SettingError(
+                "offload_folder", literal(f"the weights do not fit in GPU and host memory: {_gib(per_device['disk'])} "
+                                          f"would go to disk ({'; '.join(n.describe() for n in needs[:-1])})"),
+                "pass {offload_folder} DIR to offload them to disk (slow), or raise {max_memory}",
             )
         notes.append(f"{_gib(per_device['disk'])} of weights offloaded to disk: every batch reads them back")
     return MemoryPlan(needs, device_map, notes)

@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..errors import InputError
 from ..artifacts import Rotations, load_tensors, save_tensors
-from ..manifest import (CalibrationRecord, ClipMode, ClipSpec, Granularity, Manifest, QuantSpec, RotationSpec,
-                        ValueTarget)
+from ..manifest import (CalibrationRecord, Centring, ClipMode, ClipSpec, Granularity, Manifest, QuantSpec,
+                        RotationSpec, ValueTarget)
 from ..models import LoadedModel, cache_root
 from ..runtime import layout, reference
 from . import clip_search
@@ -33,39 +32,12 @@ from .data import TokenSequences
 from .distributed import DataParallel
 from .placement import accumulator_device, layer_devices, model_device, sample_on
 from .rotation import fit_rotations, spectrum_ratio
+from .settings import DEFAULT_KEY_BITS, CalibrationSettings  # noqa: F401 -- DEFAULT_KEY_BITS: read from here too
 from .targets import FirstMoment, SecondMoment, centred_target, group_heads, key_weights
 
 Progress = Callable[..., None]  # progress(description, done, total, rate="")
 Info = Callable[[str], None]  # one line for the user (resumed from where, reused what)
 BPE_CONTEXTS = (2048, 32768, 131072)
-DEFAULT_KEY_BITS = 2.7  # QUALITY.md "Retrieval": 2.98 bits/element at 32K for D = 64 (≤ 3.0), needle 57 → 72 %
-CENTRINGS = ("mean", "none")
-
-
-@dataclass(frozen=True)
-class CalibrationSettings:
-    granularity: str = Granularity.PER_HEAD.value
-    value_target: str = ValueTarget.WEIGHTED.value
-    clip: str = ClipMode.SEARCH.value
-    k_clip: float = layout.DEFAULT_K_CLIP
-    v_clip: float = layout.DEFAULT_V_CLIP
-    grid: tuple[float, ...] = clip_search.DEFAULT_GRID
-    group_size: int = 0
-    key_bits: float = DEFAULT_KEY_BITS  # mean history-key bits over the layers: the round((key_bits − 2)·L) layers
-    # whose INT2 keys add the most logit noise get 3-bit, unclipped keys (docs/format.md §6b; 2 = the INT2 codec)
-    sink: int = layout.SINK
-    recent: int = layout.RECENT
-    flush: int = layout.FLUSH
-    pin: int = 0  # history tokens per KV head a prompt pins in BF16 (docs/format.md §6c; 0: none, the default)
-    centring: str = "none"  # "none": rows stored as x·M (schema 1's); "mean": the centred codec (docs/format.md §6a),
-    # lower KL but worse needle retrieval (benchmarks/QUALITY.md, "Decision")
-    centred_value_target: bool = False  # weighted value target about μ_V (a covariance) instead of about 0; measured
-    # in benchmarks/QUALITY.md, not a default (library only)
-    batch_size: int = 4
-    seed: int = 0
-    accumulate_on: str = "model"  # where the float64 sums live: the model's first device, or "cpu"
-
-
 @dataclass
 class CalibrationResult:
     manifest: Manifest
@@ -268,9 +240,9 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         value = Moment.from_state(saved, "value", device) if saved else Moment.zeros(L, H_kv, D, device)
         v_wmean = FirstMoment.from_state(saved, "v_wmean", device) if saved else FirstMoment.zeros(L, H_kv, D, device)
         done2 = store.progress(saved, "pass2_done")
-        if settings.value_target == ValueTarget.WEIGHTED.value:
+        if settings.value_target == ValueTarget.WEIGHTED:
             _report_checkpoint(note, store, "pass 2/2", done2, N)
-        if settings.value_target == ValueTarget.WEIGHTED.value and done2 < N:
+        if settings.value_target == ValueTarget.WEIGHTED and done2 < N:
             key_target = key.mean()
             on_layer_device: dict[int, torch.Tensor] = {}  # C_Q[layer] where that layer runs (one copy per run)
 
@@ -315,24 +287,14 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     note = note or (lambda msg: None)
     t0 = time.perf_counter()
     info = loaded.info
-    try:
-        layout.resolve_group_size(info.head_dim, settings.group_size)
-    except ValueError as exc:
-        raise InputError(f"--group-size: {exc}") from None
+    settings.group_for(info.head_dim)  # before any forward pass
     store_dir = Path(store_dir or default_store_dir(loaded, seqs))
     store = AccumulatorStore(store_dir / f"rank{dp.rank}-of-{dp.world}" if dp else store_dir)
-    if settings.centring not in CENTRINGS:
-        raise InputError(f"--centring {settings.centring!r} is not one of {', '.join(CENTRINGS)}")
-    if settings.centred_value_target and settings.value_target != ValueTarget.WEIGHTED.value:
-        raise InputError("a centred value target is defined for the weighted value target only")
-    if not 2 <= settings.key_bits <= 3:
-        raise InputError(f"--key-bits {settings.key_bits} is outside [2, 3]",
-                         "2 keeps INT2 keys everywhere, 3 gives every layer 3-bit keys")
     key, value, soft, heldout, ran, (k_sum, v_sum, v_wsum) = accumulate(loaded, seqs, settings, store, progress, dp,
                                                                         note)
 
     key_target = key.mean().cpu()
-    value_target = (value if settings.value_target == ValueTarget.WEIGHTED.value else soft).mean().cpu()
+    value_target = (value if settings.value_target == ValueTarget.WEIGHTED else soft).mean().cpu()
     if settings.centred_value_target:
         value_target = centred_target(value_target, v_wsum.mean().cpu(), v_sum.mean().cpu())
     L = key_target.shape[0]
@@ -351,14 +313,14 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     (k_rot, k_ev), (v_rot, v_ev) = fit(key_target), fit(value_target)
     progress("rotations", len(mine), len(mine))
     k_mean = v_mean = None
-    if settings.centring == "mean":  # per KV head, or (per-layer rotations) the mean over the layer's heads
+    if settings.centring == Centring.MEAN:  # per KV head, or (per-layer rotations) the mean over the layer's heads
         k_mean, v_mean = (m.mean().float().cpu() for m in (k_sum, v_sum))
-        if settings.granularity == Granularity.PER_LAYER.value:
+        if settings.granularity == Granularity.PER_LAYER:
             k_mean, v_mean = k_mean.mean(1, keepdim=True), v_mean.mean(1, keepdim=True)
 
     H = k_rot.shape[1]
     grid = clip_search.search_grid(settings.grid)
-    search = settings.clip == ClipMode.SEARCH.value
+    search = settings.clip == ClipMode.SEARCH
     # a layer's search runs where the layer runs; with a device map the layers are visited round-robin over the
     # devices, so while one layer's inputs are copied to its GPU (a copy that waits for that GPU's queue) the
     # searches already queued on the other GPUs run
@@ -400,8 +362,7 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         k_clip = torch.stack([clip_search.pick(t, grid) for t in key_tables])
         v_clip = torch.stack([clip_search.pick(t, grid) for t in value_tables])
     else:
-        k_clip = torch.full((L, H), settings.k_clip, dtype=torch.float32)
-        v_clip = torch.full((L, H), settings.v_clip, dtype=torch.float32)
+        k_clip, v_clip = (torch.full((L, H), ratio, dtype=torch.float32) for ratio in settings.fixed_clips)
     key_bits = clip_search.choose_key_bits(key_noise, settings.key_bits)
     k_clip[torch.tensor(key_bits) == 3] = 1.0  # 3-bit keys are not clipped: a clip costs retrieval (QUALITY.md)
 
@@ -420,21 +381,20 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
 
     info, param = loaded.info, next(loaded.model.parameters())
     device = model_device(loaded.model)
-    G = layout.resolve_group_size(info.head_dim, settings.group_size)
+    G = settings.group_for(info.head_dim)
     key_bits = key_bits if key_bits and max(key_bits) > 2 else None  # 2-bit keys everywhere: the field stays absent
     mean_key_bits = sum(key_bits) / len(key_bits) if key_bits else layout.BITS
+    search, (k_default, v_default) = settings.clip == ClipMode.SEARCH, settings.fixed_clips
     return Manifest(
         model=loaded.identity,
         quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=settings.flush,
                         centring=settings.centring, key_bits=key_bits, pin=settings.pin or None),
-        rotation=RotationSpec(granularity=Granularity(settings.granularity),
-                              value_target=ValueTarget(settings.value_target), hadamard=mixing,
+        rotation=RotationSpec(granularity=settings.granularity, value_target=settings.value_target, hadamard=mixing,
                               layer_ids=list(range(info.num_layers))),
-        clip=ClipSpec(mode=ClipMode(settings.clip), grid=grid if settings.clip == "search" else [],
-                      k_default=settings.k_clip, v_default=settings.v_clip,
+        clip=ClipSpec(mode=settings.clip, grid=grid if search else [], k_default=k_default, v_default=v_default,
                       objective="key: E[(q·δk)²] under C_Q; value: attention-output MSE on held-out sequences"
-                      + ("; on centred rows" if settings.centring == "mean" else "")
-                      if settings.clip == "search" else "none (fixed ratios)"),
+                      + ("; on centred rows" if settings.centring == Centring.MEAN else "")
+                      if search else "none (fixed ratios)"),
         calibration=CalibrationRecord(
             dataset=seqs.dataset, token_ids_sha256=seqs.sha256, tokens=seqs.input_ids.numel(),
             sequences=seqs.input_ids.shape[0], seq_len=seqs.seq_len, heldout_tokens=seqs.heldout_ids.numel(),

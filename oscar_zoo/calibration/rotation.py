@@ -6,16 +6,17 @@ import torch
 from torch import Tensor
 
 from ..errors import OscarZooError
+from ..manifest import Granularity
 from ..runtime import reference
 from .targets import per_layer
 
 ORTHOGONALITY_TOLERANCE = 1e-6  # max |MᵀM − I| in float32 (docs/format.md §3)
 
 
-def fit_rotations(target: Tensor, granularity: str) -> tuple[Tensor, Tensor]:
+def fit_rotations(target: Tensor, granularity: Granularity) -> tuple[Tensor, Tensor]:
     """target [L, H_kv, D, D] float64 → (rotation float32 [L, H, D, D], ascending eigenvalues float32 [L, H, D]) with
     H = H_kv for "per-head" and 1 for "per-layer"."""
-    if granularity == "per-layer":
+    if granularity == Granularity.PER_LAYER:
         target = per_layer(target)
     if target.shape[0] == 0:  # a data-parallel rank with no layers of its own
         return torch.zeros(target.shape, dtype=torch.float32), torch.zeros(target.shape[:-1], dtype=torch.float32)

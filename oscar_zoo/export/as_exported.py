@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..artifacts import Rotations
-from ..manifest import ClipMode, Granularity, Manifest
+from ..manifest import Centring, ClipMode, Granularity, Manifest
 from .oscar_pt import is_per_head, layer_rotations
 from .sglang import reference_clip_ratios
 
@@ -56,7 +56,7 @@ def as_exported(manifest: Manifest, r: Rotations) -> ExportedForm:
         layer_ids=r.layer_ids.clone(), k_mean=None, v_mean=None)
     exported = manifest.model_copy(update={
         "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
-        "quant": manifest.quant.model_copy(update={"centring": "none", "key_bits": None, "pin": None}),
+        "quant": manifest.quant.model_copy(update={"centring": Centring.NONE, "key_bits": None, "pin": None}),
         "clip": manifest.clip.model_copy(update={"mode": ClipMode.FIXED, "grid": [], "k_default": k_ratio,
                                                  "v_default": v_ratio,
                                                  "objective": "the medians export --format sglang writes"}),

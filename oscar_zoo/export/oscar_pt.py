@@ -24,8 +24,8 @@ import torch
 
 from ..artifacts import Rotations, load_artifacts, sha256_file, write_artifacts
 from ..errors import InputError, IntegrityError
-from ..manifest import (CalibrationRecord, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec, RotationSpec,
-                        ValueTarget)
+from ..manifest import (CalibrationRecord, ClipMode, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec,
+                        RotationSpec, ValueTarget)
 from ..runtime import layout
 from ..runtime.validate import check_finite, check_rotation
 from .sglang import ENV_FILE, LAUNCH_SCRIPT, SglangSettings, sglang_file_texts, sglang_settings
@@ -324,7 +324,7 @@ def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Pa
         quant=QuantSpec(group_size=G, sink=layout.SINK, recent=layout.RECENT, flush=layout.FLUSH),
         rotation=RotationSpec(granularity=Granularity.PER_LAYER, value_target=ValueTarget.WEIGHTED,
                               hadamard="sylvester (as published; imported)", layer_ids=k.layer_ids),
-        clip=ClipSpec(mode="fixed", grid=[], k_default=layout.DEFAULT_K_CLIP, v_default=layout.DEFAULT_V_CLIP,
+        clip=ClipSpec(mode=ClipMode.FIXED, grid=[], k_default=layout.DEFAULT_K_CLIP, v_default=layout.DEFAULT_V_CLIP,
                       objective="fixed reference ratios (imported)"),
         calibration=CalibrationRecord(
             dataset=f"imported from OSCAR-RotationZoo files {Path(k_path).name} (sha256 {sha256_file(k_path)}) and "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .layout import Centring
 from .validate import MEAN_NAMES, TENSOR_NAMES, check_rotation_tensors, check_tensor_names
 
 SCHEMA_VERSION = 4  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
@@ -333,11 +334,11 @@ def check_against_manifest(tensors: Mapping[str, Tensor], doc: dict, source: Pat
     """The tensors are what the format and the manifest say: the means there exactly when quant.centring is "mean"
     (absent: a version-1 manifest, uncentred), float32 / int32, shapes from the manifest's geometry, its layer ids.
     ArtifactError naming the tensor otherwise."""
-    centring = _object(doc, "quant", source).get("centring", "none")
-    if centring not in ("mean", "none"):
+    centring = _object(doc, "quant", source).get("centring", Centring.NONE.value)
+    if centring not in tuple(c.value for c in Centring):  # a tuple: a fuzzed value may be unhashable
         raise ArtifactError(f"{source}: quant.centring is {str(centring)[:40]!r}, expected 'mean' or 'none'")
     k_mean, v_mean = (tensors.get(n) for n in MEAN_NAMES)
-    if (k_mean is not None) != (centring == "mean") or (k_mean is None) != (v_mean is None):
+    if (k_mean is not None) != (centring == Centring.MEAN) or (k_mean is None) != (v_mean is None):
         has = "carries" if k_mean is not None or v_mean is not None else "lacks"
         raise ArtifactError(f"{ROTATIONS_NAME} {has} k_mean/v_mean but the manifest (schema_version "
                             f"{one_line(repr(doc.get('schema_version')), 12)}) says quant.centring {centring!r}: the "
@@ -351,7 +352,7 @@ def check_against_manifest(tensors: Mapping[str, Tensor], doc: dict, source: Pat
     if shape is None:
         return
     ids, H, D = shape
-    for name, expected in expected_shapes(len(ids), H, D, centring == "mean").items():
+    for name, expected in expected_shapes(len(ids), H, D, centring == Centring.MEAN).items():
         got = tuple(tensors[name].shape)
         if got != expected:
             raise ArtifactError(f"{ROTATIONS_NAME}: {name} has shape {list(got)}, the manifest implies "

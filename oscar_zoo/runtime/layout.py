@@ -16,6 +16,7 @@ plus int32 [B] lengths per tier. All tiers hold *rotated* keys/values (k·M_K, v
 from __future__ import annotations
 
 import math
+from enum import Enum
 
 import torch
 
@@ -42,6 +43,14 @@ DEFAULT_V_CLIP = 0.92
 # above both floors — every row of real K/V data we have seen — quantize exactly by the plain rule.
 RANGE_REL_FLOOR = 2.0**-12
 RANGE_ABS_FLOOR = 3 * 2.0**-14
+
+
+class Centring(str, Enum):
+    """How history rows are stored (docs/format.md §6a): "none" as x·M; "mean" as x·M − μ·M with the calibrated
+    means k_mean, v_mean. The vocabulary's one declaration: the manifest, the calibration and the runtime use it."""
+
+    NONE = "none"
+    MEAN = "mean"
 
 
 PIN_WINDOW = 32  # the prompt's last queries whose attention chooses them

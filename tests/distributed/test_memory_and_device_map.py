@@ -41,9 +41,10 @@ def test_plan_refuses_with_numbers_and_accepts_what_fits():
         memory.plan(config, info, **kwargs, max_memory={"cpu": 1 * MiB}).check()
     assert exc.value.exit_code == 2
     assert "will not fit" in exc.value.message and "weights" in exc.value.message
-    assert "1.00 MiB available" in exc.value.message and "--batch-size" in exc.value.advice
+    assert "1.00 MiB available" in exc.value.message and exc.value.setting == "batch_size"
+    assert "lower batch_size or seq_len" in exc.value.advice  # the library names settings; the command, flags
     # a device map that would need disk, without an offload folder, is refused too
-    with pytest.raises(InputError, match="--offload-folder"):
+    with pytest.raises(InputError, match="pass offload_folder DIR"):
         memory.plan(config, info, **kwargs, device_map="auto", max_memory={"cpu": 5 * MiB})
     assert memory.parse_max_memory("0=70GiB, cpu=1.5GB") == {0: 70 * 2**30, "cpu": 1_500_000_000}
     with pytest.raises(InputError, match="DEVICE=SIZE"):
@@ -55,6 +56,7 @@ def test_cli_refuses_before_loading_weights(run_cli, tiny_model_dir, tmp_path, m
     code, _, err = run_cli("calibrate", tiny_model_dir, "--device", "cpu", "--dtype", "float32", "--tokens", "256",
                            "--seq-len", "64", "--max-memory", "cpu=10MiB", "--out", tmp_path / "art")
     assert code == 2 and "will not fit" in err and "10.00 MiB available" in err and "Traceback" not in err
+    assert "lower --batch-size or --seq-len, use --device-map auto" in " ".join(err.split())  # spelled as flags
     assert not (tmp_path / "art").exists()
 
 

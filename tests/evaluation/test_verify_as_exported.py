@@ -16,7 +16,7 @@ from oscar_zoo.evaluation.harness import VerifySettings, run_verification
 from oscar_zoo.evaluation.report import VerifyReport
 from oscar_zoo.export.as_exported import as_exported
 from oscar_zoo.export.oscar_pt import K_FILE, K_OBJECTIVE, V_FILE, V_OBJECTIVE, read_oscar_pt
-from oscar_zoo.manifest import Granularity
+from oscar_zoo.manifest import Centring, Granularity
 from oscar_zoo.runtime import layout
 
 from .conftest import CONTEXT, KL_RTOL, PPL_ATOL, RECENT, SINK, TOP1_POSITIONS
@@ -55,7 +55,7 @@ def per_layer_plain(good_artifacts, tmp_path_factory):
         k_clip=torch.full_like(rot.k_clip[:, :1], layout.DEFAULT_K_CLIP))
     manifest = manifest.model_copy(update={
         "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
-        "quant": manifest.quant.model_copy(update={"centring": "none", "key_bits": None, "pin": None})})
+        "quant": manifest.quant.model_copy(update={"centring": Centring.NONE, "key_bits": None, "pin": None})})
     folder = tmp_path_factory.mktemp("as-exported") / "per-layer"
     write_artifacts(folder, manifest, shared)
     return folder
