@@ -27,6 +27,7 @@ from .pinning import PinnedTokens
 from .rotation import Rotation, fingerprint
 from .validate import check_mean
 
+CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cache argument of a model or attention module
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
 
