@@ -151,7 +151,7 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS):
 
 C = ops.DecodeConfig
 SWEEP = [  # ops.DECODE_CONFIGS candidates (tile tokens, warps, stages, programs per SM, register cap), each for both dims
-    # (the one-warp settings with 4–12 programs per SM are in RESULTS.md, "Launch settings re-checked after v4.2")
+    # (the one-warp settings with 4–12 programs per SM are measured in RESULTS.md, "Launch settings re-checked")
     C(64, 1, 3, 8, None), C(64, 1, 3, 12, 168), C(64, 2, 3, 8, 128), C(64, 2, 2, 8, 128), C(64, 2, 3, 10, 96),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),

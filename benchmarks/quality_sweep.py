@@ -371,7 +371,7 @@ def main() -> None:
          {"rotation": "per-head", "value_target": "softmax", "objective": "reconstruction"}, "variant"),
         ("none-search", "no rotation, searched clips (attention objective)", cal_large, {"rotation": "none"},
          "variant"),
-        # codec v2 (issue 14): K/V means removed before INT2, clips searched on the centred rows
+        # the centred codec: K/V means removed before INT2, clips searched on the centred rows
         ("centred", f"codec v2, calibrate --centring mean (not the default): per-head U·H·P, weighted V target, "
          f"per-(layer, head) K/V means removed, clips searched on centred rows, {k16} plays", cal_large,
          {"rotation": "per-head", "centring": True}, "variant"),

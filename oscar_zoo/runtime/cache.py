@@ -506,7 +506,7 @@ class OscarCache(Cache):
         layer_ids; k/v_mean in centred folders) against the format and the manifest, every value (finite, orthogonal,
         clips in (0, 1]), and manifest.json's quant.{group_size, sink, recent, flush, pin, key_bits}; keyword overrides
         win. Anything it refuses raises `artifact.ArtifactError` (a ValueError) with the message the CLI prints. A
-        folder without manifest.json is read as before: the tensors' values checked, layout defaults. The model match
+        folder without manifest.json is read with the tensors' values checked and the layout defaults. The model match
         is `oscar_zoo.artifacts`'s."""
         art = read_artifact(path)
         t, settings = art.tensors, {**art.settings, **overrides}

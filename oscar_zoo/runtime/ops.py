@@ -34,8 +34,8 @@ class DecodeConfig:
     rescale_slack: float = 8.0
 
 
-# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"; rescale_slack with
-# `--sweep-variants`, "Decode kernel v3.1"; d = 128's 64-token tile in "Decode kernel v4"). programs_per_sm must not
+# Chosen on an H200 with `bench_decode.py --sweep` (rescale_slack with `--sweep-variants`); the measurements behind
+# each setting, d = 128's 64-token tile included, are in benchmarks/RESULTS.md. programs_per_sm must not
 # exceed what fits an SM (registers, shared memory); tests/runtime/test_kernel_compiles.py checks it for GQA and
 # multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
 DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168), 128: DecodeConfig(64, 1, 3, 8, None)}
@@ -120,8 +120,8 @@ def _group_block(group: int) -> int:
 
 
 def _warps(group: int, D: int) -> int:
-    """Warps per program: the head dim's setting, and one more warp per 16 query heads of a large GQA group (a group of
-    64 kept its [64, D] fp32 accumulator in one warp's registers and spilled 5 KB per thread)."""
+    """Warps per program: the head dim's setting, and one more warp per 16 query heads of a large GQA group (in one
+    warp, a group of 64 keeps its [64, D] fp32 accumulator in that warp's registers and spills 5 KB per thread)."""
     return max(decode_config(D).warps, _group_block(group) // 16)
 
 

@@ -388,8 +388,8 @@ def _kth_smallest_peel(ax, kk, D: tl.constexpr):
 def _load_rows(row_ptrs, row_ok, LO: tl.constexpr, N: tl.constexpr):
     """Dims 8·LO .. 8·(LO + N) of every row, [BLOCK_T, 8·N], as N 16-byte loads per thread, so each thread holds its
     row: a load of [BLOCK_T, 8] has one thread per row (its fast axis is one vector), and joining such loads only adds
-    register axes. (One [BLOCK_T, D] load is coalesced along D instead, spreading a row over 16 lanes, and every row
-    reduction then needs shuffles: what Triton 3.6 made of the earlier [D/8, BLOCK_T, 8] load.)"""
+    register axes. (Triton lays a [BLOCK_T, D] load, or a [D/8, BLOCK_T, 8] one, out along D instead, spreading a row
+    over 16 lanes, and every row reduction then needs shuffles.)"""
     if N == 1:
         return tl.load(row_ptrs[:, None] + LO * 8 + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0.0)
     else:
