@@ -377,20 +377,17 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     group = H_q // H_kv
     cfg, pdl = decode_config(D), _pdl(q)
     grid = (B * H_kv, s_sink + s_hist + s_recent)
-    decode._decode_kernel[grid](
-        q, sink[0], sink[1], sink[2], ck, szk, cv, szv, hlen, recent[0], recent[1], recent[2], o, lse,
-        H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E,
-        q.stride(0), q.stride(1),
-        *_strides(sink[0], 3), *_strides(sink[1], 3),
-        *_strides(ck, 3), *_strides(szk, 3),
-        *_strides(cv, 4), *_strides(szv, 3),
-        *_strides(recent[0], 3), *_strides(recent[1], 3),
-        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D, G),
-        BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, num_warps=_warps(group, D),
-        maxnreg=cfg.maxnreg, launch_pdl=pdl,
-    )  # fmt: skip
+    # the kernel's arguments in its order: pointers, sizes, strides (positional), then its constexprs
+    pointers = (q, *sink, ck, szk, cv, szv, hlen, *recent, o, lse)
+    sizes = (H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E)
+    strides = (*q.stride()[:2], *_strides(sink[0], 3), *_strides(sink[1], 3), *_strides(ck, 3), *_strides(szk, 3),
+               *_strides(cv, 4), *_strides(szv, 3), *_strides(recent[0], 3), *_strides(recent[1], 3),
+               *o.stride()[:3], *lse.stride()[:2])  # fmt: skip
+    constexprs = dict(D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D, G), BLOCK_NB=_block_n(dev, None),
+                      DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK, STAGES=cfg.stages,
+                      SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits)  # fmt: skip
+    decode._decode_kernel[grid](*pointers, *sizes, *strides, **constexprs, num_warps=_warps(group, D),
+                                maxnreg=cfg.maxnreg, launch_pdl=pdl)
 
 
 def _key_bits(codes_k: Tensor, D: int) -> int:
