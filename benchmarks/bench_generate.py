@@ -9,10 +9,11 @@ runtime's split-K BF16 kernel: the fastest BF16 decode that can be captured), an
 ("hf-quanto-int2", "hf-hqq-int2", "-int4": the cache users pick today, its defaults; eager, timed over one
 128-step residual cycle; `benchmarks/peer_caches.py`). With --graph (the GPU default), OSCAR
 and bf16graph decode as CUDA-graph replays through `oscar_zoo.runtime.graph.DecodeGraphs` (the path generate() takes),
-and each row also reports the sum of its kernels' device times (torch.profiler over eager steps) beside the step. Fill modes: "model" runs a chunked prefill of random token ids; "kv"
-writes random K/V straight into each layer (OscarCache through its own filing path: rotate-free `_append`, which
-quantizes the history as prefill does) — decode cost does not depend on the values, and a 100K prefill is not what is
-measured. Details go to $OUT/bench_generate_<model>.json when OUT is set.
+and each row also reports the sum of its kernels' device times (torch.profiler over eager steps) beside the step. Fill
+modes: "model" runs a chunked prefill of random token ids; "kv" writes random K/V straight into each layer (OscarCache
+through its own filing path: rotate-free `_append`, which quantizes the history as prefill does) — decode cost does not
+depend on the values, and a 100K prefill is not what is measured. Details go to $OUT/bench_generate_<model>.json when
+OUT is set.
 
 Usage: PYTHONPATH=. python benchmarks/bench_generate.py [--layers 8] [--contexts 8192 32768] [--batches 1 8]
 """
@@ -481,8 +482,9 @@ def main(argv=None) -> dict:
     model._bench_compile = args.compile
     L = model.config.num_hidden_layers
     phase_rows = {tuple(int(x) for x in p.split(":")) for p in args.phases}
-    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), pin=args.pin, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                  torch=torch.__version__, steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
+    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), pin=args.pin,
+                  device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
+                  steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
                   compile=args.compile, budget_gb=args.budget_gb, budget=[])  # fmt: skip
     if dev.type == "cuda":
         result["model_bytes"] = torch.cuda.memory_allocated()
@@ -523,7 +525,8 @@ def main(argv=None) -> dict:
             n = max_batch(bpt, T, L, args.budget_gb * GB)
             entry = dict(context=T, kind=kind, max_batch=n, bytes_per_token_per_layer=bpt)
             if n >= 1:
-                r = next((r for r in ok if r["batch"] == n), None) or safe_row(model, kind, n, T, args, free_bytes=free())
+                r = next((r for r in ok if r["batch"] == n), None)
+                r = r or safe_row(model, kind, n, T, args, free_bytes=free())
                 entry.update(status=r["status"], ms_per_step=r.get("ms_per_step", math.nan),
                              tokens_per_s=r.get("tokens_per_s", math.nan), peak_bytes=r.get("peak_bytes"))  # fmt: skip
             per_kind[kind] = entry

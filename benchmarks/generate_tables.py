@@ -86,5 +86,6 @@ def peer_comparison(rows: list[dict]) -> list[str]:
             continue
         best = min(ok, key=lambda r: r["ms_per_step"])
         lines.append(f"| {T} | {B} | {oscar['ms_per_step']:.2f} | {best['kind']} | {best['ms_per_step']:.2f} | "
-                     f"{best['ms_per_step'] / oscar['ms_per_step']:.2f}x | {oscar['kv_bytes'] / best['kv_bytes']:.2f} |")
+                     f"{best['ms_per_step'] / oscar['ms_per_step']:.2f}x | "
+                     f"{oscar['kv_bytes'] / best['kv_bytes']:.2f} |")
     return lines

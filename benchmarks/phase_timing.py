@@ -78,7 +78,8 @@ def phase_targets(timer: PhaseTimer, kind: str):
             (ops, "tiered_decode_attention", timer.wrap("attention kernels", ops.tiered_decode_attention)),
             (reference, "rotate", timer.wrap("rotation", reference.rotate)),
             (rotate_op, "rotate_rows", timer.wrap("rotation", rotate_op.rotate_rows)),
-            (cache_mod.OscarLayer, "write_token", timer.wrap("cache write + demotion", cache_mod.OscarLayer.write_token)),
+            (cache_mod.OscarLayer, "write_token",
+             timer.wrap("cache write + demotion", cache_mod.OscarLayer.write_token)),
         ]
     from transformers.integrations import sdpa_attention
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

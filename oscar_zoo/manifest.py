@@ -233,7 +233,8 @@ class Manifest(_Frozen):
         bits = self.key_bits
         if max(bits) == layout.BITS:
             return f"INT{layout.BITS}"
-        return f"INT{layout.BITS} values, keys 3-bit in {bits.count(3)}/{len(bits)} layers (mean {self.mean_key_bits:.2f})"
+        return (f"INT{layout.BITS} values, keys 3-bit in {bits.count(3)}/{len(bits)} layers "
+                f"(mean {self.mean_key_bits:.2f})")
 
     def bits_at(self, context: int) -> float:
         """Bits per cached element at `context` tokens, K and V averaged (docs/format.md §7): codes, float16 scale and

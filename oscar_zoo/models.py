@@ -277,7 +277,8 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 
     quant = GgufConfig(gguf_file=path.name, dequantize=True)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, quantization_config=quant)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                 quantization_config=quant)
     return model, tokenizer
 
 

@@ -170,8 +170,9 @@ def calibrate_command(
     reused = "all accumulators reused from the cache" if not result.forward_passes else \
         f"forward passes run: {', '.join(result.forward_passes)}"
     console.print(f"BPE: {manifest.bits_per_element['32768']:.3f} at 32K, {manifest.bits_per_element['131072']:.3f} "
-                  f"at 128K · keys {manifest.mean_key_bits:.2f} bits · {'centred' if manifest.centred else 'uncentred'} · {seqs.input_ids.numel():,} tokens · "
-                  f"{reused} · {wall:.1f} s")
+                  f"at 128K · keys {manifest.mean_key_bits:.2f} bits · "
+                  f"{'centred' if manifest.centred else 'uncentred'} · {seqs.input_ids.numel():,} tokens · {reused} · "
+                  f"{wall:.1f} s")
     console.print(f"[green]wrote[/] {out}/ (manifest.json, rotations.safetensors)")
     console.print(f"next: [bold]oscar-zoo verify {out}[/] (quality vs BF16), [bold]oscar-zoo inspect {out}[/]")
 

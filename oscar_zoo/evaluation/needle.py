@@ -6,8 +6,9 @@ answer is the five digits. The context is prefilled once in BF16 (chunked); each
 filed from that prefill's K/V exactly as `OscarCache.update` files a prompt (rotation, clip, INT2 history, BF16
 windows); transformers' QuantizedCache peers get the same K/V as their prefill `update` (all of it quantized, the
 residual window empty). The question is then a second chunk — it reads the context through the cache's tiers, INT2
-history included — and the answer is decoded greedily through the runtime (`oscar` attention, tiered decode). BF16 continues
-the same way on its DynamicCache. An answer is right when its first non-space characters are the passkey's digits and no other digit follows.
+history included — and the answer is decoded greedily through the runtime (`oscar` attention, tiered decode). BF16
+continues the same way on its DynamicCache. An answer is right when its first non-space characters are the passkey's
+digits and no other digit follows.
 """
 
 from __future__ import annotations

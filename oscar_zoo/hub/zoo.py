@@ -123,7 +123,8 @@ def parse_report(report: dict[str, Any] | None) -> tuple[VerifyReport | None, st
 
 def report_verdict(report: VerifyReport) -> list[str]:
     """Re-check a report from its own numbers: the thresholds it states against its artifact row's metrics, and its
-    needle grid's pass rule. Returns the failures (empty: it passes); a report without exactly one artifact row fails."""
+    needle grid's pass rule. Returns the failures (empty: it passes); a report without exactly one artifact row
+    fails."""
     artifacts = [m for m in report.methods if m.kind == "artifact"]
     if len(artifacts) != 1:
         return [f"the report has {len(artifacts)} artifact rows, not 1"]

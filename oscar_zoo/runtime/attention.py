@@ -162,8 +162,9 @@ def fold_value_rotation(model: torch.nn.Module, cache: OscarCache) -> int:
     v_proj become M_hᵀ·W_h (bias b_h·M_h), and the input columns of query head j in o_proj become W_o,j·M_h(j), so
     the cache rotates no value and the attention un-rotates no output. Exact in real arithmetic; computed in float64
     and stored in the weights' dtype. The model then gives the same outputs with no cache or a BF16 one; `cache` (and
-    any OscarCache with the same rotations) skips the two steps, and an OscarCache of other rotations is refused. Returns the number of layers folded. Needs `enable_oscar`
-    first and plain nn.Linear v_proj/o_proj (Llama, Mistral, Qwen2/3, Gemma); refuses a model folded already."""
+    any OscarCache with the same rotations) skips the two steps, and an OscarCache of other rotations is refused.
+    Returns the number of layers folded. Needs `enable_oscar` first and plain nn.Linear v_proj/o_proj (Llama, Mistral,
+    Qwen2/3, Gemma); refuses a model folded already."""
     folded = 0
     for module in _attention_modules(model):
         layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None

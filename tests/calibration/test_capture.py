@@ -32,7 +32,8 @@ def _independent_qkv(model, ids):
         q_src = attn.q_norm if info.qk_norm else attn.q_proj
         k_src = attn.k_norm if info.qk_norm else attn.k_proj
         for name, mod in (("q", q_src), ("k", k_src), ("v", attn.v_proj)):
-            hooks.append(mod.register_forward_hook(lambda m, a, out, i=i, name=name: grabbed.__setitem__((i, name), out)))
+            hooks.append(mod.register_forward_hook(
+                lambda m, a, out, i=i, name=name: grabbed.__setitem__((i, name), out)))
     pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
     with torch.no_grad():
         model(ids)
