@@ -27,8 +27,7 @@ from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration.data import EVALUATION_PLAYS, bundled_files, load_texts
 from oscar_zoo.evaluation.needle import QUESTION, build_prompt
 from oscar_zoo.models import load_model
-from oscar_zoo.runtime import layout
-from oscar_zoo.runtime import reference as ref
+from oscar_zoo.runtime import layout, reference as ref
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -11,14 +11,20 @@ import unicodedata
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .errors import IntegrityError
 from .runtime import artifact, layout
-from .runtime.artifact import (ARTIFACT_FILES, MANIFEST_MAX_BYTES, MANIFEST_NAME, READ_VERSIONS,  # noqa: F401
-                               ROTATIONS_NAME, SCHEMA_VERSION, ArtifactError)
-from .runtime.artifact import one_line as _one_line
+from .runtime.artifact import (  # noqa: F401
+    ARTIFACT_FILES,
+    MANIFEST_MAX_BYTES,
+    MANIFEST_NAME,
+    READ_VERSIONS,
+    ROTATIONS_NAME,
+    SCHEMA_VERSION,
+    ArtifactError,
+    one_line as _one_line,
+)
 from .runtime.layout import MAX_WINDOW
 
 # The format's file names, size limits and schema versions live in `runtime/artifact.py` (the runtime reads folders

@@ -21,10 +21,18 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..errors import InputError
 from ..artifacts import Rotations, load_tensors, save_tensors
-from ..manifest import (CalibrationRecord, ClipMode, ClipSpec, Granularity, Manifest, QuantSpec, RotationSpec,
-                        ValueTarget)
+from ..errors import InputError
+from ..manifest import (
+    CalibrationRecord,
+    ClipMode,
+    ClipSpec,
+    Granularity,
+    Manifest,
+    QuantSpec,
+    RotationSpec,
+    ValueTarget,
+)
 from ..models import LoadedModel, cache_root
 from ..runtime import layout, reference
 from . import clip_search

@@ -15,16 +15,30 @@ import typer
 from rich.table import Table
 
 from ..artifacts import check_destination, check_writable, nearest_existing, write_artifacts
-from ..calibration.clip_search import DEFAULT_GRID
 from ..calibration import distributed, memory
+from ..calibration.clip_search import DEFAULT_GRID
 from ..calibration.data import check_dataset_options, load_texts, make_sequences
-from ..calibration.pipeline import (DEFAULT_KEY_BITS, CalibrationResult, CalibrationSettings, calibrate,
-                                    checkpoint_state, default_store_dir)
+from ..calibration.pipeline import (
+    DEFAULT_KEY_BITS,
+    CalibrationResult,
+    CalibrationSettings,
+    calibrate,
+    checkpoint_state,
+    default_store_dir,
+)
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError
 from ..manifest import ClipMode, Granularity, ValueTarget
-from ..models import DEMO, arch_info, cache_root, check_revision_applies, load_model, model_id_of, resolve_device, \
-    resolve_dtype
+from ..models import (
+    DEMO,
+    arch_info,
+    cache_root,
+    check_revision_applies,
+    load_model,
+    model_id_of,
+    resolve_device,
+    resolve_dtype,
+)
 from ..runtime import layout
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
 

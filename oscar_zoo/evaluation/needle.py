@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
 from ..errors import InputError
 from ..models import LoadedModel
 from .attention import cache_argument

@@ -24,8 +24,16 @@ import torch
 
 from ..artifacts import Rotations, load_artifacts, sha256_file, write_artifacts
 from ..errors import InputError, IntegrityError
-from ..manifest import (CalibrationRecord, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec, RotationSpec,
-                        ValueTarget)
+from ..manifest import (
+    CalibrationRecord,
+    ClipSpec,
+    Granularity,
+    Manifest,
+    ModelIdentity,
+    QuantSpec,
+    RotationSpec,
+    ValueTarget,
+)
 from ..runtime import layout
 from ..runtime.validate import check_finite, check_rotation
 from .sglang import ENV_FILE, LAUNCH_SCRIPT, SglangSettings, sglang_file_texts, sglang_settings
@@ -265,8 +273,15 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
 # -- import -----------------------------------------------------------------------------------------------------------
 def model_identity_for(model: str, revision: str | None = None) -> ModelIdentity:
     """The model's geometry from its config only (no weights): `demo`, a local folder, or a Hugging Face id."""
-    from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, check_revision_applies, ensure_demo_model, load_config, \
-        model_identity
+    from ..models import (
+        DEMO,
+        DEMO_HF_ID,
+        DEMO_REVISION,
+        check_revision_applies,
+        ensure_demo_model,
+        load_config,
+        model_identity,
+    )
 
     check_revision_applies(model, revision)
     model_id, source = model, model

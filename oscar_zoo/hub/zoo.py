@@ -11,8 +11,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import IntegrityError
-from ..evaluation.report import (DEFAULT_MIN_NEEDLE_ACCURACY, DEFAULT_THRESHOLDS, VerifyReport, check_thresholds,
-                                 describe_thresholds)
+from ..evaluation.report import (
+    DEFAULT_MIN_NEEDLE_ACCURACY,
+    DEFAULT_THRESHOLDS,
+    VerifyReport,
+    check_thresholds,
+    describe_thresholds,
+)
 from ..manifest import Manifest, _one_line, canonical_json, load_json
 from .base import check_subfolder
 

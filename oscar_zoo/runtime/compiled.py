@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 
-
 class _Running:
     """A compiled step in progress: its cache, and the attention module of the layer running now."""
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from . import layout
 
+
 @dataclass
 class Rotation:
     """One layer's fixed OSCAR tensors: rotations float32 [H, D, D] (H = H_kv, or 1 shared), clip ratios [H, 1], and

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 from oscar_zoo.runtime import ops  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 SM90_SHARED = 227 * 1024  # bytes of shared memory one program may use on an H100/H200
 SM90_SM_SHARED = 228 * 1024  # bytes per SM, of which each resident program also takes 1 KB reserved
