@@ -21,6 +21,7 @@ demo: $(STAMP)
 	      "OscarCache.from_folder('$(ARTIFACTS)') (README: 'The runtime')."
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 test-gpu: $(STAMP)

@@ -1,11 +1,12 @@
 """GPU benchmark: calibration throughput on a random-weight model of real shapes (default Qwen3-8B: 36 layers, 32/8
 heads, d=128, hidden 4096, intermediate 12288, vocab 151936, bf16), against a plain forward over the same tokens.
 
-Rows: the plain prefill forward (the decoder stack, as calibration runs it); each capture pass of `accumulate()` (pass 1:
-key + softmax targets; pass 2: weighted value target) with the library's float64 einsum products and its background
-checkpoints, and with checkpoints off; the same pass 1 with the products formed in token chunks (float64, or fp32); the whole `calibrate()` (passes,
-held-out capture, eigendecomposition, clip search). Also the float32-product error against float64 on captured q, and the
-memory plan's activation estimate against the measured peak. Details go to $OUT/bench_calibrate.json when OUT is set.
+Rows: the plain prefill forward (the decoder stack, as calibration runs it); each capture pass of `accumulate()` (pass
+1: key + softmax targets; pass 2: weighted value target) with the library's float64 einsum products and its background
+checkpoints, and with checkpoints off; the same pass 1 with the products formed in token chunks (float64, or fp32); the
+whole `calibrate()` (passes, held-out capture, eigendecomposition, clip search). Also the float32-product error against
+float64 on captured q, and the memory plan's activation estimate against the measured peak. Details go to
+$OUT/bench_calibrate.json when OUT is set.
 Usage: PYTHONPATH=. python benchmarks/bench_calibrate.py [--tokens 32768] [--seq-len 2048] [--batch-size 4]
 """
 
@@ -98,8 +99,8 @@ def product_error(model, ids, batch_size: int, n_kv: int) -> dict:
         for name, fn in (("fp32_chunks", product_fp32_chunks), ("float64_chunks", product_float64_chunks)):
             err = ((fn(x) - ref).norm() / ref.norm()).item()
             ev_ref, ev = torch.linalg.eigvalsh(ref), torch.linalg.eigvalsh(fn(x))
-            out[f"layer{layer}.{name}"] = {"rel_frobenius": err,
-                                           "max_rel_eigenvalue": ((ev - ev_ref).abs() / ev_ref.abs().max()).max().item()}
+            rel_eigenvalue = ((ev - ev_ref).abs() / ev_ref.abs().max()).max().item()
+            out[f"layer{layer}.{name}"] = {"rel_frobenius": err, "max_rel_eigenvalue": rel_eigenvalue}
     return out
 
 
@@ -124,7 +125,8 @@ def main():
     import transformers
 
     cuda = DEVICE == "cuda"
-    env = {"device": torch.cuda.get_device_name() if cuda else DEVICE, "torch": torch.__version__, "transformers": transformers.__version__,
+    env = {"device": torch.cuda.get_device_name() if cuda else DEVICE, "torch": torch.__version__,
+           "transformers": transformers.__version__,
            **{m: importlib.util.find_spec(m) is not None for m in ("datasets", "accelerate", "triton")}}
     print(env, flush=True)
     t0 = time.perf_counter()

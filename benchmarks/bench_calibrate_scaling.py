@@ -195,9 +195,10 @@ def run(args) -> dict | None:
     loaded = LoadedModel(model, None, info, model_identity(f"random-{args.shape}", None, config), "random")
     settings = CalibrationSettings(batch_size=args.batch_size, clip=args.clip, seed=args.seed)
     if rank == 0:
-        print(f"world {world}, {args.shape}-based shapes: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-              f"heads {config.num_attention_heads}/{config.num_key_value_heads}×{config.head_dim}, {params / 1e9:.2f} B params "
-              f"{str(dtype).removeprefix('torch.')}, built in {build_s:.1f} s on {device if not device_map else 'a device map'}; "
+        print(f"world {world}, {args.shape}-based shapes: {config.num_hidden_layers} layers, "
+              f"hidden {config.hidden_size}, heads {config.num_attention_heads}/{config.num_key_value_heads}"
+              f"×{config.head_dim}, {params / 1e9:.2f} B params {str(dtype).removeprefix('torch.')}, built in "
+              f"{build_s:.1f} s on {device if not device_map else 'a device map'}; "
               f"{N} × {T} tokens, batch {args.batch_size}", flush=True)
 
     noop = lambda *a, **k: None
@@ -342,7 +343,8 @@ def table(report: dict) -> None:
     print(f"\n{report['mode']}, {report['shape']} shapes ({report['config']['num_hidden_layers']} layers), "
           f"{report['dtype']}, {report['tokens']} tokens = {report['sequences']}×{report['seq_len']}, batch "
           f"{report['batch_size']}, {report['device']}")
-    print("| world | wall s | tokens/s | pass 1 s | held-out s | pass 2 s | rotations s | clip search s | capture tokens/s |")
+    print("| world | wall s | tokens/s | pass 1 s | held-out s | pass 2 s | rotations s | clip search s "
+          "| capture tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     cap = report["capture_tokens_per_s"]
     print(f"| {report['world_size']} | {report['wall_s']:.3f} | {report['tokens_per_s']:,.0f} | "

@@ -2,8 +2,8 @@
 
 Each row: one decode step of one layer, median of `triton.testing.do_bench`, rotating among several cache buffers so L2
 never serves a repeat; bytes moved = what the op must read (packed codes + fp16 scale/zero + BF16 tiers + q) plus its
-partial (o, lse) traffic; bandwidth as a fraction of a same-run measured device copy. Details go to $OUT/bench_decode.json
-when OUT is set. Usage: PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--sweep]
+partial (o, lse) traffic; bandwidth as a fraction of a same-run measured device copy. Details go to
+$OUT/bench_decode.json when OUT is set. Usage: PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--sweep]
 """
 
 from __future__ import annotations
@@ -84,9 +84,11 @@ def int2_cache(B, H_kv, D, L, gen, key_bits=layout.BITS):
         sink_k=torch.randn(B, H_kv, sink, D, device=dev, dtype=torch.bfloat16, generator=gen),
         sink_v=torch.randn(B, H_kv, sink, D, device=dev, dtype=torch.bfloat16, generator=gen),
         sink_len=torch.full((B,), sink, dtype=torch.int32, device=dev),
-        codes_k=torch.randint(0, 256, (B, H_kv, hist, layout.packed_dim(D, key_bits)), dtype=torch.uint8, device=dev, generator=gen),
+        codes_k=torch.randint(0, 256, (B, H_kv, hist, layout.packed_dim(D, key_bits)), dtype=torch.uint8, device=dev,
+                              generator=gen),
         scale_zero_k=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
-        codes_v=torch.randint(0, 256, (B, H_kv, D // 4, hist), dtype=torch.uint8, device=dev, generator=gen).transpose(2, 3),
+        codes_v=torch.randint(0, 256, (B, H_kv, D // 4, hist), dtype=torch.uint8, device=dev,
+                              generator=gen).transpose(2, 3),
         # (token-major, as the cache stores V's codes: layout.history_codes)
         scale_zero_v=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
         hist_len=torch.full((B,), hist, dtype=torch.int32, device=dev),
@@ -150,8 +152,9 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS):
 
 
 C = ops.DecodeConfig
-SWEEP = [  # ops.DECODE_CONFIGS candidates (tile tokens, warps, stages, programs per SM, register cap), each for both dims
-    # (the one-warp settings with 4–12 programs per SM are in RESULTS.md, "Launch settings re-checked after v4.2")
+# ops.DECODE_CONFIGS candidates (tile tokens, warps, stages, programs per SM, register cap), each for both dims
+SWEEP = [
+    # (the one-warp settings with 4–12 programs per SM are measured in RESULTS.md, "Launch settings re-checked")
     C(64, 1, 3, 8, None), C(64, 1, 3, 12, 168), C(64, 2, 3, 8, 128), C(64, 2, 2, 8, 128), C(64, 2, 3, 10, 96),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
@@ -272,8 +275,8 @@ def main():
             print(f"skip {H_q}/{H_kv} d={D} B={B} L={L}: does not fit", flush=True)
             continue
         result["rows"].append(r)
-        print(f"{H_q}/{H_kv} d={D} B={B} L={L} K{kb}: oscar {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us; in a graph of "
-              f"{IN_GRAPH}: {r['oscar_in_graph_us']:.1f} / {r['sdpa_in_graph_us']:.1f} us", flush=True)
+        print(f"{H_q}/{H_kv} d={D} B={B} L={L} K{kb}: oscar {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us; "
+              f"in a graph of {IN_GRAPH}: {r['oscar_in_graph_us']:.1f} / {r['sdpa_in_graph_us']:.1f} us", flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_decode.json"), "w") as f:
             json.dump(result, f, indent=2)
@@ -281,12 +284,13 @@ def main():
         return
     print(f"\nCUDA-graph replays, one call per graph; then one call in a graph of {IN_GRAPH} (OSCAR, SDPA, speedup); "
           "eager launches in the last two columns")
-    print("| heads q/kv | d | batch | context | K bits | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw | floor µs "
-          "| in-graph OSCAR µs | in-graph SDPA µs | in-graph speedup | eager OSCAR µs | eager SDPA µs |")
+    print("| heads q/kv | d | batch | context | K bits | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw "
+          "| floor µs | in-graph OSCAR µs | in-graph SDPA µs | in-graph speedup | eager OSCAR µs | eager SDPA µs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        print(f"| {r['H_q']}/{r['H_kv']} | {r['D']} | {r['batch']} | {r['context']} | {r['key_bits']} | {r['oscar_us']:.1f} | "
-              f"{r['sdpa_us']:.1f} | {r['speedup']:.2f}x | {r['oscar_bytes'] / 1e6:.1f} | {r['oscar_GBps']:.0f} | "
+        print(f"| {r['H_q']}/{r['H_kv']} | {r['D']} | {r['batch']} | {r['context']} | {r['key_bits']} | "
+              f"{r['oscar_us']:.1f} | {r['sdpa_us']:.1f} | {r['speedup']:.2f}x | {r['oscar_bytes'] / 1e6:.1f} | "
+              f"{r['oscar_GBps']:.0f} | "
               f"{r['oscar_bw_frac']:.0%} | {r['floor_us']:.1f} | {r['oscar_in_graph_us']:.1f} | "
               f"{r['sdpa_in_graph_us']:.1f} | {r['in_graph_speedup']:.2f}x | {r['oscar_eager_us']:.1f} | "
               f"{r['sdpa_eager_us']:.1f} |")  # fmt: skip

@@ -9,10 +9,11 @@ runtime's split-K BF16 kernel: the fastest BF16 decode that can be captured), an
 ("hf-quanto-int2", "hf-hqq-int2", "-int4": the cache users pick today, its defaults; eager, timed over one
 128-step residual cycle; `benchmarks/peer_caches.py`). With --graph (the GPU default), OSCAR
 and bf16graph decode as CUDA-graph replays through `oscar_zoo.runtime.graph.DecodeGraphs` (the path generate() takes),
-and each row also reports the sum of its kernels' device times (torch.profiler over eager steps) beside the step. Fill modes: "model" runs a chunked prefill of random token ids; "kv"
-writes random K/V straight into each layer (OscarCache through its own filing path: rotate-free `_append`, which
-quantizes the history as prefill does) — decode cost does not depend on the values, and a 100K prefill is not what is
-measured. Details go to $OUT/bench_generate_<model>.json when OUT is set.
+and each row also reports the sum of its kernels' device times (torch.profiler over eager steps) beside the step. Fill
+modes: "model" runs a chunked prefill of random token ids; "kv" writes random K/V straight into each layer (OscarCache
+through its own filing path: rotate-free `_append`, which quantizes the history as prefill does) — decode cost does not
+depend on the values, and a 100K prefill is not what is measured. Details go to $OUT/bench_generate_<model>.json when
+OUT is set.
 
 Usage: PYTHONPATH=. python benchmarks/bench_generate.py [--layers 8] [--contexts 8192 32768] [--batches 1 8]
 """
@@ -26,30 +27,31 @@ import json
 import math
 import os
 import time
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, QuantizedCache, Qwen3Config, StaticCache
 from transformers.cache_utils import Cache
 
-from oscar_zoo.runtime import cache as cache_mod, layout, ops, reference, rotate_op
+from oscar_zoo.runtime import cache as cache_mod, layout
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation
 from oscar_zoo.runtime.cache import OscarCache
 from oscar_zoo.runtime.graph import install
 
 if __package__:  # imported: `from benchmarks import bench_generate`
     from . import peer_caches
-    from .bf16_caches import GraphBF16Cache, GraphBF16Layer, PreallocLayer, bf16_split_attention, check_bf16graph
+    from .bf16_caches import GraphBF16Cache, PreallocLayer, bf16_split_attention, check_bf16graph
+    from .generate_tables import BF16_KINDS, GB, print_tables
+    from .phase_timing import PhaseTimer, patched, phase_targets
 else:  # run as a script: python benchmarks/bench_generate.py (its folder is on sys.path)
     import peer_caches
-    from bf16_caches import GraphBF16Cache, GraphBF16Layer, PreallocLayer, bf16_split_attention, check_bf16graph
+    from bf16_caches import GraphBF16Cache, PreallocLayer, bf16_split_attention, check_bf16graph
+    from generate_tables import BF16_KINDS, GB, print_tables
+    from phase_timing import PhaseTimer, patched, phase_targets
 PEER_KINDS = peer_caches.PEER_KINDS
 
 KINDS = ("oscar", "dynamic", "static", "prealloc", "bf16graph") + PEER_KINDS
-BF16_KINDS = ("dynamic", "static", "prealloc", "bf16graph")
 GRAPH_KINDS = ("oscar", "bf16graph")  # caches with a static (capturable) decode step
-GB = 1e9
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -272,87 +274,6 @@ def kernel_times(
     return (total_us / 1e3 / steps if total_us else None), sum(e.count for e in kernels) // steps, top, first
 
 
-# --------------------------------------------------------------------------------------------- phase timing
-
-
-class PhaseTimer:
-    """CUDA-event (or wall-clock on CPU) time per named phase, outermost calls only. On a host-bound step the GPU
-    waits on launches, so a phase's time is what it adds to the step's wall time, launch cost included."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.records: list[tuple[str, object, object]] = []
-        self.depth = 0
-
-    def wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            if self.depth:
-                return fn(*args, **kwargs)
-            self.depth += 1
-            start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-            if self.cuda:
-                start.record()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                end = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-                if self.cuda:
-                    end.record()
-                self.records.append((name, start, end))
-                self.depth -= 1
-
-        return timed
-
-    def totals_ms(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        out: dict[str, float] = {}
-        for name, s, e in self.records:
-            out[name] = out.get(name, 0.0) + (s.elapsed_time(e) if self.cuda else (e - s) * 1e3)
-        return out
-
-
-@contextmanager
-def patched(targets):
-    """Temporarily replace (object, attribute) pairs: targets = [(obj, attr, new)]."""
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
-    for obj, attr, new in targets:
-        setattr(obj, attr, new)
-    try:
-        yield
-    finally:
-        for obj, attr, old in saved:
-            setattr(obj, attr, old)
-
-
-def phase_targets(timer: PhaseTimer, kind: str):
-    """The pieces of a decode step to time. OSCAR: the tiered attention kernels, the rotations (q, and the output when
-    o_proj does not un-rotate), the cache filing (the new k/v rotated, centred and written to the recent tier, every
-    8th step the demotion: clip → INT2 → pack). BF16: sdpa and the cache
-    update (DynamicCache: a cat that copies the whole layer cache every step)."""
-    if kind == "oscar":
-        return [
-            (ops, "tiered_decode_attention", timer.wrap("attention kernels", ops.tiered_decode_attention)),
-            (reference, "rotate", timer.wrap("rotation", reference.rotate)),
-            (rotate_op, "rotate_rows", timer.wrap("rotation", rotate_op.rotate_rows)),
-            (cache_mod.OscarLayer, "write_token", timer.wrap("cache write + demotion", cache_mod.OscarLayer.write_token)),
-        ]
-    from transformers.integrations import sdpa_attention
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if kind == "bf16graph":
-        attn_name, attn_fn, cls = "bf16graph", bf16_split_attention, GraphBF16Layer
-    else:
-        import transformers.cache_utils as cu
-
-        cls = {"dynamic": cu.DynamicLayer, "static": cu.StaticLayer, "prealloc": PreallocLayer}.get(kind)
-        cls = cls or cu.QuantizedLayer  # a peer: its update dequantizes the history (+ the flush every 128 steps)
-        attn_name, attn_fn = "sdpa", sdpa_attention.sdpa_attention_forward
-    fn = timer.wrap("attention kernels", attn_fn)
-    return [(cls, "update", timer.wrap("cache write", cls.update)),
-            (ALL_ATTENTION_FUNCTIONS, "_local_mapping", {**ALL_ATTENTION_FUNCTIONS._local_mapping, attn_name: fn})]
-
-
 # ------------------------------------------------------------------------------------------------------ one row
 
 
@@ -518,79 +439,6 @@ def max_batch(bytes_per_token_per_layer: float, T: int, L: int, budget: float) -
     return int(budget // (bytes_per_token_per_layer * T * L))
 
 
-def print_tables(result: dict) -> None:
-    rows = [r for r in result["rows"]]
-    best = {}
-    for r in rows:
-        if r["status"] == "ok" and r["kind"] in BF16_KINDS:
-            key = (r["context"], r["batch"])
-            best[key] = min(best.get(key, math.inf), r["ms_per_step"])
-    compiled = ("compiled layers" + (f" ({result['compile_s']:.0f} s to compile)" if result.get("compile_s") else "")
-                if result.get("compile") else "eager layers")
-    print(f"\n{result['model']} ({result['layers']} layers), {result['device']}, {result['steps']} timed decode steps, "
-          f"fill={result['fill']}, graph rows: {compiled}")  # fmt: skip
-    print("| context | batch | cache | graph | KV B/token/layer | KV GB | peak GB | ms/step | host ms/step | "
-          "kernels ms/step | step / kernels | floor ms | tok/s | speedup vs best BF16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["status"] != "ok":
-            print(f"| {r['context']} | {r['batch']} | {r['kind']} | | | | | {r['status']} | | | | | | "
-                  f"{r.get('note', '')} |")  # fmt: skip
-            continue
-        b = best.get((r["context"], r["batch"]))
-        sp = f"{b / r['ms_per_step']:.2f}x" if b else "—"
-        kern = r.get("kernel_ms_per_step")
-        kern_s, over = (f"{kern:.2f}", f"{r['ms_per_step'] / kern:.2f}x") if kern else ("", "")
-        print(f"| {r['context']} | {r['batch']} | {r['kind']} | {'yes' if r.get('graph') else 'no'} | "
-              f"{r['bytes_per_token_per_layer']:.0f} | {r['kv_bytes'] / GB:.2f} | {r.get('peak_bytes', 0) / GB:.1f} | "
-              f"{r['ms_per_step']:.2f} | {r['host_ms_per_step']:.2f} | {kern_s} | {over} | "
-              f"{r.get('floor_ms', float('nan')):.2f} | {r['tokens_per_s']:.0f} | {sp} |")  # fmt: skip
-    peer_lines = peer_comparison(rows)
-    if peer_lines:
-        print(f"\nOSCAR vs transformers' QuantizedCache 2-bit ({peer_caches.EAGER_NOTE}; timed over "
-              f"{peer_caches.RESIDUAL}+ steps)")
-        print("| context | batch | OSCAR ms/step | fastest QuantizedCache INT2 | its ms/step | OSCAR speedup | "
-              "KV bytes OSCAR / peer |")
-        print("|---|---|---|---|---|---|---|")
-        for line in peer_lines:
-            print(line)
-    if result.get("budget"):
-        print(f"\nFixed KV budget {result['budget_gb']:.0f} GB: largest batch that fits, measured decode throughput")
-        print("| context | cache | max batch | ms/step | tok/s | throughput vs BF16 |")
-        print("|---|---|---|---|---|---|")
-        for b in result["budget"]:
-            print(f"| {b['context']} | {b['kind']} | {b['max_batch']} | {b.get('ms_per_step', float('nan')):.2f} | "
-                  f"{b.get('tokens_per_s', float('nan')):.0f} | {b.get('ratio', '')} |")  # fmt: skip
-    for r in rows:
-        if r.get("top_kernels"):
-            top = "; ".join(f"{name} {ms:.3f} ms ×{n:.0f}" for name, ms, n in r["top_kernels"][:5])
-            print(f"kernels {r['kind']} ctx {r['context']} batch {r['batch']}: {r['kernels_per_step']} per eager step, "
-                  f"{r.get('graph_kernels_per_step')} per replayed step; {top}")
-    for r in rows:
-        if r.get("phases_ms_per_step"):
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_ms_per_step"].items())
-            print(f"phases {r['kind']} ctx {r['context']} batch {r['batch']} (ms/step of {r['phases_step_ms']:.2f}): "
-                  f"{parts}")  # fmt: skip
-
-
-def peer_comparison(rows: list[dict]) -> list[str]:
-    """Per (context, batch): OSCAR's step against the fastest 2-bit QuantizedCache row that ran; not-run peers named."""
-    lines = []
-    for (T, B) in sorted({(r["context"], r["batch"]) for r in rows if r["kind"] in PEER_KINDS}):
-        here = [r for r in rows if (r["context"], r["batch"]) == (T, B)]
-        oscar = next((r for r in here if r["kind"] == "oscar" and r["status"] == "ok"), None)
-        peers = [r for r in here if r["kind"] in peer_caches.INT2_PEERS]
-        ok = [r for r in peers if r["status"] == "ok"]
-        if not ok or oscar is None:
-            why = "; ".join(f"{r['kind']}: {r['status']} {r.get('note', '')}" for r in peers if r["status"] != "ok")
-            lines.append(f"| {T} | {B} | {oscar['ms_per_step'] if oscar else float('nan'):.2f} | — | | | {why} |")
-            continue
-        best = min(ok, key=lambda r: r["ms_per_step"])
-        lines.append(f"| {T} | {B} | {oscar['ms_per_step']:.2f} | {best['kind']} | {best['ms_per_step']:.2f} | "
-                     f"{best['ms_per_step'] / oscar['ms_per_step']:.2f}x | {oscar['kv_bytes'] / best['kv_bytes']:.2f} |")
-    return lines
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="qwen3-8b (GPU default) or demo (CPU default)")
@@ -634,8 +482,9 @@ def main(argv=None) -> dict:
     model._bench_compile = args.compile
     L = model.config.num_hidden_layers
     phase_rows = {tuple(int(x) for x in p.split(":")) for p in args.phases}
-    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), pin=args.pin, device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                  torch=torch.__version__, steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
+    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), pin=args.pin,
+                  device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
+                  steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
                   compile=args.compile, budget_gb=args.budget_gb, budget=[])  # fmt: skip
     if dev.type == "cuda":
         result["model_bytes"] = torch.cuda.memory_allocated()
@@ -676,7 +525,8 @@ def main(argv=None) -> dict:
             n = max_batch(bpt, T, L, args.budget_gb * GB)
             entry = dict(context=T, kind=kind, max_batch=n, bytes_per_token_per_layer=bpt)
             if n >= 1:
-                r = next((r for r in ok if r["batch"] == n), None) or safe_row(model, kind, n, T, args, free_bytes=free())
+                r = next((r for r in ok if r["batch"] == n), None)
+                r = r or safe_row(model, kind, n, T, args, free_bytes=free())
                 entry.update(status=r["status"], ms_per_step=r.get("ms_per_step", math.nan),
                              tokens_per_s=r.get("tokens_per_s", math.nan), peak_bytes=r.get("peak_bytes"))  # fmt: skip
             per_kind[kind] = entry

@@ -65,7 +65,8 @@ def main():
                   trials=settings.trials, methods=[m.name for m in report.methods], wall_seconds=wall,
                   overall={m.name: m.overall for m in report.methods})  # fmt: skip
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"bench_needle{'_quick' if args.quick else ''}.json").write_text(json.dumps(result, indent=2))
+        out = Path(os.environ["OUT"], f"bench_needle{'_quick' if args.quick else ''}.json")
+        out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
 
 

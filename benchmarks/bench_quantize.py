@@ -1,11 +1,11 @@
 """GPU benchmark: fused clip → INT2 quantize → pack (`ops.quantize_pack`) vs its PyTorch reference.
 
-Rows: prefill-sized history writes (1 × 8 KV heads × T tokens, d = 128 and 3 KV heads d = 64) and the decode-time demotion
-(batch 32 × 8 heads × 8 tokens). Bytes = bf16 rows read + packed codes and fp16 scale/zero written; bandwidth as a
-fraction of a same-run device copy. Times are CUDA-graph replays over four rotating inputs (`bench_decode.time_rotating`:
-one call per graph, and one call's share of a 16-call graph); eager launches are host-bound below ≈ 150 µs, as is the
-PyTorch reference (eager). Clips are per-head tensors passed with their host bound (`min_ratio`), as the
-cache passes them; `--both-builds` also times them without the bound (the per-row dispatch build).
+Rows: prefill-sized history writes (1 × 8 KV heads × T tokens, d = 128 and 3 KV heads d = 64) and the decode-time
+demotion (batch 32 × 8 heads × 8 tokens). Bytes = bf16 rows read + packed codes and fp16 scale/zero written; bandwidth
+as a fraction of a same-run device copy. Times are CUDA-graph replays over four rotating inputs
+(`bench_decode.time_rotating`: one call per graph, and one call's share of a 16-call graph); eager launches are
+host-bound below ≈ 150 µs, as is the PyTorch reference (eager). Clips are per-head tensors passed with their host bound
+(`min_ratio`), as the cache passes them; `--both-builds` also times them without the bound (the per-row dispatch build).
 `--bits 2 3` also times 3-bit rows (the keys of the layers calibration gives 3 bits: docs/format.md §6b; unclipped, as
 calibration writes them).
 Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-builds] [--bits 2 3]
@@ -71,7 +71,8 @@ def main():
             json.dump(dict(copy_Bps=copy_bw, rows=rows), f, indent=2)
     print("\nCUDA-graph replays, one call per graph (the % of copy bandwidth is of this column); one call's share of a"
           f" graph of {IN_GRAPH}; eager launches (host-bound below ≈ 150 µs)")
-    print("| B | H_kv | T | d | bits | build | µs | in-graph µs | eager µs | torch ref µs | MB | % copy bw | bit-exact |")
+    print("| B | H_kv | T | d | bits | build | µs | in-graph µs | eager µs | torch ref µs | MB | % copy bw "
+          "| bit-exact |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['B']} | {r['H_kv']} | {r['T']} | {r['D']} | {r['bits']} | {r['build']} | {r['kernel_us']:.1f} | "

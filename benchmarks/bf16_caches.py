@@ -129,7 +129,8 @@ def bf16_split_attention(module, query, key, value, attention_mask, scaling=None
         return out.transpose(1, 2).contiguous(), None
     zero = torch.zeros_like(layer.length)
     B, H_kv, T_cap = layer.keys.shape[:3]
-    splits = ops._int2_splits(B, H_kv, query.shape[1] // H_kv, query.shape[-1], T_cap, query.device, None)  # the INT2 split rule
+    # the INT2 split rule
+    splits = ops._int2_splits(B, H_kv, query.shape[1] // H_kv, query.shape[-1], T_cap, query.device, None)
     o, lse = ops.decode_bf16_partial(query[:, :, 0], layer.empty, layer.empty, zero, layer.keys, layer.values,
                                      layer.length, scale, num_splits=splits)  # fmt: skip
     o, _ = ops.merge_partials(o, lse)  # [B, H_q, D] fp32

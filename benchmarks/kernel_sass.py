@@ -67,12 +67,15 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
     cuda = torch.device("cuda", 0)
     q = torch.empty(batch, H_q, D, dtype=torch.bfloat16)
     tiers = dict(
-        sink=(torch.empty(batch, H_kv, layout.SINK, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
-        hist=(layout.history_codes(batch, H_kv, hist, D, "cpu"), torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
+        sink=(torch.empty(batch, H_kv, layout.SINK, D, dtype=torch.bfloat16),) * 2
+             + (torch.empty(batch, dtype=torch.int32),),
+        hist=(layout.history_codes(batch, H_kv, hist, D, "cpu"),
+              torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
               layout.history_codes(batch, H_kv, hist, D, "cpu", tokens_contiguous=True),
               torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
               torch.empty(batch, dtype=torch.int32)),
-        recent=(torch.empty(batch, H_kv, layout.RECENT + layout.FLUSH, D, dtype=torch.bfloat16),) * 2 + (torch.empty(batch, dtype=torch.int32),),
+        recent=(torch.empty(batch, H_kv, layout.RECENT + layout.FLUSH, D, dtype=torch.bfloat16),) * 2
+               + (torch.empty(batch, dtype=torch.int32),),
     )  # fmt: skip
     orig = (ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n)
     try:
@@ -96,7 +99,8 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
     fn = decode._decode_kernel
     values = dict(zip([n for n in fn.arg_names if n not in kw], captured["args"]))
     src = _specialise(fn, values, kw)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg)), kw, warps
+    options = dict(num_warps=warps, maxnreg=maxnreg)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options), kw, warps
 
 
 def _cuobjdump(cubin: bytes, tmp: Path, flag: str) -> str:
@@ -110,7 +114,8 @@ def resources(cubin: bytes, tmp: Path) -> dict:
     """Registers per thread and stack bytes per thread (where register spills go), as the driver will see them: the
     registers bound how many programs an SM holds at once (65,536 per SM)."""
     out = _cuobjdump(cubin, tmp, "-res-usage")
-    return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)), stack=int(re.search(r"STACK:(\d+)", out).group(1)))
+    return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)),
+                stack=int(re.search(r"STACK:(\d+)", out).group(1)))
 
 
 def loops(cubin: bytes, tmp: Path) -> list[tuple[int, Counter, int, Counter]]:

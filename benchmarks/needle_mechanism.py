@@ -27,8 +27,7 @@ from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration.data import EVALUATION_PLAYS, bundled_files, load_texts
 from oscar_zoo.evaluation.needle import QUESTION, build_prompt
 from oscar_zoo.models import load_model
-from oscar_zoo.runtime import layout
-from oscar_zoo.runtime import reference as ref
+from oscar_zoo.runtime import layout, reference as ref
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -229,7 +228,9 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
     out += [Variant("oscar, debiased", debias=1.0), Variant("K clip off, debiased", k_clip=0.0, debias=1.0),
             Variant("K clip off, debiased x2", k_clip=0.0, debias=2.0),
             Variant("K 3 bits, K clip off, debiased", k_bits=3, k_clip=0.0, debias=1.0, extra_bits_k=1.0)]
-    order = [18, 19, 16, 27, 25, 17, 20, 13, 11, 26, 12, 22, 15, 14, 7, 28, 21, 29, 9, 8, 10, 23, 5, 3, 24, 6, 4, 1, 2, 0]  # layers by descending no-clip INT2 key logit noise on the calibration held-out set
+    # layers by descending no-clip INT2 key logit noise on the calibration held-out set
+    order = [18, 19, 16, 27, 25, 17, 20, 13, 11, 26, 12, 22, 15, 14, 7,
+             28, 21, 29, 9, 8, 10, 23, 5, 3, 24, 6, 4, 1, 2, 0]
     for n in (14, 18, 22):
         top = set(order[:n])
         out += [Variant(f"K 3 bits clip off on top {n}", k_bits={i: 3 for i in top},
@@ -255,9 +256,10 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):
-        out += [Variant(f"oscar, observed {frac * 100:.0f} %", observed=frac, extra_bits_k=frac * tok, extra_bits_v=frac * tok),
-                Variant(f"artifact codec, observed {frac * 100:.0f} %", extra_bits_k=n3 + frac * tok, extra_bits_v=frac * tok,
-                        observed=frac, **art)]
+        out += [Variant(f"oscar, observed {frac * 100:.0f} %", observed=frac, extra_bits_k=frac * tok,
+                        extra_bits_v=frac * tok),
+                Variant(f"artifact codec, observed {frac * 100:.0f} %", extra_bits_k=n3 + frac * tok,
+                        extra_bits_v=frac * tok, observed=frac, **art)]
     for n in (32, 64):  # a fixed count per layer, the same tokens for every head (what a runtime tier can hold)
         out += [Variant(f"artifact codec, observed {n} per layer", extra_bits_k=n3 + n / 32448 * tok,
                         extra_bits_v=n / 32448 * tok, observed=n, shared=True, **art)]

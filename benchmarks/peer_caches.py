@@ -31,8 +31,9 @@ def make_peer_cache(kind: str, config):
     cache = new_cache(PEERS[kind], config)
     layer = cache.layers[0]
     if (layer.residual_length, layer.q_group_size) != (RESIDUAL, GROUP):
-        raise ValueError(f"this transformers' QuantizedCache defaults changed: residual_length {layer.residual_length}, "
-                         f"q_group_size {layer.q_group_size}; update benchmarks/peer_caches.py")
+        raise ValueError(f"this transformers' QuantizedCache defaults changed: residual_length "
+                         f"{layer.residual_length}, q_group_size {layer.q_group_size}; "
+                         "update benchmarks/peer_caches.py")
     return cache
 
 
@@ -41,7 +42,8 @@ def peer_kv_bytes(cache) -> int:
     return sum(sum(layer_bytes(layer)) for layer in cache.layers if layer.is_initialized)
 
 
-def expected_peer_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, filled: int, elem_bytes: int = 2) -> int:
+def expected_peer_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, filled: int,
+                           elem_bytes: int = 2) -> int:
     """What `peer_kv_bytes` must be after a one-update fill of `filled` tokens and T − filled decode steps: the fill
     and every 128th step quantize everything so far; the other steps sit in the residual window. Codes pack 8/nbits per
     byte (quanto along the rows of [numel/64, 64], rows rounded up to a whole byte; HQQ all codes); one scale and one

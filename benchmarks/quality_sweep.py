@@ -371,7 +371,7 @@ def main() -> None:
          {"rotation": "per-head", "value_target": "softmax", "objective": "reconstruction"}, "variant"),
         ("none-search", "no rotation, searched clips (attention objective)", cal_large, {"rotation": "none"},
          "variant"),
-        # codec v2 (issue 14): K/V means removed before INT2, clips searched on the centred rows
+        # the centred codec: K/V means removed before INT2, clips searched on the centred rows
         ("centred", f"codec v2, calibrate --centring mean (not the default): per-head U·H·P, weighted V target, "
          f"per-(layer, head) K/V means removed, clips searched on centred rows, {k16} plays", cal_large,
          {"rotation": "per-head", "centring": True}, "variant"),
@@ -395,8 +395,8 @@ def main() -> None:
         ("no-clip", "per-head U·H·P, no clip", cal_large, {"rotation": "per-head", "clip": "none"}, "variant"),
         ("g32-fixed", "per-head U·H·P, G=32 (bit-reversal P active), clips 0.96/0.92", cal_large,
          {"rotation": "per-head", "clip": "fixed", "group_size": 32}, "variant"),
-        ("hadamard-g32", "Hadamard-only, G=32, clips 0.96/0.92", None, {"rotation": "hp", "clip": "fixed", "group_size": 32},
-         "baseline"),
+        ("hadamard-g32", "Hadamard-only, G=32, clips 0.96/0.92", None,
+         {"rotation": "hp", "clip": "fixed", "group_size": 32}, "baseline"),
     ]
     t0 = time.perf_counter()
     if keep:
@@ -549,7 +549,8 @@ def summarize(result: dict, reference: str = "oscar") -> str:
         lines.append("|---" * (3 + len(names)) + "|")
         spec = result["spectrum"]
         for layer in range(len(errs[names[0]])):
-            lines.append(f"| {layer} | {spec['key_per_layer'][layer]:.1f} | {spec['key_per_layer_shared'][layer]:.1f} | "
+            lines.append(f"| {layer} | {spec['key_per_layer'][layer]:.1f} | "
+                         f"{spec['key_per_layer_shared'][layer]:.1f} | "
                          + " | ".join(f"{errs[n][layer]:.3f}" for n in names) + " |")
         lines.append("| mean | | | " + " | ".join(f"{sum(errs[n]) / len(errs[n]):.3f}" for n in names) + " |")
     lines.append(f"\nwall {result['wall_seconds']} s, complete: {result['complete']}; command: `{result['command']}`")

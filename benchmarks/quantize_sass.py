@@ -92,7 +92,8 @@ def profile(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_WARPS, as
     nbytes = 2 * D + layout.bytes_per_token(D, layout.resolve_group_size(D, group_size))
     budget = nbytes / 4.0e12 * 132 * 4 * 1.98e9
     return dict(triton=triton.__version__, D=D, ratio=ratio, group_size=group_size, warps=warps,
-                BLOCK_T=kw["BLOCK_T"], MAX_M=kw["MAX_M"], NET16=kw["NET16"], shared=compiled.metadata.shared, instructions=total,
+                BLOCK_T=kw["BLOCK_T"], MAX_M=kw["MAX_M"], NET16=kw["NET16"], shared=compiled.metadata.shared,
+                instructions=total,
                 warp_instructions_per_row=per_row, issue_slots_per_row=slots, budget_per_row=budget,
                 bytes_per_row=nbytes, ops=dict(counts.most_common()), **res)  # fmt: skip
 
@@ -110,9 +111,9 @@ def main():
     if args.json:
         print(json.dumps(r))
         return
-    print(f"triton {r['triton']}, sm_90, d={r['D']} G={args.group_size or r['D']} ratio {r['ratio']} (MAX_M {r['MAX_M']}):"
-          f" {r['warps']} warps, {r['BLOCK_T']} rows/program, shared {r['shared']} B, {r['registers']} registers/thread,"
-          f" {r['stack']} B stack (spills)/thread")
+    print(f"triton {r['triton']}, sm_90, d={r['D']} G={args.group_size or r['D']} ratio {r['ratio']} "
+          f"(MAX_M {r['MAX_M']}): {r['warps']} warps, {r['BLOCK_T']} rows/program, shared {r['shared']} B, "
+          f"{r['registers']} registers/thread, {r['stack']} B stack (spills)/thread")
     print(f"{r['instructions']} SASS instructions → {r['warp_instructions_per_row']:.1f} warp instructions per row, "
           f"≈ {r['issue_slots_per_row']:.1f} issue slots (half-rate ops twice); budget at 4.0 TB/s "
           f"{r['budget_per_row']:.1f} ({r['bytes_per_row']} B/row)")

@@ -69,8 +69,8 @@ def integrity() -> Iterator[None]:
 WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
                 errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
                 errno.EPERM: "permission denied",
-                errno.EFBIG: "the file grew past the largest size allowed (a file-size limit such as `ulimit -f`, or the "
-                             "file system's own)",
+                errno.EFBIG: "the file grew past the largest size allowed (a file-size limit such as `ulimit -f`, "
+                             "or the file system's own)",
                 errno.EIO: "an input/output error on the device", errno.EMLINK: "too many links in the folder",
                 errno.ETXTBSY: "the file is busy"}
 
@@ -107,7 +107,8 @@ def usual_mode(path: Path, executable: bool = False) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temp name in the same folder, fsync, rename: readers see the old file or the new one, never half.
-    The file gets the usual mode (0o666 less the umask); a full disk or a read-only folder is an InputError naming it."""
+    The file gets the usual mode (0o666 less the umask); a full disk or a read-only folder is an InputError naming
+    it."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

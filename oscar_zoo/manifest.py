@@ -11,14 +11,20 @@ import unicodedata
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .errors import IntegrityError
 from .runtime import artifact, layout
-from .runtime.artifact import (ARTIFACT_FILES, MANIFEST_MAX_BYTES, MANIFEST_NAME, READ_VERSIONS,  # noqa: F401
-                               ROTATIONS_NAME, SCHEMA_VERSION, ArtifactError)
-from .runtime.artifact import one_line as _one_line
+from .runtime.artifact import (  # noqa: F401
+    ARTIFACT_FILES,
+    MANIFEST_MAX_BYTES,
+    MANIFEST_NAME,
+    READ_VERSIONS,
+    ROTATIONS_NAME,
+    SCHEMA_VERSION,
+    ArtifactError,
+    one_line as _one_line,
+)
 from .runtime.layout import MAX_WINDOW, Centring  # noqa: F401 -- Centring: the format's, re-exported
 
 # The format's file names, size limits and schema versions live in `runtime/artifact.py` (the runtime reads folders
@@ -233,7 +239,8 @@ class Manifest(_Frozen):
         bits = self.key_bits
         if max(bits) == layout.BITS:
             return f"INT{layout.BITS}"
-        return f"INT{layout.BITS} values, keys 3-bit in {bits.count(3)}/{len(bits)} layers (mean {self.mean_key_bits:.2f})"
+        return (f"INT{layout.BITS} values, keys 3-bit in {bits.count(3)}/{len(bits)} layers "
+                f"(mean {self.mean_key_bits:.2f})")
 
     def bits_at(self, context: int) -> float:
         """Bits per cached element at `context` tokens, K and V averaged (docs/format.md §7): codes, float16 scale and

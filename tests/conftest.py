@@ -62,8 +62,9 @@ def tiny_model(model_type: str = "llama", seed: int = 0, dtype=torch.float32, **
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-weight Llama saved as a local folder, with a real tokenizer (the bundled SmolLM2's, vocab 49152)."""
-    from oscar_zoo.models import ensure_demo_model
     from transformers import AutoTokenizer
+
+    from oscar_zoo.models import ensure_demo_model
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = AutoTokenizer.from_pretrained(ensure_demo_model())

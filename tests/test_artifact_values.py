@@ -1,8 +1,8 @@
 """Values no runtime may use (NaN/Inf, clips outside (0, 1], non-orthogonal rotations, non-finite or unmatched means of
 the centred codec), re-checksummed so that only
-validation can catch them: refused with exit 4 by every command that reads an artifact folder, and by `OscarCache.from_folder` (the same reader)
-with an ArtifactError, a ValueError, of the same message; nothing is exported. So are files changed behind the
-manifest's sha256."""
+validation can catch them: refused with exit 4 by every command that reads an artifact folder, and by
+`OscarCache.from_folder` (the same reader) with an ArtifactError, a ValueError, of the same message; nothing is
+exported. So are files changed behind the manifest's sha256."""
 
 from __future__ import annotations
 

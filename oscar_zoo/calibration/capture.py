@@ -1,6 +1,7 @@
 """Capture of what attention reads: post-QK-norm, post-RoPE Q and K, V as projected, and the attention output, for
 every layer, through an attention function registered with transformers (so every supported architecture's own
-RoPE / QK-norm code runs unchanged). The observer sees tensors; nothing is stored here.
+RoPE / QK-norm code runs unchanged). The observer sees tensors; nothing is stored here, and each model carries its own
+observer (`models.attention_bound`), so two models can be captured at once.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from ..models import attention_bound, bound_value
+
 CAPTURE_IMPL = "oscar_capture"
 
 # observer(layer_idx, q [B, H_q, T, D], k [B, H_kv, T, D], v [B, H_kv, T, D], out [B, H_q, T, D], scaling)
 Observer = Callable[[int, Tensor, Tensor, Tensor, Tensor, float], None]
-
-_observer: Observer | None = None
 
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -24,31 +25,19 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
-    if _observer is not None:
+    observer = bound_value(module)
+    if observer is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        _observer(module.layer_idx, query, key, value, out.transpose(1, 2), scale)
+        observer(module.layer_idx, query, key, value, out.transpose(1, 2), scale)
     return out, weights
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(CAPTURE_IMPL, _capture_attention)
 
 
 @contextmanager
 def capturing(model: torch.nn.Module, observer: Observer) -> Iterator[None]:
-    """Within the block, every attention call of `model` reports its inputs/outputs to `observer`."""
-    global _observer
-    _register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE_IMPL)
-    _observer = observer
-    try:
+    """Within the block, every attention call of `model` reports its inputs/outputs to `observer` (another model's
+    calls, or this model's after the block, do not)."""
+    with attention_bound(model, CAPTURE_IMPL, _capture_attention, observer):
         yield
-    finally:
-        _observer = None
-        model.set_attn_implementation(previous)
 
 
 def forward_batches(model: torch.nn.Module, input_ids: Tensor, batch_size: int, start: int = 0,

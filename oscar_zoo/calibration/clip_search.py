@@ -1,6 +1,7 @@
 """Clip-ratio search per (layer, head, K/V) on held-out calibration tokens, through the reference quantizer.
 
-The objective is the attention error the choice causes (docs/format.md §5), measured in the rotated space the cache uses:
+The objective is the attention error the choice causes (docs/format.md §5), measured in the rotated space the cache
+uses:
 - keys:   mean over held-out keys of δkᵀ (Mᵀ C_Q M) δk — the expected squared logit error under the calibrated query
           distribution, δk = fake_quant(k·M) − k·M;
 - values: mean squared error of the attention output Σ_t p_t δv_t, with the held-out sequences' own causal softmax

@@ -85,7 +85,8 @@ def load_texts(dataset: str | None = None, split: str | None = None, text_field:
                plays: tuple[str, ...] = CALIBRATION_PLAYS, default_split: str = "train") -> tuple[list[str], str]:
     """Documents as strings, and a description of where they came from. `dataset`: None (bundled plays), a local
     file or folder (text/json/jsonl/parquet), or a Hugging Face dataset id (`name` or `name:config`); `split` (default
-    `default_split`) only for a dataset id, `text_field` not for the bundled plays (InputError otherwise: never ignored)."""
+    `default_split`) only for a dataset id, `text_field` not for the bundled plays (InputError otherwise: never
+    ignored)."""
     check_dataset_options(dataset, split, text_field)
     import datasets
 

@@ -22,8 +22,17 @@ import torch
 
 from .. import __version__
 from ..artifacts import Rotations, load_tensors, save_tensors
-from ..manifest import (CalibrationRecord, Centring, ClipMode, ClipSpec, Granularity, Manifest, QuantSpec,
-                        RotationSpec, ValueTarget)
+from ..manifest import (
+    CalibrationRecord,
+    Centring,
+    ClipMode,
+    ClipSpec,
+    Granularity,
+    Manifest,
+    QuantSpec,
+    RotationSpec,
+    ValueTarget,
+)
 from ..models import LoadedModel, cache_root
 from ..runtime import layout, reference
 from . import clip_search

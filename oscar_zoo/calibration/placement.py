@@ -9,7 +9,6 @@ from dataclasses import replace
 import torch
 
 
-
 def model_device(model: torch.nn.Module) -> torch.device:
     """Where a model's inputs and first layer live: the first real device of an accelerate device map (a "disk"
     entry computes on the CPU), else the device of its parameters."""

@@ -57,7 +57,8 @@ class SecondMoment:
             self.weights[layer] += w.to(self.weights.device, torch.float64).sum(-1)
 
     def merge(self, other: SecondMoment) -> SecondMoment:
-        return SecondMoment(self.sums + other.sums.to(self.sums.device), self.weights + other.weights.to(self.sums.device))
+        device = self.sums.device
+        return SecondMoment(self.sums + other.sums.to(device), self.weights + other.weights.to(device))
 
     def mean(self) -> Tensor:
         """The target [L, H, D, D] (zero where nothing was accumulated)."""

@@ -18,8 +18,17 @@ from ..calibration import distributed
 from ..calibration.data import MIN_SEQ_LEN
 from ..calibration.pipeline import CalibrationResult
 from ..calibration.run import CalibrationInterrupted, run_calibration
-from ..calibration.settings import (DEFAULT_KEY_BITS, AccumulateOn, CalibrationRequest, CalibrationSettings, Centring,
-                                    ClipMode, DeviceMap, Granularity, ValueTarget)
+from ..calibration.settings import (
+    DEFAULT_KEY_BITS,
+    AccumulateOn,
+    CalibrationRequest,
+    CalibrationSettings,
+    Centring,
+    ClipMode,
+    DeviceMap,
+    Granularity,
+    ValueTarget,
+)
 from ..console import console, err_console, progress_reporter
 from ..errors import SettingError
 from ..models import DEMO, model_id_of

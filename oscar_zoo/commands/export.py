@@ -45,12 +45,13 @@ def export_command(
                         f"reference runtime stores uncentred rows with clips searched for centred ones: {measure}, or "
                         "verify an uncentred calibration (--centring none), before serving this export")
     if max(result.manifest.key_bits) > layout.BITS:
-        warnings.append(f"{result.manifest.key_bits.count(3)} of {len(result.manifest.key_bits)} layers keep 3-bit keys "
-                        "in these artifacts; the reference runtime quantizes every key to INT2, so long-context "
-                        f"retrieval drops in those layers: {measure} before serving this export")
+        warnings.append(f"{result.manifest.key_bits.count(3)} of {len(result.manifest.key_bits)} layers keep "
+                        "3-bit keys in these artifacts; the reference runtime quantizes every key to INT2, so "
+                        f"long-context retrieval drops in those layers: {measure} before serving this export")
     if result.manifest.pin:
         warnings.append(f"these artifacts pin {result.manifest.pin} history tokens per KV head in BF16; the reference "
-                        f"runtime pins none, so retrieval from long prompts drops: {measure} before serving this export")
+                        f"runtime pins none, so retrieval from long prompts drops: {measure} before serving this "
+                        "export")
     if result.averaged:
         warnings.append(f"per-head rotations were averaged per layer and re-orthogonalised (polar decomposition); "
                         f"inter-head agreement mean |diag(R_0ᵀ R_h)|: K {result.k_agreement:.3f}, V "

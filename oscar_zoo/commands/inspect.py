@@ -25,8 +25,9 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
                                        "bits_per_element": {str(c): round(v, 4) for c, v in bpe.items()}}))
         return
     c = manifest.calibration
-    console.print(f"[bold]{shown(m.id)}[/]{f' @ {shown(m.revision)}' if m.revision else ''} · {shown(m.architecture)} · {m.num_layers} "
-                  f"layers · {m.num_q_heads} query / {m.num_kv_heads} KV heads · head_dim {m.head_dim}")
+    console.print(f"[bold]{shown(m.id)}[/]{f' @ {shown(m.revision)}' if m.revision else ''} · "
+                  f"{shown(m.architecture)} · {m.num_layers} layers · {m.num_q_heads} query / {m.num_kv_heads} KV "
+                  f"heads · head_dim {m.head_dim}")
     console.print(f"rotation {manifest.rotation.composition} {manifest.rotation.granularity.value}, value target "
                   f"{manifest.rotation.value_target.value}, mixing {manifest.rotation.hadamard}; clip "
                   f"{manifest.clip.mode.value}; {manifest.codec}, group {q.group_size}, sink {q.sink}, recent "

@@ -19,7 +19,8 @@ def list_command(json_output: Json = False) -> None:
     if json_output:
         console.print_json(json.dumps([{
             "name": e.name, "model": e.manifest.model.id, "granularity": e.manifest.rotation.granularity.value,
-            "bits_per_element_128k": bpe_128k(e.manifest), "verification": verification_summary(e.manifest.verification),
+            "bits_per_element_128k": bpe_128k(e.manifest),
+            "verification": verification_summary(e.manifest.verification),
             "manifest_sha256": e.manifest_sha256,
             "locations": [loc.model_dump(mode="json") for loc in e.locations]} for e in entries]))
         return
@@ -28,8 +29,8 @@ def list_command(json_output: Json = False) -> None:
                          ("verification", "left"), ("pull from", "left")):
         table.add_column(col, justify=justify, no_wrap=col in ("name", "model", "verification"))
     for e in entries:
-        where = "\n".join(shown(f"{loc.hub}:{loc.spec}") + ("" if loc.published else " [yellow](planned, not published)[/]")
-                          for loc in e.locations)
+        where = "\n".join(shown(f"{loc.hub}:{loc.spec}")
+                          + ("" if loc.published else " [yellow](planned, not published)[/]") for loc in e.locations)
         table.add_row(shown(e.name), shown(e.manifest.model.id), e.manifest.rotation.granularity.value,
                       f"{bpe_128k(e.manifest):.2f}", verification_summary(e.manifest.verification), where)
     console.print(table)

@@ -1,4 +1,5 @@
-"""`oscar-zoo push ARTIFACTS REPO_ID`: publish an artifact folder (listed files + manifest + model card) in one commit."""
+"""`oscar-zoo push ARTIFACTS REPO_ID`: publish an artifact folder (listed files + manifest + model card) in one
+commit."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def push_command(
     hub: Hub = "hf",
     path_in_repo: Annotated[str | None, typer.Option(help="Subfolder for this model in a zoo repo (default: the "
                                                           "model's name; pass \"\" for the repo root).")] = None,
-    private: Annotated[bool, typer.Option(help="Create the repo private (an existing repo keeps its setting).")] = False,
+    private: Annotated[bool, typer.Option(help="Create the repo private (an existing repo keeps its "
+                                               "setting).")] = False,
     revision: Annotated[str | None, typer.Option(help="Branch to commit to (created if missing; default: the repo's "
                                                       "default branch).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Check the artifacts and show what would be uploaded; no network.")]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..models import attention_bound, bound_value
 from ..runtime import reference
 
 VERIFY_IMPL = "oscar_verify"
@@ -21,8 +22,6 @@ QUERY_BLOCK = 256
 
 # runner(layer_idx, q [B, H_q, T, D], k [B, H_kv, T, D], v [B, H_kv, T, D], scale) -> fp32 [B, H_q, T, D]
 Runner = Callable[[int, Tensor, Tensor, Tensor, float], Tensor]
-
-_runner: Runner | None = None
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -75,32 +74,24 @@ def _verify_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                       sliding_window=None, **kwargs):
     """transformers attention interface: query [B, H_q, T, D], key/value [B, H_kv, T, D] post-RoPE, whole sequence
     (no cache). Causality is applied by the runner; `attention_mask` is unused (verify feeds unpadded sequences)."""
-    if _runner is None:
+    runner = bound_value(module)
+    if runner is None:
         raise RuntimeError("the oscar_verify attention was called outside `verifying(...)`")
     if softcap is not None or sliding_window is not None:
         raise NotImplementedError(
             f"layer {module.layer_idx} uses a logit softcap or a sliding window: verify supports plain full-attention "
             "layers only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _runner(module.layer_idx, query, key, value, scale)  # fp32 [B, H_q, T, D]
+    out = runner(module.layer_idx, query, key, value, scale)  # fp32 [B, H_q, T, D]
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 @contextmanager
 def verifying(model: torch.nn.Module, runner: Runner) -> Iterator[None]:
-    """Within the block every attention layer of `model` is computed by `runner`."""
-    global _runner
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VERIFY_IMPL, _verify_attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(VERIFY_IMPL)
-    _runner = runner
-    try:
+    """Within the block every attention layer of `model` is computed by `runner` (each model by its own: the runner
+    is bound to the model's modules, `models.attention_bound`)."""
+    with attention_bound(model, VERIFY_IMPL, _verify_attention, runner):
         yield
-    finally:
-        _runner = None
-        model.set_attn_implementation(previous)
 
 
 def cache_argument() -> str:

@@ -233,6 +233,7 @@ class Kivi(Method):
 
 
 def hadamard_rotation(num_layers: int, head_dim: int) -> Tensor:
-    """H·P for every layer (data-free, QuaRot-like): `reference.compose_rotation` of the identity, float32 [L, 1, D, D]."""
+    """H·P for every layer (data-free, QuaRot-like): `reference.compose_rotation` of the identity, float32
+    [L, 1, D, D]."""
     M = reference.compose_rotation(torch.eye(head_dim, dtype=torch.float64)).float()
     return M.expand(num_layers, 1, head_dim, head_dim).contiguous()

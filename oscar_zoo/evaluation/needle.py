@@ -28,6 +28,7 @@ from enum import Enum
 
 import torch
 from torch import Tensor
+
 from ..errors import InputError
 from ..models import LoadedModel
 from .attention import cache_argument

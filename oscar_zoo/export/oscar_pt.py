@@ -24,8 +24,17 @@ import torch
 
 from ..artifacts import Rotations, load_artifacts, sha256_file, write_artifacts
 from ..errors import InputError, IntegrityError
-from ..manifest import (CalibrationRecord, ClipMode, ClipSpec, Granularity, Manifest, ModelIdentity, QuantSpec,
-                        RotationSpec, ValueTarget)
+from ..manifest import (
+    CalibrationRecord,
+    ClipMode,
+    ClipSpec,
+    Granularity,
+    Manifest,
+    ModelIdentity,
+    QuantSpec,
+    RotationSpec,
+    ValueTarget,
+)
 from ..runtime import layout
 from ..runtime.validate import check_finite, check_rotation
 from .sglang import ENV_FILE, LAUNCH_SCRIPT, SglangSettings, sglang_file_texts, sglang_settings
@@ -212,8 +221,8 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
                     sglang: bool = False) -> ExportResult:
     """Write the two reference `.pt` files into the folder `out` (and with `sglang` the runtime's `sglang.env` and
     `launch_sglang.sh`, `export.sglang`): every refusal (the artifacts, per-head without `allow_average`, centred or
-    3-bit keys or pinned tokens without `allow_degraded`, the sglang windows and shell values, a bad `out`) comes before anything is written, and
-    the files land together or not at all (`staging.write_export_files`)."""
+    3-bit keys or pinned tokens without `allow_degraded`, the sglang windows and shell values, a bad `out`) comes before
+    anything is written, and the files land together or not at all (`staging.write_export_files`)."""
     manifest, r = load_artifacts(artifacts)
     if max(manifest.key_bits) > layout.BITS and not allow_degraded:
         raise InputError(f"{artifacts} stores 3-bit keys in {manifest.key_bits.count(3)} of {len(manifest.key_bits)} "
@@ -224,9 +233,9 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
                          f"export; measure the exported form first with `oscar-zoo verify "
                          f"{shlex.quote(str(artifacts))} --as-exported`")
     if manifest.pin and not allow_degraded:
-        raise InputError(f"{artifacts} pins {manifest.pin} history tokens per KV head in BF16 (quant.pin, docs/format.md "
-                         "§6c); the reference runtime pins none, so a long prompt's history would all be served at "
-                         "INT2 (needle retrieval drops: benchmarks/QUALITY.md)",
+        raise InputError(f"{artifacts} pins {manifest.pin} history tokens per KV head in BF16 (quant.pin, "
+                         "docs/format.md §6c); the reference runtime pins none, so a long prompt's history would "
+                         "all be served at INT2 (needle retrieval drops: benchmarks/QUALITY.md)",
                          "pass --accept-degraded to export anyway, or calibrate with --pin 0 for a faithful export; "
                          f"measure the exported form first with `oscar-zoo verify {shlex.quote(str(artifacts))} "
                          "--as-exported`")
@@ -265,8 +274,15 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
 # -- import -----------------------------------------------------------------------------------------------------------
 def model_identity_for(model: str, revision: str | None = None) -> ModelIdentity:
     """The model's geometry from its config only (no weights): `demo`, a local folder, or a Hugging Face id."""
-    from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, check_revision_applies, ensure_demo_model, load_config, \
-        model_identity
+    from ..models import (
+        DEMO,
+        DEMO_HF_ID,
+        DEMO_REVISION,
+        check_revision_applies,
+        ensure_demo_model,
+        load_config,
+        model_identity,
+    )
 
     check_revision_applies(model, revision)
     model_id, source = model, model

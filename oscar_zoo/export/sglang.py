@@ -50,7 +50,8 @@ _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 def shell_word(what: str, value: str) -> str:
     """`value` as one `shlex.quote`d shell word. A control, line-breaking or bidi-override character
     (`manifest.line_breaker`) is refused (IntegrityError, exit 4): inside quotes bash would keep it, but it has no place
-    in a model id or setting, and a newline would split the line for every other reader of the file. `what` names the value for the message (e.g. the manifest field)."""
+    in a model id or setting, and a newline would split the line for every other reader of the file. `what` names the
+    value for the message (e.g. the manifest field)."""
     bad = line_breaker(value)
     if bad is not None:
         raise IntegrityError(f"{what} {_shown(value)} holds {ascii(bad)}, a control, line-break or bidi-override "

@@ -18,8 +18,14 @@ import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from ..artifacts import (atomic_write_bytes, folder_destination, remove_stale_staging, staging_folder, usual_mode,
-                         write_failure)
+from ..artifacts import (
+    atomic_write_bytes,
+    folder_destination,
+    remove_stale_staging,
+    staging_folder,
+    usual_mode,
+    write_failure,
+)
 from ..errors import InputError
 
 STAGING_NAME = "oscar-export"  # inside an existing --out, staging folders are named `.oscar-export.<host>-<pid>.…`

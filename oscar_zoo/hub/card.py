@@ -10,9 +10,9 @@ import html
 import json
 import re
 
+from ..evaluation.report import describe_thresholds
 from ..manifest import Manifest
 from ..runtime import layout
-from ..evaluation.report import describe_thresholds
 from .zoo import ZooIndex, format_value, non_default_gate, parse_report, verification_rows, verification_summary
 
 TAGS = ["oscar-zoo", "kv-cache", "quantization", "int2", "rotation"]

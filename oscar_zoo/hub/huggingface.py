@@ -186,7 +186,8 @@ class HuggingFaceHub:
         except e.LocalEntryNotFoundError as exc:
             raise HubError(f"{where}: the hub cannot be reached and the file is not cached "
                            f"({self._clean(first_line(str(exc)))})",
-                           "check the network or HF_ENDPOINT; offline, only files pulled before are available") from None
+                           "check the network or HF_ENDPOINT; offline, only files pulled before are "
+                           "available") from None
         except e.HfHubHTTPError as exc:
             status = exc.response.status_code if exc.response is not None else None
             detail = self._clean(first_line(getattr(exc, "server_message", None) or str(exc)))

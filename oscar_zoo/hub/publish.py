@@ -16,8 +16,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..artifacts import (atomic_write_text, check_destination, check_file, check_files, load_artifacts,
-                         remove_stale_staging, rotations_size_range, sha256_file, staging_folder, swap_into_place)
+from ..artifacts import (
+    atomic_write_text,
+    check_destination,
+    check_file,
+    check_files,
+    load_artifacts,
+    remove_stale_staging,
+    rotations_size_range,
+    sha256_file,
+    staging_folder,
+    swap_into_place,
+)
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
 from ..manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, Manifest
 from .base import HUBS, SUBFOLDER_RULE, HubClient, is_plain_subfolder, split_repo_path

@@ -11,8 +11,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import IntegrityError
-from ..evaluation.report import (DEFAULT_MIN_NEEDLE_ACCURACY, DEFAULT_THRESHOLDS, VerifyReport, check_thresholds,
-                                 describe_thresholds)
+from ..evaluation.report import (
+    DEFAULT_MIN_NEEDLE_ACCURACY,
+    DEFAULT_THRESHOLDS,
+    VerifyReport,
+    check_thresholds,
+    describe_thresholds,
+)
 from ..manifest import Manifest, _one_line, canonical_json, load_json
 from .base import check_subfolder
 
@@ -123,7 +128,8 @@ def parse_report(report: dict[str, Any] | None) -> tuple[VerifyReport | None, st
 
 def report_verdict(report: VerifyReport) -> list[str]:
     """Re-check a report from its own numbers: the thresholds it states against its artifact row's metrics, and its
-    needle grid's pass rule. Returns the failures (empty: it passes); a report without exactly one artifact row fails."""
+    needle grid's pass rule. Returns the failures (empty: it passes); a report without exactly one artifact row
+    fails."""
     artifacts = [m for m in report.methods if m.kind == "artifact"]
     if len(artifacts) != 1:
         return [f"the report has {len(artifacts)} artifact rows, not 1"]

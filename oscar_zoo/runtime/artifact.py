@@ -23,7 +23,7 @@ from .validate import MEAN_NAMES, TENSOR_NAMES, check_rotation_tensors, check_te
 SCHEMA_VERSION = 4  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
 # quant.key_bits (per layer: 2- or 3-bit history keys); 4 adds quant.pin (history tokens a prompt pins in BF16)
 READ_VERSIONS = (1, 2, 3, 4)  # what it reads: a version-1 manifest is an uncentred artifact and versions 1–2 have 2-bit
-# keys everywhere, loaded exactly as before
+# keys everywhere (each read as the version that wrote it)
 MANIFEST_NAME = "manifest.json"
 ROTATIONS_NAME = "rotations.safetensors"
 ARTIFACT_FILES = (ROTATIONS_NAME,)  # the files a manifest may list: the format has no others (the model card that push

@@ -24,7 +24,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import compiled, layout, ops, reference, rotate_op
-from .cache import OscarCache
+from .cache import CACHE_ARGS, OscarCache
+from .graph import install
 
 ATTN_IMPLEMENTATION = "oscar"
 
@@ -161,8 +162,9 @@ def fold_value_rotation(model: torch.nn.Module, cache: OscarCache) -> int:
     v_proj become M_hᵀ·W_h (bias b_h·M_h), and the input columns of query head j in o_proj become W_o,j·M_h(j), so
     the cache rotates no value and the attention un-rotates no output. Exact in real arithmetic; computed in float64
     and stored in the weights' dtype. The model then gives the same outputs with no cache or a BF16 one; `cache` (and
-    any OscarCache with the same rotations) skips the two steps, and an OscarCache of other rotations is refused. Returns the number of layers folded. Needs `enable_oscar`
-    first and plain nn.Linear v_proj/o_proj (Llama, Mistral, Qwen2/3, Gemma); refuses a model folded already."""
+    any OscarCache with the same rotations) skips the two steps, and an OscarCache of other rotations is refused.
+    Returns the number of layers folded. Needs `enable_oscar` first and plain nn.Linear v_proj/o_proj (Llama, Mistral,
+    Qwen2/3, Gemma); refuses a model folded already."""
     folded = 0
     for module in _attention_modules(model):
         layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
@@ -222,9 +224,6 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, oscar_mask)
 
 
-CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cache argument of an attention module
-
-
 def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook of an attention module: pass the OscarCache it is called with on to the attention function.
     (Not while a compiled step traces: its custom op binds, in the step.)"""
@@ -260,8 +259,6 @@ def enable_oscar(model: torch.nn.Module, compile: bool = True) -> torch.nn.Modul
     one the model runs exact. On a GPU, generate() then replays single-token decode steps as CUDA graphs (graph.py),
     whose decoder layers are compiled by inductor around the OSCAR work (compiled.py; the first step compiles, once
     per batch shape); `compile=False` captures the eager layers instead."""
-    from .graph import install
-
     register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for module in _attention_modules(model):

@@ -27,6 +27,7 @@ from .pinning import PinnedTokens
 from .rotation import Rotation, fingerprint
 from .validate import check_mean
 
+CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cache argument of a model or its attention
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
 
@@ -142,7 +143,8 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
         self.storage_version = next(_STORAGE_IDS)
 
     def _like(self, name: str, t: Tensor, T_cap: int) -> Tensor:
-        """Zeroed storage for tier `name` shaped as t with T_cap tokens, in the tier's layout (V's codes token-major)."""
+        """Zeroed storage for tier `name` shaped as t with T_cap tokens, in the tier's layout (V's codes
+        token-major)."""
         if self.quantize and name == "hist_v":
             D = t.shape[3] * layout.CODES_PER_BYTE
             return layout.history_codes(t.shape[0], t.shape[1], T_cap, D, t.device, tokens_contiguous=True)
@@ -221,8 +223,8 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
         pending, self.pending = self.pending, None
         if pending is None:
             raise RuntimeError(
-                f"OscarCache layer {self.layer_idx} was not updated before its attention ran: the cache's layers do not "
-                f"match the model's (build the cache for this model, one entry per attention layer, in model order)"
+                f"OscarCache layer {self.layer_idx} was not updated before its attention ran: the cache's layers do "
+                f"not match the model's (build the cache for this model, one entry per attention layer, in model order)"
             )
         if key is not pending.key:
             raise RuntimeError(
@@ -256,8 +258,10 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
         self._ensure_history(self.n_hist + F)  # eager only: a captured step has its capacity reserved beforehand
         rows = self.hist_len[:1].long() + torch.arange(F, device=self.device)  # [F] history rows written
         rot = self.rotation
-        for tier, hist, sz, clip, min_clip in ((self.recent_k, self.hist_k, self.sz_k, rot.k_clip, rot.k_min_clip),
-                                               (self.recent_v, self.hist_v, self.sz_v, rot.v_clip, rot.v_min_clip)):  # fmt: skip
+        for tier, hist, sz, clip, min_clip in (
+            (self.recent_k, self.hist_k, self.sz_k, rot.k_clip, rot.k_min_clip),
+            (self.recent_v, self.hist_v, self.sz_v, rot.v_clip, rot.v_min_clip),
+        ):  # fmt: skip
             if self.quantize:
                 bits = rot.k_bits if hist is self.hist_k else layout.BITS
                 codes, scale_zero = ops.quantize_pack(tier[:, :, :F], clip, self.group_size, min_ratio=min_clip,
@@ -470,7 +474,8 @@ class OscarCache(Cache):
             means.append(mean)
         key_bits = [layout.BITS] * L if key_bits is None else [int(b) for b in key_bits]
         if len(key_bits) != L or any(b not in layout.KEY_BITS for b in key_bits):
-            raise ValueError(f"key_bits must be {L} entries of {' or '.join(map(str, layout.KEY_BITS))}, got {key_bits}")
+            choices = " or ".join(map(str, layout.KEY_BITS))
+            raise ValueError(f"key_bits must be {L} entries of {choices}, got {key_bits}")
         ids = [int(i) for i in (range(L) if layer_ids is None else torch.as_tensor(layer_ids).flatten().tolist())]
         if len(ids) != L or len(set(ids)) != L or min(ids) < 0:
             raise ValueError(f"layer_ids must be {L} distinct non-negative model layer indices, got {ids}")
@@ -505,7 +510,7 @@ class OscarCache(Cache):
         layer_ids; k/v_mean in centred folders) against the format and the manifest, every value (finite, orthogonal,
         clips in (0, 1]), and manifest.json's quant.{group_size, sink, recent, flush, pin, key_bits}; keyword overrides
         win. Anything it refuses raises `artifact.ArtifactError` (a ValueError) with the message the CLI prints. A
-        folder without manifest.json is read as before: the tensors' values checked, layout defaults. The model match
+        folder without manifest.json is read with the tensors' values checked and the layout defaults. The model match
         is `oscar_zoo.artifacts`'s."""
         art = read_artifact(path)
         t, settings = art.tensors, {**art.settings, **overrides}

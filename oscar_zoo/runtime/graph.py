@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from .attention import CACHE_ARGS
+from .cache import CACHE_ARGS
 from .compiled import CompiledLayers
 
 _STATIC_INPUTS = ("input_ids", "position_ids", "cache_position")  # tensors copied into the graph's inputs per step

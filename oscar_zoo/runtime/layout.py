@@ -37,10 +37,11 @@ MAX_WINDOW = 1 << 20  # sink, recent and flush are each at most this many tokens
 DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92
 
-# Scale floor (docs/format.md §6). The plain rule is scale = max(max − min, 1e-8) / 3. With float16 storage that breaks on (near-)constant rows:
-# a tiny scale underflows to 0 and zero = −min/scale overflows to inf. We floor the range at amax·2^-12 (so |zero| ≤
-# 3·2^12, exactly representable magnitude in float16) and at 3·2^-14 (so scale is a normal float16). Rows whose range is
-# above both floors — every row of real K/V data we have seen — quantize exactly by the plain rule.
+# Scale floor (docs/format.md §6). The plain rule is scale = max(max − min, 1e-8) / 3. With float16 storage that breaks
+# on (near-)constant rows: a tiny scale underflows to 0 and zero = −min/scale overflows to inf. We floor the range at
+# amax·2^-12 (so |zero| ≤ 3·2^12, exactly representable magnitude in float16) and at 3·2^-14 (so scale is a normal
+# float16). Rows whose range is above both floors — every row of real K/V data we have seen — quantize exactly by the
+# plain rule.
 RANGE_REL_FLOOR = 2.0**-12
 RANGE_ABS_FLOOR = 3 * 2.0**-14
 
@@ -84,9 +85,10 @@ def check_bits(bits: int) -> int:
 def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_contiguous: bool = False,
                   bits: int = BITS) -> torch.Tensor:
     """A zeroed history [B, H, T_cap, packed_dim(D, bits)]. tokens_contiguous (the cache's V codes, INT2 only):
-    stored as [B, H, D/4, T_cap] and returned as its transposed view, so each packed column of consecutive tokens is contiguous. The decode kernel
-    contracts P·V over tokens with the codes as the tensor-core operand whose reduction axis is then contiguous in
-    memory, as K's is (bytes of consecutive dims): no byte gathers. Readers index the view; only strides differ."""
+    stored as [B, H, D/4, T_cap] and returned as its transposed view, so each packed column of consecutive tokens is
+    contiguous. The decode kernel contracts P·V over tokens with the codes as the tensor-core operand whose reduction
+    axis is then contiguous in memory, as K's is (bytes of consecutive dims): no byte gathers. Readers index the view;
+    only strides differ."""
     if tokens_contiguous:
         return torch.zeros(B, H, packed_dim(head_dim), T_cap, dtype=CODE_DTYPE, device=device).transpose(2, 3)
     return torch.zeros(B, H, T_cap, packed_dim(head_dim, bits), dtype=CODE_DTYPE, device=device)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import layout, reference
+from .checks import check, codes_key_bits, validate_bf16, validate_int2
 
 LOG2E = 1.4426950408889634
 
@@ -27,15 +28,15 @@ class DecodeConfig:
     block_n: int  # INT2 history tokens per tile (the MMA rows of the score dot)
     warps: int
     stages: int  # software-pipeline depth of the history loop
-    programs_per_sm: int  # split-K: at most this many INT2 (batch, KV head, split) programs per SM (those resident at once)
+    programs_per_sm: int  # split-K: at most this many INT2 (batch, KV head, split) programs per SM (resident at once)
     maxnreg: int | None  # register cap (None: the compiler's choice)
     # online softmax: 0 rescales the running sums whenever a maximum grows; s > 0 keeps a stale maximum until one grows
     # by more than s (log2 units), so most tiles skip the rescale (the partial sums stay ≤ 2^s times larger)
     rescale_slack: float = 8.0
 
 
-# Chosen on an H200 with `bench_decode.py --sweep` (benchmarks/RESULTS.md, "Decode kernel v3"; rescale_slack with
-# `--sweep-variants`, "Decode kernel v3.1"; d = 128's 64-token tile in "Decode kernel v4"). programs_per_sm must not
+# Chosen on an H200 with `bench_decode.py --sweep` (rescale_slack with `--sweep-variants`); the measurements behind
+# each setting, d = 128's 64-token tile included, are in benchmarks/RESULTS.md. programs_per_sm must not
 # exceed what fits an SM (registers, shared memory); tests/runtime/test_kernel_compiles.py checks it for GQA and
 # multi-head shapes at d = 64, 128 and 256. Larger head dims use the d = 128 settings.
 DECODE_CONFIGS = {64: DecodeConfig(64, 1, 3, 12, 168), 128: DecodeConfig(64, 1, 3, 8, None)}
@@ -111,7 +112,8 @@ def decode_config(D: int) -> DecodeConfig:
 def _programs_target(device: torch.device, D: int) -> int:
     if device.type != "cuda":
         return 8  # interpreter: a few splits suffice to exercise the split logic
-    return decode_config(D).programs_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return decode_config(D).programs_per_sm * _sm_count(index)
 
 
 def _group_block(group: int) -> int:
@@ -120,8 +122,8 @@ def _group_block(group: int) -> int:
 
 
 def _warps(group: int, D: int) -> int:
-    """Warps per program: the head dim's setting, and one more warp per 16 query heads of a large GQA group (a group of
-    64 kept its [64, D] fp32 accumulator in one warp's registers and spilled 5 KB per thread)."""
+    """Warps per program: the head dim's setting, and one more warp per 16 query heads of a large GQA group (in one
+    warp, a group of 64 keeps its [64, D] fp32 accumulator in that warp's registers and spills 5 KB per thread)."""
     return max(decode_config(D).warps, _group_block(group) // 16)
 
 
@@ -129,33 +131,12 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# ------------------------------------------------------------------------------------------------------ validation
+# -------------------------------------------------------------------------------------------------------- buffers
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """Every buffer a kernel writes (tests replace this to poison outputs before the kernels run)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _check(cond: bool, msg) -> None:
-    """Raise ValueError(msg) unless cond; `msg` may be a callable, so hot paths do not format messages that pass."""
-    if not cond:
-        raise ValueError(msg() if callable(msg) else msg)
-
-
-def _check_tensor(name: str, t: Tensor, dims: int, dtype: torch.dtype | None = None) -> None:
-    _check(isinstance(t, Tensor), lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _check(t.dim() == dims, lambda: f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
-    if dtype is not None:
-        _check(t.dtype == dtype, lambda: f"{name} must be {dtype}, got {t.dtype}")
-
-
-def _check_lengths(name: str, t: Tensor, B: int, device: torch.device) -> Tensor:
-    _check(isinstance(t, Tensor), lambda: f"{name} must be an integer tensor [B], got {type(t).__name__}")
-    _check(t.shape == (B,), lambda: f"{name} must have shape [B] = [{B}], got {tuple(t.shape)}")
-    _check(not t.is_floating_point() and t.dtype != torch.bool, lambda: f"{name} must be an integer tensor, got {t.dtype}")
-    _check(t.device == device, lambda: f"{name} is on {t.device}, expected {device} (the device of q)")
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
 def _last_contiguous(t: Tensor, inner: int) -> Tensor:
@@ -198,21 +179,22 @@ def quantize_pack(
     in the tensor is ≥ it; it lets the kernel take the top-8 or top-16 build instead of the per-row dispatch (fewer
     registers). A bound above a ratio gives wrong codes for that row: pass it only for tensors that do not change
     (`Rotation.k_min_clip`)."""
-    _check(isinstance(x, Tensor) and x.is_floating_point(), "x must be a floating-point tensor [..., D]")
-    _check(x.dim() >= 1, "x must have at least one dim")
+    check(isinstance(x, Tensor) and x.is_floating_point(), "x must be a floating-point tensor [..., D]")
+    check(x.dim() >= 1, "x must have at least one dim")
     D = x.shape[-1]
     G = layout.resolve_group_size(D, group_size)
     bits = layout.check_bits(bits)
-    _check(bits == 2 or D % 8 == 0, lambda: f"3-bit codes need a head dim that is a multiple of 8, got {D}")
+    check(bits == 2 or D % 8 == 0, lambda: f"3-bit codes need a head dim that is a multiple of 8, got {D}")
     if rotation is not None:
-        _check(isinstance(rotation, Tensor), lambda: f"rotation must be a tensor [H_kv, D, D] or [D, D], got {type(rotation)}")
-        _check(
+        check(isinstance(rotation, Tensor),
+              lambda: f"rotation must be a tensor [H_kv, D, D] or [D, D], got {type(rotation)}")
+        check(
             rotation.dim() in (2, 3) and rotation.shape[-2:] == (D, D),
             lambda: f"rotation must be [H_kv, {D}, {D}] or [{D}, {D}], got {tuple(rotation.shape)}",
         )
-        _check(rotation.device == x.device, lambda: f"rotation is on {rotation.device}, x on {x.device}")
+        check(rotation.device == x.device, lambda: f"rotation is on {rotation.device}, x on {x.device}")
         if rotation.dim() == 3:
-            _check(
+            check(
                 x.dim() >= 3 and x.shape[-3] == rotation.shape[0],
                 lambda: f"rotation has {rotation.shape[0]} heads but x {tuple(x.shape)} has no matching head dim (-3)",
             )
@@ -224,7 +206,7 @@ def quantize_pack(
     x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
     x4 = _last_contiguous(x4, 1)
     B, H, T, _ = x4.shape
-    _check(rotation is not None or B * H * T < 2**31, lambda: f"{B * H * T} rows exceed the kernel's int32 row index")
+    check(rotation is not None or B * H * T < 2**31, lambda: f"{B * H * T} rows exceed the kernel's int32 row index")
     # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch); a float ratio goes
     # the same way through a cached device scalar. A host bound on the clipped count m picks one of three builds: the
     # top-8 or top-16 path alone, or the per-row dispatch (whose general path holds 255 registers; the two others 167)
@@ -251,7 +233,7 @@ def quantize_pack(
     rot = rotation.contiguous() if rotate else x4  # dummy pointer when not rotating
     stride_rh = (rot.stride(0) if rot.dim() == 3 else 0) if rotate else 0
     x_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(x.dtype)
-    _check(x_dtype is not None, lambda: f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    check(x_dtype is not None, lambda: f"x must be bfloat16, float16 or float32, got {x.dtype}")
     warps = 8 if rotate else QUANT_WARPS
     block_t = 16 if rotate else 32 * QUANT_WARPS  # one row per thread
     grid = (triton.cdiv(T, block_t), B * H) if rotate else (triton.cdiv(B * H * T, block_t),)
@@ -260,7 +242,8 @@ def quantize_pack(
         B * H * T, H, T,
         x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r3.stride(),
         D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
-        MAX_M=max_m, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32, REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
+        MAX_M=max_m, NET16=QUANT_ASM and not _interpret() and x.dtype != torch.float32,
+        REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
         C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2], BITS=bits,
         num_warps=warps,
     )  # fmt: skip
@@ -283,24 +266,6 @@ def _max_m_build(D: int, min_ratio: float | None) -> int:
 # ------------------------------------------------------------------------------------------------- decode attention
 
 
-def _check_q(q: Tensor) -> tuple[int, int, int]:
-    _check_tensor("q", q, 3)
-    _check(q.dtype in (torch.bfloat16, torch.float16, torch.float32), lambda: f"q must be bf16/fp16/fp32, got {q.dtype}")
-    return tuple(q.shape)
-
-
-def _check_kv(name: str, t: Tensor, q: Tensor, last: tuple[int, ...], dtype: torch.dtype) -> int:
-    """t [B, H_kv, T, *last]; returns H_kv."""
-    B = q.shape[0]
-    _check_tensor(name, t, 3 + len(last), dtype)
-    _check(t.device == q.device, lambda: f"{name} is on {t.device}, expected {q.device} (the device of q)")
-    _check(t.shape[0] == B, lambda: f"{name} has batch {t.shape[0]}, q has {B}")
-    _check(tuple(t.shape[3:]) == last, lambda: f"{name} must end in {last}, got shape {tuple(t.shape)}")
-    H_kv = t.shape[1]
-    _check(H_kv > 0 and q.shape[1] % H_kv == 0, lambda: f"{name} has {H_kv} KV heads; H_q = {q.shape[1]} must be a multiple")
-    return H_kv
-
-
 def _block_n(device: torch.device, D: int | None, G: int | None = None) -> int:
     """Tokens per tile: of the INT2 history for head dim D (scale groups of G dims), of the BF16 tiers for D = None."""
     if device.type != "cuda":
@@ -317,9 +282,10 @@ def gpu_block_n(D: int | None, G: int | None = None) -> int:
     return min(n, 32) if G is not None and G < D else n
 
 
-def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torch.device, num_splits: int | None) -> int:
+def _int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torch.device,
+                 num_splits: int | None) -> int:
     if num_splits is not None:
-        _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
+        check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
     programs = B * H_kv
     # rounded down: the INT2 programs of one launch fit the SMs at once (the few short BF16-tier programs of the same
@@ -351,7 +317,7 @@ def _strides(t: Tensor, n: int) -> tuple[int, ...]:
 def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0):
     """The one decode launch: `s_sink` splits over sink = (k, v, len), `s_hist` over hist = (codes_k, sz_k, codes_v,
     sz_v, len), `s_recent` over recent = (k, v, len), into o [B, H_q, S, D] / lse [B, H_q, S] (S = the sum).
-    An absent tier gets 0 splits and placeholders. codes_k's width says its keys' bits (`_key_bits`)."""
+    An absent tier gets 0 splits and placeholders. codes_k's width says its keys' bits (`codes_key_bits`)."""
     decode = _kernels()[1]
     B, H_q, D = q.shape
     dev = q.device
@@ -364,7 +330,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         ck = _last_contiguous(ck, 1)
         cv = cv if 1 in cv.stride()[2:] else cv.contiguous()  # token-major (the cache's) or dims-major
         szk, szv = _pairs_as_words(_last_contiguous(szk, 2)), _pairs_as_words(_last_contiguous(szv, 2))
-        H_kv, G, key_bits = ck.shape[1], D // szk.shape[-2], _key_bits(ck, D)
+        H_kv, G, key_bits = ck.shape[1], D // szk.shape[-2], codes_key_bits(ck, D)
         if key_bits == 3 and any(st % 8 for n, st in zip(ck.shape[:3], ck.stride()[:3]) if n > 1):
             ck = ck.contiguous()  # the kernel reads 3-bit rows (3D/8 bytes) with strides that are multiples of 8
     else:
@@ -377,52 +343,17 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     group = H_q // H_kv
     cfg, pdl = decode_config(D), _pdl(q)
     grid = (B * H_kv, s_sink + s_hist + s_recent)
-    decode._decode_kernel[grid](
-        q, sink[0], sink[1], sink[2], ck, szk, cv, szv, hlen, recent[0], recent[1], recent[2], o, lse,
-        H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E,
-        q.stride(0), q.stride(1),
-        *_strides(sink[0], 3), *_strides(sink[1], 3),
-        *_strides(ck, 3), *_strides(szk, 3),
-        *_strides(cv, 4), *_strides(szv, 3),
-        *_strides(recent[0], 3), *_strides(recent[1], 3),
-        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D, G),
-        BLOCK_NB=_block_n(dev, None), DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK,
-        STAGES=cfg.stages, SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, num_warps=_warps(group, D),
-        maxnreg=cfg.maxnreg, launch_pdl=pdl,
-    )  # fmt: skip
-
-
-def _key_bits(codes_k: Tensor, D: int) -> int:
-    """The bits of a history's key codes from their packed width: D/4 bytes → 2, 3D/8 (`layout.packed_dim`) → 3."""
-    width = codes_k.shape[-1]
-    if width == layout.packed_dim(D):
-        return layout.BITS
-    _check(D % 8 == 0 and width == layout.packed_dim(D, 3),
-           lambda: f"codes_k must end in {layout.packed_dim(D)} (2-bit keys)"
-           + (f" or {layout.packed_dim(D, 3)} (3-bit keys)" if D % 8 == 0 else "")
-           + f" bytes for head dim {D}, got shape {tuple(codes_k.shape)}")  # fmt: skip
-    return 3
-
-
-def _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len):
-    """Checks the history tier; returns H_kv, the group size G, hist_len as int32 and the keys' bits (2 or 3)."""
-    B, H_q, D = _check_q(q)
-    _check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
-    _check_tensor("codes_k", codes_k, 4, layout.CODE_DTYPE)
-    key_bits = _key_bits(codes_k, D)
-    H_kv = _check_kv("codes_k", codes_k, q, (layout.packed_dim(D, key_bits),), layout.CODE_DTYPE)
-    _check_kv("codes_v", codes_v, q, (D // 4,), layout.CODE_DTYPE)
-    _check(codes_v.shape[:3] == codes_k.shape[:3],
-           lambda: f"codes_v {tuple(codes_v.shape)} does not match codes_k {tuple(codes_k.shape)}")  # fmt: skip
-    _check_tensor("scale_zero_k", scale_zero_k, 5, layout.SCALE_DTYPE)
-    NG = scale_zero_k.shape[-2]
-    _check(NG > 0 and D % NG == 0, lambda: f"scale_zero_k has {NG} groups, which does not divide head dim {D}")
-    for name, sz in (("scale_zero_k", scale_zero_k), ("scale_zero_v", scale_zero_v)):
-        _check_kv(name, sz, q, (NG, 2), layout.SCALE_DTYPE)
-        _check(sz.shape[:3] == codes_k.shape[:3], lambda: f"{name} {tuple(sz.shape)} does not match codes {tuple(codes_k.shape)}")
-    hist_len = _check_lengths("hist_len", hist_len, B, q.device)
-    return H_kv, D // NG, hist_len, key_bits
+    # the kernel's arguments in its order: pointers, sizes, strides (positional), then its constexprs
+    pointers = (q, *sink, ck, szk, cv, szv, hlen, *recent, o, lse)
+    sizes = (H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E)
+    strides = (*q.stride()[:2], *_strides(sink[0], 3), *_strides(sink[1], 3), *_strides(ck, 3), *_strides(szk, 3),
+               *_strides(cv, 4), *_strides(szv, 3), *_strides(recent[0], 3), *_strides(recent[1], 3),
+               *o.stride()[:3], *lse.stride()[:2])  # fmt: skip
+    constexprs = dict(D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D, G), BLOCK_NB=_block_n(dev, None),
+                      DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK, STAGES=cfg.stages,
+                      SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits)  # fmt: skip
+    decode._decode_kernel[grid](*pointers, *sizes, *strides, **constexprs, num_warps=_warps(group, D),
+                                maxnreg=cfg.maxnreg, launch_pdl=pdl)
 
 
 def decode_int2_partial(
@@ -438,7 +369,7 @@ def decode_int2_partial(
     """Split-K attention over the INT2 history: partial o fp32 [B, H_q, S, D] and lse fp32 [B, H_q, S] (normalised
     per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`. `codes_k` [..., D/4] holds
     2-bit keys, [..., 3D/8] 3-bit keys (`layout.packed_dim`); values are 2-bit."""
-    H_kv, G, hist_len, key_bits = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
+    H_kv, G, hist_len, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
     B, H_q, D = q.shape
     S = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, num_splits)
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
@@ -460,22 +391,6 @@ def _int2_partial_ref(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, S, ke
     return o, lse
 
 
-def _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len):
-    B, H_q, D = _check_q(q)
-    H_kv = None
-    for name, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
-        _check_tensor(name, t, 4)
-        _check(t.is_floating_point(), lambda: f"{name} must be a floating-point tier (bf16), got {t.dtype}")
-        h = _check_kv(name, t, q, (D,), t.dtype)
-        _check(H_kv is None or h == H_kv, lambda: f"{name} has {h} KV heads, the other tiers {H_kv}")
-        H_kv = h
-    dtypes = {t.dtype for t in (sink_k, sink_v, recent_k, recent_v)}
-    _check(len(dtypes) == 1, lambda: f"sink and recent tiers must share one dtype (bf16), got {sorted(map(str, dtypes))}")
-    _check(sink_v.shape == sink_k.shape, lambda: f"sink_v {tuple(sink_v.shape)} != sink_k {tuple(sink_k.shape)}")
-    _check(recent_v.shape == recent_k.shape, lambda: f"recent_v {tuple(recent_v.shape)} != recent_k {tuple(recent_k.shape)}")
-    return _check_lengths("sink_len", sink_len, B, q.device), _check_lengths("recent_len", recent_len, B, q.device)
-
-
 def decode_bf16_partial(
     q: Tensor,
     sink_k: Tensor,
@@ -490,7 +405,7 @@ def decode_bf16_partial(
     """Split-K attention over the BF16 sink and recent tiers in one launch: partial o fp32 [B, H_q, S, D] and lse
     [B, H_q, S], the sink's splits first. The recent tier is split per tile of tokens, or into `num_splits` parts
     (several tiles each: fewer partials to merge when the tier is long)."""
-    sink_len, recent_len = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
+    sink_len, recent_len = validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
     B, H_q, D = q.shape
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         parts = [
@@ -500,7 +415,7 @@ def decode_bf16_partial(
         return torch.stack([p[0] for p in parts], 2), torch.stack([p[1] for p in parts], 2)
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], q.device), _bf16_splits(recent_k.shape[2], q.device)
     if num_splits is not None:
-        _check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
+        check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         s_recent = int(num_splits)
     o = _alloc((B, H_q, s_sink + s_recent, D), torch.float32, q.device)
     lse = _alloc((B, H_q, s_sink + s_recent), torch.float32, q.device)
@@ -512,9 +427,10 @@ def decode_bf16_partial(
 def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """Exact softmax merge of partials: o [..., S, D], lse [..., S] → o fp32 [..., D], lse fp32 [...]; same contract as
     `reference.merge_partials_ref` (empty partials contribute nothing; all-empty gives o = 0, lse = −inf)."""
-    _check(isinstance(o, Tensor) and isinstance(lse, Tensor), "o and lse must be tensors")
-    _check(o.dim() >= 2 and lse.shape == o.shape[:-1], lambda: f"lse {tuple(lse.shape)} must equal o's {tuple(o.shape)}[:-1]")
-    _check(o.device == lse.device, lambda: f"o is on {o.device}, lse on {lse.device}")
+    check(isinstance(o, Tensor) and isinstance(lse, Tensor), "o and lse must be tensors")
+    check(o.dim() >= 2 and lse.shape == o.shape[:-1],
+          lambda: f"lse {tuple(lse.shape)} must equal o's {tuple(o.shape)}[:-1]")
+    check(o.device == lse.device, lambda: f"o is on {o.device}, lse on {lse.device}")
     S, D = o.shape[-2], o.shape[-1]
     if not (_use_kernel(o) and layout.is_power_of_two(D) and S > 0):
         return reference.merge_partials_ref(o, lse)
@@ -531,7 +447,8 @@ def merge_partials(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     return out.reshape(*lead, D), out_lse.reshape(lead)
 
 
-def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor, mean: Tensor | None = None, H_q: int = 1) -> None:
+def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor, mean: Tensor | None = None,
+                  H_q: int = 1) -> None:
     """Merge [N, S, D] partials into out [N, D] (its dtype: float32, or the model's, rounded once) and out_lse [N];
     `mean` [H_mu, D] float32 is added to row n (query head n % H_q, served by head (n % H_q) // (H_q / H_mu))."""
     merge = _kernels()[2]
@@ -571,13 +488,13 @@ def tiered_decode_attention(
     Two launches: the split-K decode kernel over all three tiers, then the merge; lengths are read on the device (no
     host sync). The merge also finishes the output: `v_mean` [H_q, D] or [1, D] (the centred codec's μ_V·M_V per query
     head, `reference.add_value_mean`) is added in float32, and o is rounded once to `out_dtype`."""
-    H_kv, G, hist_len_i, key_bits = _validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
-    sink_len_i, recent_len_i = _validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
-    _check(sink_k.shape[1] == H_kv, lambda: f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
+    H_kv, G, hist_len_i, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
+    sink_len_i, recent_len_i = validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
+    check(sink_k.shape[1] == H_kv, lambda: f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
     B, H_q, D = q.shape
     if v_mean is not None:
-        _check(isinstance(v_mean, Tensor) and v_mean.shape in ((H_q, D), (1, D)) and v_mean.device == q.device,
-               lambda: f"v_mean must be [{H_q}, {D}] or [1, {D}] on {q.device}, got {tuple(v_mean.shape)}")  # fmt: skip
+        check(isinstance(v_mean, Tensor) and v_mean.shape in ((H_q, D), (1, D)) and v_mean.device == q.device,
+              lambda: f"v_mean must be [{H_q}, {D}] or [1, {D}] on {q.device}, got {tuple(v_mean.shape)}")  # fmt: skip
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         o, lse = reference.tiered_decode_attention_ref(
             q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,

@@ -368,8 +368,9 @@ def tiered_decode_attention_ref(
 
 
 def full_precision_mask(T: int, sink: int = layout.SINK, recent: int = layout.RECENT, device=None) -> Tensor:
-    """Teacher-forcing windows [T, T] bool: query i reads key j (j ≤ i) at full precision iff j < sink or j > i − recent,
-    exactly as a cache that holds the sink and the last `recent` positions in BF16 presents them."""
+    """Teacher-forcing windows [T, T] bool: query i reads key j (j ≤ i) at full precision
+    iff j < sink or j > i − recent, exactly as a cache that holds the sink and the last `recent` positions in BF16
+    presents them."""
     i = torch.arange(T, device=device)[:, None]
     j = torch.arange(T, device=device)[None, :]
     return (j < sink) | (j > i - recent)

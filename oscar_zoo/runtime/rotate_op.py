@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from . import layout, ops, reference
+from .checks import check, check_tensor
 
 ROTATE_ROWS = 8  # rows (batch entries) of one head a program serves with the block of M it loaded
 ROTATE_BLOCK_E = 32  # output columns per program: M is read in [D, ROTATE_BLOCK_E] blocks, once per ROTATE_ROWS rows
@@ -25,28 +26,28 @@ def rotate_rows(
     consecutive heads; either may be None). With `dest` [B, H, T, D] and `slot` (an integer tensor, read on the
     device) the rows are also written to dest[:, :, slot[0]] in dest's dtype. With neither M nor mean_rot and
     out_dtype = x's dtype the result is x itself (only the write runs)."""
-    ops._check_tensor("x", x, 3)
-    ops._check(x.is_floating_point(), lambda: f"x must be floating point, got {x.dtype}")
+    check_tensor("x", x, 3)
+    check(x.is_floating_point(), lambda: f"x must be floating point, got {x.dtype}")
     B, H, D = x.shape
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if M is not None:
-        ops._check(isinstance(M, Tensor) and M.dim() in (2, 3) and M.shape[-2:] == (D, D),
-               lambda: f"M must be [H_M, {D}, {D}] or [{D}, {D}], got {tuple(getattr(M, 'shape', ()))}")  # fmt: skip
+        check(isinstance(M, Tensor) and M.dim() in (2, 3) and M.shape[-2:] == (D, D),
+              lambda: f"M must be [H_M, {D}, {D}] or [{D}, {D}], got {tuple(getattr(M, 'shape', ()))}")  # fmt: skip
         M = M.reshape(-1, D, D)
-        ops._check(H % M.shape[0] == 0,
-                   lambda: f"M has {M.shape[0]} heads, which does not divide the {H} heads of x")
-        ops._check(M.device == x.device, lambda: f"M is on {M.device}, x on {x.device}")
+        check(H % M.shape[0] == 0,
+              lambda: f"M has {M.shape[0]} heads, which does not divide the {H} heads of x")
+        check(M.device == x.device, lambda: f"M is on {M.device}, x on {x.device}")
     if mean_rot is not None:
-        ops._check(isinstance(mean_rot, Tensor) and mean_rot.dim() == 2 and mean_rot.shape[1] == D
-               and H % mean_rot.shape[0] == 0,
-               lambda: f"mean_rot must be [H_mu, {D}] with H_mu dividing {H}, got {tuple(mean_rot.shape)}")  # fmt: skip
-        ops._check(mean_rot.device == x.device, lambda: f"mean_rot is on {mean_rot.device}, x on {x.device}")
+        check(isinstance(mean_rot, Tensor) and mean_rot.dim() == 2 and mean_rot.shape[1] == D
+              and H % mean_rot.shape[0] == 0,
+              lambda: f"mean_rot must be [H_mu, {D}] with H_mu dividing {H}, got {tuple(mean_rot.shape)}")  # fmt: skip
+        check(mean_rot.device == x.device, lambda: f"mean_rot is on {mean_rot.device}, x on {x.device}")
     if dest is not None:
-        ops._check_tensor("dest", dest, 4)
-        ops._check(dest.shape[:2] == (B, H) and dest.shape[3] == D and dest.device == x.device,
-               lambda: f"dest must be [{B}, {H}, T, {D}] on {x.device}, got {tuple(dest.shape)} on {dest.device}")
-        ops._check(isinstance(slot, Tensor) and slot.numel() >= 1 and not slot.is_floating_point()
-               and slot.device == x.device, "slot must be an integer tensor on x's device")  # fmt: skip
+        check_tensor("dest", dest, 4)
+        check(dest.shape[:2] == (B, H) and dest.shape[3] == D and dest.device == x.device,
+              lambda: f"dest must be [{B}, {H}, T, {D}] on {x.device}, got {tuple(dest.shape)} on {dest.device}")
+        check(isinstance(slot, Tensor) and slot.numel() >= 1 and not slot.is_floating_point()
+              and slot.device == x.device, "slot must be an integer tensor on x's device")  # fmt: skip
     identity = M is None and mean_rot is None and out_dtype == x.dtype
     if not (ops._use_kernel(x) and layout.is_power_of_two(D) and D >= 16 and B > 0):
         y = x if identity else reference.rotate_rows_ref(x, M, mean_rot, out_dtype)

@@ -1,4 +1,5 @@
-"""One layer's fixed OSCAR tensors as `OscarCache` holds them (`Rotation`), and the fingerprint that names a rotation."""
+"""One layer's fixed OSCAR tensors as `OscarCache` holds them (`Rotation`), and the fingerprint that names a
+rotation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import layout
+
 
 @dataclass
 class Rotation:

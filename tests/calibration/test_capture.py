@@ -6,6 +6,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from oscar_zoo.calibration.capture import capturing
 from oscar_zoo.calibration.data import TokenSequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate
 from oscar_zoo.calibration.targets import centred_target
@@ -31,7 +32,8 @@ def _independent_qkv(model, ids):
         q_src = attn.q_norm if info.qk_norm else attn.q_proj
         k_src = attn.k_norm if info.qk_norm else attn.k_proj
         for name, mod in (("q", q_src), ("k", k_src), ("v", attn.v_proj)):
-            hooks.append(mod.register_forward_hook(lambda m, a, out, i=i, name=name: grabbed.__setitem__((i, name), out)))
+            hooks.append(mod.register_forward_hook(
+                lambda m, a, out, i=i, name=name: grabbed.__setitem__((i, name), out)))
     pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
     with torch.no_grad():
         model(ids)
@@ -148,3 +150,26 @@ def test_rotation_only_leaves_smollm2_logits_unchanged(smollm2):
     base, rotated = _logits_with_rotations(smollm2.model, ids,
                                            _random_rotations(info.num_layers, info.num_kv_heads, info.head_dim))
     assert (base - rotated).abs().max() < 1e-4 * base.abs().max()  # fp32 model: round-off only
+
+
+def test_two_models_capture_at_once_each_into_its_own_observer():
+    """Interleaved and nested capture of two models: each observer hears exactly its own model's calls (its layers,
+    its head count), for as long as its own block is open, and nothing once it is closed."""
+    a, b = tiny_model("llama"), tiny_model("qwen3", seed=1, num_hidden_layers=3, num_attention_heads=4)
+    ids = torch.randint(0, 512, (1, 12))
+    heard = {"a": [], "b": []}
+
+    def observer(name):
+        return lambda layer, q, k, v, out, scale: heard[name].append((layer, q.shape[1]))
+
+    with torch.no_grad(), capturing(a, observer("a")):
+        a(ids)
+        with capturing(b, observer("b")):
+            b(ids)
+            a(ids)  # b's block is open: a still reports to its own observer
+        a(ids)  # b's block closed: a's is still open
+        b(ids)  # b is back to sdpa and reports to nobody
+    a(ids)
+    assert heard["a"] == [(0, 6), (1, 6)] * 3
+    assert heard["b"] == [(0, 4), (1, 4), (2, 4)]
+    assert a.config._attn_implementation == b.config._attn_implementation == "sdpa"

@@ -38,7 +38,8 @@ def test_last_checkpoint_is_queued_not_waited_for(tmp_path):
     gate.set()
     store.flush()
     assert order == ["first", "last"]
-    assert torch.equal(store.load("last")["x"], torch.full((3,), 2.0)) and store.progress(store.load("last"), "done") == 3
+    assert torch.equal(store.load("last")["x"], torch.full((3,), 2.0))
+    assert store.progress(store.load("last"), "done") == 3
 
 
 def test_a_failed_write_surfaces_at_flush_and_the_queued_one_is_dropped(tmp_path):

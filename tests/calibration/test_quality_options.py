@@ -40,7 +40,8 @@ def test_reconstruction_objective_is_row_mse_per_head(group_size):
                 direct = ((R.fake_quant(rows, r, group_size) - rows).double() ** 2).sum(-1).mean()
                 assert torch.allclose(table[i, h], direct, rtol=1e-5)
     # the searched ratio is never worse than the fixed defaults on its own objective (they are in the grid)
-    at = lambda r: min(range(len(grid)), key=lambda i: abs(grid[i] - float(r)))  # nearest grid index (picks are float32)
+    # nearest grid index (picks are float32)
+    at = lambda r: min(range(len(grid)), key=lambda i: abs(grid[i] - float(r)))
     for h in range(H_kv):
         assert key[at(clip_search.pick(key, grid)[h]), h] <= key[at(0.96), h]
         assert value[at(clip_search.pick(value, grid)[h]), h] <= value[at(0.92), h]

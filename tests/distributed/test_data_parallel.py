@@ -1,7 +1,7 @@
 """Data-parallel calibration on CPU with gloo: two or three ranks over shares of the sequences give the single-process
 float64 sums (round-off only), and the per-layer work split between them (4 layers: 2/2, or 2/1/1 over three ranks)
-gives the single-process rotations (float32 round-off) and the same clips (also with more ranks than layers); `--nproc 2` through the real entry point
-writes the single-process artifacts."""
+gives the single-process rotations (float32 round-off) and the same clips (also with more ranks than layers);
+`--nproc 2` through the real entry point writes the single-process artifacts."""
 
 import json
 import os

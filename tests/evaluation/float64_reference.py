@@ -99,7 +99,8 @@ def _logprobs(model, ids: torch.Tensor, attention: _Attention) -> torch.Tensor:
 def expected_metrics(model64, ids: torch.Tensor, rotations, sink: int, recent: int, group_size: int = 0,
                      key_bits: list[int] | None = None) -> Expected:
     """model64: the model in float64; ids [N, T]; rotations: artifacts.Rotations indexed by model layer (layer_ids
-    0..L-1 in order); key_bits per layer (None: INT2 keys). KL, top-1 and the perplexity increase past the windows (positions ≥ sink + recent)."""
+    0..L-1 in order); key_bits per layer (None: INT2 keys). KL, top-1 and the perplexity increase past the windows
+    (positions ≥ sink + recent)."""
     assert rotations.layer_ids.tolist() == list(range(rotations.k_rotation.shape[0]))
     tensors = (rotations.k_rotation, rotations.v_rotation, rotations.k_clip, rotations.v_clip, rotations.k_mean,
                rotations.v_mean)

@@ -48,3 +48,33 @@ def test_kivi_quantizes_keys_per_channel_over_token_groups_and_values_per_token(
     assert torch.equal(kv.v_hat, reference.fake_quant(v, 0.0, 32))
     bits_k, bits_v = kivi.bits(131072)
     assert bits_k == layout.bits_per_element(131072, 32, sink, recent) and abs(bits_k - 3.0) < 0.04 and bits_v == bits_k
+
+
+def test_two_models_verify_at_once_each_with_its_own_runner():
+    """Nested `verifying` on two models: each model's layers call only its own runner, while its block is open."""
+    from oscar_zoo.evaluation.attention import causal_attention, verifying
+
+    from ..conftest import tiny_model
+
+    a, b = tiny_model("llama"), tiny_model("qwen3", seed=1, num_hidden_layers=3, num_attention_heads=4)
+    ids = torch.randint(0, 512, (1, 12))
+    calls = {"a": [], "b": []}
+
+    def runner(name):
+        def run(layer, q, k, v, scale):
+            calls[name].append((layer, q.shape[1]))
+            return causal_attention(q, k, v, scale)
+        return run
+
+    with torch.no_grad():
+        exact_a = a(ids).logits
+        with verifying(a, runner("a")):
+            with verifying(b, runner("b")):
+                b(ids)
+                inside = a(ids).logits  # a's block is open under b's: a uses its own runner
+            after = a(ids).logits  # b's block closed: a's still open
+        b(ids)  # back to sdpa: no runner
+    assert calls["a"] == [(0, 6), (1, 6)] * 2
+    assert calls["b"] == [(0, 4), (1, 4), (2, 4)]
+    assert torch.allclose(inside, exact_a, atol=1e-4) and torch.allclose(after, exact_a, atol=1e-4)
+    assert a.config._attn_implementation == b.config._attn_implementation == "sdpa"

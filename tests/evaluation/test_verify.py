@@ -111,7 +111,8 @@ def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, t
     assert report.passed and report.context == CONTEXT and report.positions_from == 16 + 32
     oscar = report.method("oscar")
     assert len(oscar.layer_error) == 2 and oscar.generation.path == "oscar-cache"
-    assert report.method("kivi").generation is None and report.method("kivi").bits_per_element_k > oscar.bits_per_element
+    kivi = report.method("kivi")
+    assert kivi.generation is None and kivi.bits_per_element_k > oscar.bits_per_element
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     manifest, _ = load_artifacts(folder)  # re-checksummed, still valid
     assert VerifyReport.model_validate(manifest.verification) == report

@@ -12,9 +12,9 @@ import errno
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from oscar_zoo.errors import InputError, IntegrityError
 from oscar_zoo.export import staging

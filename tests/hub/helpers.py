@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from oscar_zoo.artifacts import Rotations, write_artifacts
-from oscar_zoo.manifest import (CalibrationRecord, ClipSpec, Manifest, ModelIdentity, QuantSpec, RotationSpec)
+from oscar_zoo.manifest import CalibrationRecord, ClipSpec, Manifest, ModelIdentity, QuantSpec, RotationSpec
 
 HF_TOKEN = "hf_TestTokenDoNotLeak0123456789abcdef"
 MS_TOKEN = "ms-TestTokenDoNotLeak-9876543210fedcba"

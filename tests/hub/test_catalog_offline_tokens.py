@@ -52,8 +52,9 @@ def test_pull_by_catalog_name(hf_hub, artifacts, tmp_path, monkeypatch):
     _catalog_entry(other, artifacts, "tiny-llama", "zoo/rotations", "tiny-llama")
     data = json.loads((other / "tiny-llama.json").read_text())
     data["manifest"]["calibration"]["seed"] = 1
-    from oscar_zoo.manifest import canonical_json
     import hashlib
+
+    from oscar_zoo.manifest import canonical_json
 
     data["manifest_sha256"] = hashlib.sha256(canonical_json(data["manifest"]).encode()).hexdigest()
     (other / "tiny-llama.json").write_text(json.dumps(data))

@@ -26,7 +26,8 @@ def test_zoo_entry_and_card_count_three_bit_keys():
     assert base.quant.group_size == 16 and (base.quant.sink, base.quant.recent) == (64, 256)
     three = base.model_copy(update={"schema_version": 3,
                                     "quant": base.quant.model_copy(update={"key_bits": [3, 3, 2, 3]})})
-    assert zoo_entry(base, "", "0" * 64, "t").bits_per_element_128k == pytest.approx(_by_hand(131072, [2] * 4), abs=1e-4)
+    expected = pytest.approx(_by_hand(131072, [2] * 4), abs=1e-4)
+    assert zoo_entry(base, "", "0" * 64, "t").bits_per_element_128k == expected
     want = _by_hand(131072, [3, 3, 2, 3])
     assert zoo_entry(three, "", "0" * 64, "t").bits_per_element_128k == pytest.approx(want, abs=1e-4)
     assert want - _by_hand(131072, [2] * 4) == pytest.approx(0.75 / 2 * (131072 - 320) / 131072)

@@ -40,7 +40,8 @@ def _teacher_forced(model, cache, ids, prompt: int, layers: CompiledLayers | Non
 def test_compiled_layers_equal_the_eager_step_across_demotions():
     """A float32 Llama-shaped model, batch 2: 40 decode steps after a 330-token prompt (5 demotions of 8 rows) give
     the eager path's logits to float32 round-off, one graph serves both layers (no recompilation from layer to layer,
-    step to step or at a demotion step), and the history grew by exactly the demoted rows (the op filed every token once)."""
+    step to step or at a demotion step), and the history grew by exactly the demoted rows (the op filed every token
+    once)."""
     model = enable_oscar(_llama(layers=2, dtype=torch.float32))
     ids = torch.randint(0, 512, (2, 370), generator=torch.Generator().manual_seed(1))
     eager_cache, compiled_cache = _cache(2), _cache(2)

@@ -1,9 +1,9 @@
 """INT2 and BF16 split-K decode kernels (`ops.tiered_decode_attention`, `ops.decode_int2_partial`,
 `ops.decode_bf16_partial`) against `reference.tiered_decode_attention_ref` on the same dequantized cache.
 
-Tolerance rule (docs/format.md §9): the kernel's max error vs a float64 computation of the same attention is at most 2× that
-of a plain bf16 PyTorch run of the same math (plus 1e-5 absolute, for cases where bf16 happens to be exact, e.g. a single
-token). Every case also checks that the rule is tight enough to matter: dropping the one token at a tile or split
+Tolerance rule (docs/format.md §9): the kernel's max error vs a float64 computation of the same attention is at most 2×
+that of a plain bf16 PyTorch run of the same math (plus 1e-5 absolute, for cases where bf16 happens to be exact, e.g. a
+single token). Every case also checks that the rule is tight enough to matter: dropping the one token at a tile or split
 boundary moves the float64 answer by more than the tolerance."""
 
 import dataclasses
@@ -51,7 +51,8 @@ def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths
     if v_token_major:
         cv = layout.history_codes(B, H_kv, T_cap, D, "cpu", tokens_contiguous=True).copy_(cv)
     clean = dict(sink_k=sink_k, sink_v=sink_v, sink_len=lens[:, 0], codes_k=ck, scale_zero_k=szk, codes_v=cv,
-                 scale_zero_v=szv, hist_len=lens[:, 1], recent_k=rec_k, recent_v=rec_v, recent_len=lens[:, 2])  # fmt: skip
+                 scale_zero_v=szv, hist_len=lens[:, 1], recent_k=rec_k, recent_v=rec_v,
+                 recent_len=lens[:, 2])  # fmt: skip
     dirty = {k: v.clone() for k, v in clean.items()}
     for b in range(B):
         s, h, r = (int(x) for x in lens[b])
@@ -189,7 +190,8 @@ def test_gqa_groups(device, group, D):
                              boundary=("hist", 16) if D == 64 else None)  # fmt: skip
 
 
-@pytest.mark.parametrize("D, slack, group_size", [(64, 8.0, 0), (128, 8.0, 0), (64, 8.0, 32), (64, 0.0, 0), (128, 0.0, 0)])
+@pytest.mark.parametrize("D, slack, group_size",
+                         [(64, 8.0, 0), (128, 8.0, 0), (64, 8.0, 32), (64, 0.0, 0), (128, 0.0, 0)])
 def test_growing_scores_rescale(device, monkeypatch, D, slack, group_size):
     """The online softmax's rescale under a maximum that keeps growing, with `DecodeConfig.rescale_slack` = 8 (a stale
     running maximum in the INT2 loop until a head's grows by more than 8 in log2 units; the default) and 0 (rescale
@@ -243,7 +245,8 @@ def test_all_empty_rows_give_zero(device):
 
 
 def test_int2_empty_splits(device):
-    """More splits than populated blocks: the empty ones write o = 0, lse = −inf; the merge still equals the reference."""
+    """More splits than populated blocks: the empty ones write o = 0, lse = −inf; the merge still equals the
+    reference."""
     H_kv, group, D = 2, 3, 64
     clean, dirty = _cache([64 + 256 + 24, 64 + 256 + 8], H_kv, D, device, seed=9)
     q = _query(2, H_kv * group, D, device, 9)

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 from oscar_zoo.runtime import ops  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 SM90_SHARED = 227 * 1024  # bytes of shared memory one program may use on an H100/H200
 SM90_SM_SHARED = 228 * 1024  # bytes per SM, of which each resident program also takes 1 KB reserved
@@ -23,7 +24,8 @@ SM90_REGISTERS = 65536  # per SM, allocated per warp in units of 8 registers per
 
 
 @pytest.mark.parametrize("shape, group_size", [("32,8,128", 0), ("9,3,64", 0), ("32,4,64", 0), ("32,8,128", 32),
-                                                ("32,32,128", 0), ("64,1,128", 0), ("16,16,256", 0), ("8,4,256", 0)])  # fmt: skip
+                                                ("32,32,128", 0), ("64,1,128", 0), ("16,16,256", 0),
+                                                ("8,4,256", 0)])  # fmt: skip
 def test_decode_kernel_compiles_for_sm90(shape, group_size):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--shape", shape,
@@ -52,8 +54,8 @@ def test_quantize_kernel_compiles_for_sm90(d, ratio, group_size):
     float ratio picks, the same builds the cache's bounded per-head tensors take, and the per-row dispatch of a ratio
     tensor): compiles for sm_90, fits shared memory, one row per thread without shared-memory shuffles of the row."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_sass.py"), "--d", str(d), "--ratio", ratio,
-                           "--group-size", str(group_size), "--json"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_sass.py"), "--d", str(d),
+                           "--ratio", ratio, "--group-size", str(group_size), "--json"],
                           capture_output=True, text=True, env=env, timeout=900, check=False)  # fmt: skip (a hang guard)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.splitlines()[-1])

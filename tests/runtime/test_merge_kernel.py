@@ -10,7 +10,8 @@ from oscar_zoo.runtime import ops
 
 
 def _attention_splits(q, k, v, bounds, sm_scale):
-    """Partial (o, lse) of q over the token ranges [bounds[i], bounds[i+1]) of k/v [N, T, D]: o [N, S, D], lse [N, S]."""
+    """Partial (o, lse) of q over the token ranges [bounds[i], bounds[i+1]) of k/v [N, T, D]: o [N, S, D],
+    lse [N, S]."""
     os_, lses = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
         logits = torch.einsum("nd,ntd->nt", q, k[:, a:b]) * sm_scale

@@ -102,7 +102,8 @@ def test_bad_inputs_raise():
 
 @pytest.mark.parametrize("D, group_size", [(128, 0), (128, 32), (64, 0), (64, 16)])
 @pytest.mark.parametrize("ratio", [0.96, 0.92, "per-head"])
-@pytest.mark.parametrize("H, T", [(1, 1), (1, 127), (1, 128), (1, 129), (3, 43)])  # tile (128 rows) ± 1; tiles across heads
+# tile (128 rows) ± 1; tiles across heads
+@pytest.mark.parametrize("H, T", [(1, 1), (1, 127), (1, 128), (1, 129), (3, 43)])
 def test_bit_exact_runtime_shapes(device, D, group_size, ratio, H, T):
     """The shapes the runtime uses: d = 128 / 64, G = D and G < D, per-head [H, 1] clip tensors (0.96, 0.92 and 0.8,
     i.e. the top-8, top-16 and general clip paths in one launch) and float clips, row counts around the tile."""
@@ -133,7 +134,8 @@ def test_bit_exact_with_a_host_bound_on_the_ratios(device, D, m_max):
     codes_ref, sz_ref = reference.quantize_pack_ref(x.cpu(), ratio.cpu())
     assert torch.equal(codes.cpu(), codes_ref)
     assert torch.equal(sz.cpu().view(torch.int16), sz_ref.view(torch.int16))
-    assert ops._max_m_build(D, bound) == (8 if m_max <= 8 else 16 if m_max <= 16 else 0)  # the build it was meant to run
+    # the build it was meant to run
+    assert ops._max_m_build(D, bound) == (8 if m_max <= 8 else 16 if m_max <= 16 else 0)
 
 
 @pytest.mark.parametrize("D, bits", [(64, 2), (128, 2), (128, 3)])
@@ -238,10 +240,12 @@ def test_bit_exact_at_code_boundaries(device, dtype):
 # row ends (min, max) whose scale and zero make a few values' codes depend on the quotient's last bit: x·RN(1/s)
 # instead of RN(x/s) changes them (found by a search over random ends; about 1 in 2,000 has such a value)
 FRAGILE_ENDS = {
-    torch.bfloat16: [(-0.73828125, -0.000171661376953125), (-336.0, 0.0021209716796875), (-42.0, -0.0004825592041015625),
-                     (-90.0, 0.000583648681640625), (-180.0, -0.0001583099365234375), (-756.0, 0.00098419189453125)],
-    torch.float16: [(-5.6484375, -0.0007410049438476562), (-22.59375, 0.003429412841796875), (-315.75, 0.0106048583984375),
-                    (-17.765625, 0.00457000732421875), (-83.625, 0.005428314208984375), (-93.75, 0.01030731201171875)],
+    torch.bfloat16: [(-0.73828125, -0.000171661376953125), (-336.0, 0.0021209716796875),
+                     (-42.0, -0.0004825592041015625), (-90.0, 0.000583648681640625),
+                     (-180.0, -0.0001583099365234375), (-756.0, 0.00098419189453125)],
+    torch.float16: [(-5.6484375, -0.0007410049438476562), (-22.59375, 0.003429412841796875),
+                    (-315.75, 0.0106048583984375), (-17.765625, 0.00457000732421875),
+                    (-83.625, 0.005428314208984375), (-93.75, 0.01030731201171875)],
 }  # fmt: skip
 
 
@@ -335,7 +339,8 @@ def _neighbours(v: torch.Tensor) -> torch.Tensor:
     subnormal)."""
     b = v.view(torch.int32 if v.dtype == torch.float32 else torch.int16)
     least = torch.ones_like(b).view(v.dtype)
-    return torch.cat([torch.where(v == 0, least, (b + 1).view(v.dtype)), torch.where(v == 0, -least, (b - 1).view(v.dtype))])
+    return torch.cat([torch.where(v == 0, least, (b + 1).view(v.dtype)),
+                      torch.where(v == 0, -least, (b - 1).view(v.dtype))])
 
 
 def _midpoint_rows(dtype, bits, D, seed):
@@ -345,8 +350,8 @@ def _midpoint_rows(dtype, bits, D, seed):
     u = x/s + z is exactly every level and every midpoint (u = i − ½, where ⌊u + ½⌋ steps to i), the values whose
     quotient q = x/s (exact: s is a power of two) makes q + z a tie of the float32 rounding at a threshold C_i (q + z
     halfway between C_i and the float32 below it; representable in x's dtype when z lifts q into a higher binade:
-    float32 rows only; C_1's tie needs a fractional z), the neighbours of each in x's dtype within [min, max], and fill. Zeros
-    of both signs and all-positive and all-negative rows (z < 0, z > L) included."""
+    float32 rows only; C_1's tie needs a fractional z), the neighbours of each in x's dtype within [min, max], and fill.
+    Zeros of both signs and all-positive and all-negative rows (z < 0, z > L) included."""
     from oscar_zoo.runtime.kernels.quantize_pack import ROUND_THRESHOLDS
 
     c = torch.tensor(ROUND_THRESHOLDS, dtype=torch.float32)

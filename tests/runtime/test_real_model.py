@@ -29,8 +29,8 @@ from oscar_zoo.runtime import layout, reference
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.cache import OscarCache
 
-# Windows smaller than the default 64 / 256 (they are manifest quant settings; the code path is the same) so that a short
-# prompt puts most keys in the INT2 history: 96 of 160 after the prefill, 104 after the demotion at decode step 8.
+# Windows smaller than the default 64 / 256 (they are manifest quant settings; the code path is the same) so that a
+# short prompt puts most keys in the INT2 history: 96 of 160 after the prefill, 104 after the demotion at decode step 8.
 SINK, RECENT, FLUSH = 16, 48, layout.FLUSH
 PROMPT, STEPS = 160, 10
 H_Q, H_KV, D = 9, 3, 64

@@ -156,8 +156,10 @@ def test_tiered_decode_attention_matches_dense_float64_and_merge_is_split_invari
     o, lse = R.tiered_decode_attention_ref(q, *sink, lens[0], *packed[0], *packed[1], lens[1], *recent, lens[2], 0.125)
     for b in range(B):
         hk, hv = (R.dequantize_unpack(*p)[b] for p in packed)
-        k = torch.cat([sink[0][b, :, : lens[0][b]].float(), hk[:, : lens[1][b]], recent[0][b, :, : lens[2][b]].float()], 1)
-        v = torch.cat([sink[1][b, :, : lens[0][b]].float(), hv[:, : lens[1][b]], recent[1][b, :, : lens[2][b]].float()], 1)
+        k = torch.cat([sink[0][b, :, : lens[0][b]].float(), hk[:, : lens[1][b]],
+                       recent[0][b, :, : lens[2][b]].float()], 1)
+        v = torch.cat([sink[1][b, :, : lens[0][b]].float(), hv[:, : lens[1][b]],
+                       recent[1][b, :, : lens[2][b]].float()], 1)
         ref_o, ref_lse = _dense_attention_f64(q[b], k, v, k.shape[1], 0.125)
         assert torch.allclose(o[b].double(), ref_o, atol=1e-5)
         assert torch.allclose(lse[b].double(), ref_lse, atol=1e-5)

@@ -1,6 +1,6 @@
 """`rotate_op.rotate_rows` (the decode step's rotate / centre / file launch) against float64 products: the rotation
-applied as x·M (not Mᵀ), the right head's M and μ under GQA, one rounding to the output dtype, and the tier write at exactly
-the slot the device holds, nothing else touched."""
+applied as x·M (not Mᵀ), the right head's M and μ under GQA, one rounding to the output dtype, and the tier write at
+exactly the slot the device holds, nothing else touched."""
 
 import pytest
 import torch
@@ -65,7 +65,8 @@ def test_rotate_rows_writes_only_the_slot(device):
     assert torch.equal(got[:, :, 7], out.cpu())
     for h in range(H):
         want = x[:, h].double() @ M[h].double() - mean[h].double()
-        assert ((out[:, h].cpu().double() - want).abs() <= _bound(x[:, h].double(), M[h].double(), want, torch.bfloat16)).all()
+        bound = _bound(x[:, h].double(), M[h].double(), want, torch.bfloat16)
+        assert ((out[:, h].cpu().double() - want).abs() <= bound).all()
 
 
 def test_rotate_rows_centre_only_and_identity(device):

@@ -236,9 +236,11 @@ def _softmax_step(sT, m_i, SLACK: tl.constexpr):
 
 @triton.jit
 def _int2_tile(
-    n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-    stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
-    m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3,
+    n0, end, offs_n, cols,
+    rows,  # (k_rows, v_rows, szk_row, szv_row): this KV head's codes and scale/zero pairs
+    strides,  # (stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt): per token (V's codes also per dim)
+    qk,  # (q0..q3, ql0..ql3, q_bias, q_w, qsum, qk_scale): q's quarters as the score dots take them (`_attend`)
+    state,  # (m_i, l_t, psum_t, pz_t, acc0..acc3): the running online-softmax state
     INT8_K: tl.constexpr, PAIR: tl.constexpr, Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr,
     NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
     KEY_BITS: tl.constexpr,
@@ -246,6 +248,10 @@ def _int2_tile(
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked.
     KEY_BITS = 3: K's rows also hold the third bits' plane (D/8 bytes from byte D/4, module docstring)."""
+    k_rows, v_rows, szk_row, szv_row = rows
+    stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt = strides
+    q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale = qk
+    m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = state
     tok = n0 + offs_n
     tok_ok = tok < end
     tok64 = tok.to(tl.int64)
@@ -361,11 +367,11 @@ def _int2_tile(
 
 @triton.jit
 def _attend(
-    q_ptr, stride_qb, stride_qh,
-    k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd,
-    szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt,
-    len_ptr, split, S,
-    o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split,
+    q_in,  # (q_ptr, stride_qb, stride_qh)
+    kv_in,  # (k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd): the tier
+    sz_in,  # (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt): INT2
+    len_in,  # (len_ptr, split, S): the tier's lengths [B], and which of its S splits this program reads
+    out_in,  # (o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split)
     b, h, GROUP, qk_scale,
     INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr, SLACK: tl.constexpr,
@@ -375,6 +381,11 @@ def _attend(
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
     rows; P·V is Vᵀ·p (oᵀ, dims on the rows) over INT2 codes, pᵀ·V over BF16 rows. KEY_BITS: K's codes are 2- or
     3-bit (INT2 tiers only)."""
+    q_ptr, stride_qb, stride_qh = q_in
+    k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd = kv_in
+    szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt = sz_in
+    len_ptr, split, S = len_in
+    o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split = out_in
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     # q's low int8 part in units of 1/Q_LO: |Σ codes·(q_hi·Q_LO + q_lo)| ≤ 3·D·127.5·Q_LO < 2^22 (2-bit keys), and
@@ -479,18 +490,17 @@ def _attend(
     if INT2:
         # the split's whole tiles unmasked and software-pipelined, then its last, partial tile (if any) masked
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        rows = (k_rows, v_rows, szk_row, szv_row)
+        strides = (stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt)
+        qk = (q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale)
+        state = (m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3)
         for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
-            m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
-                n0, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row, stride_szkt,
-                stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
-                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM,
-                SLACK, False, KEY_BITS)
+            state = _int2_tile(n0, end, offs_n, cols, rows, strides, qk, state,
+                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False, KEY_BITS)
         if full_end < end:
-            m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = _int2_tile(
-                full_end, end, offs_n, cols, k_rows, v_rows, stride_kt, stride_vt, stride_vd, szk_row, szv_row,
-                stride_szkt, stride_szvt, q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale,
-                m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3, INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM,
-                SLACK, True, KEY_BITS)
+            state = _int2_tile(full_end, end, offs_n, cols, rows, strides, qk, state,
+                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True, KEY_BITS)
+        m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = state
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
             tok = n0 + offs_n
@@ -537,14 +547,14 @@ def _decode_kernel(
     # V's any strides, fastest token-major), scale/zero [.., D/G, 2] f16
     rk_ptr, rv_ptr, rlen_ptr,  # recent K/V [B, H_kv, RECENT_CAP, D] bf16
     o_ptr, lse_ptr,  # partials [B, H_q, S, D] f32, [B, H_q, S] f32
-    H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale,
-    stride_qb, stride_qh,
+    H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale,  # sizes: heads, splits per tier; scale·log2(e)
+    stride_qb, stride_qh,  # strides: q, sink K/V, history codes and scales, recent K/V, o, lse
     stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
     stride_ckb, stride_ckh, stride_ckt, stride_szkb, stride_szkh, stride_szkt,
     stride_cvb, stride_cvh, stride_cvt, stride_cvd, stride_szvb, stride_szvh, stride_szvt,
     stride_rkb, stride_rkh, stride_rkt, stride_rvb, stride_rvh, stride_rvt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,  # constexprs
     BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
     SLACK: tl.constexpr, PDL: tl.constexpr, KEY_BITS: tl.constexpr,
 ):  # fmt: skip
@@ -557,29 +567,25 @@ def _decode_kernel(
     b = pid // H_kv
     h = pid % H_kv
     s = tl.program_id(1)
+    q_in = (q_ptr, stride_qb, stride_qh)
+    out_in = (o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s)
     if (s < S_SINK) | (s >= S_SINK + S_HIST):
-        # a BF16 tier: sink or recent (one instantiation of the loop; both branches give identically typed values)
+        # a BF16 tier: sink or recent (one instantiation of the loop; both branches give identically typed values).
+        # Names bound here are not bound in the INT2 branch: Triton would merge them, and the types differ.
         in_sink = s < S_SINK
-        zero64 = tl.zeros([], tl.int64)
-        k_ptr = tl.where(in_sink, sk_ptr, rk_ptr)
-        v_ptr = tl.where(in_sink, sv_ptr, rv_ptr)
-        len_ptr = tl.where(in_sink, slen_ptr, rlen_ptr)
-        _attend(q_ptr, stride_qb, stride_qh,
-                k_ptr, v_ptr,
-                tl.where(in_sink, stride_skb + zero64, stride_rkb), tl.where(in_sink, stride_skh + zero64, stride_rkh),
-                tl.where(in_sink, stride_skt + zero64, stride_rkt), tl.where(in_sink, stride_svb + zero64, stride_rvb),
-                tl.where(in_sink, stride_svh + zero64, stride_rvh), tl.where(in_sink, stride_svt + zero64, stride_rvt),
-                1,  # stride_vd: BF16 rows are dims-contiguous
-                q_ptr, q_ptr, 0, 0, 0, 0, 0, 0,
-                len_ptr, tl.where(in_sink, s, s - S_SINK - S_HIST), tl.where(in_sink, S_SINK, S_RECENT),
-                o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
-                b, h, GROUP, qk_scale,
-                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0, 2)
+        z = tl.zeros([], tl.int64)
+        bf16_kv = (tl.where(in_sink, sk_ptr, rk_ptr), tl.where(in_sink, sv_ptr, rv_ptr),
+                   tl.where(in_sink, stride_skb + z, stride_rkb), tl.where(in_sink, stride_skh + z, stride_rkh),
+                   tl.where(in_sink, stride_skt + z, stride_rkt), tl.where(in_sink, stride_svb + z, stride_rvb),
+                   tl.where(in_sink, stride_svh + z, stride_rvh), tl.where(in_sink, stride_svt + z, stride_rvt),
+                   1)  # stride_vd: BF16 rows are dims-contiguous
+        bf16_len = (tl.where(in_sink, slen_ptr, rlen_ptr), tl.where(in_sink, s, s - S_SINK - S_HIST),
+                    tl.where(in_sink, S_SINK, S_RECENT))
+        _attend(q_in, bf16_kv, (q_ptr, q_ptr, 0, 0, 0, 0, 0, 0), bf16_len, out_in, b, h, GROUP, qk_scale,
+                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0, 2)  # (no scales: placeholders)
     else:
-        _attend(q_ptr, stride_qb, stride_qh,
-                ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd,
-                szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt,
-                hlen_ptr, s - S_SINK, S_HIST,
-                o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s,
-                b, h, GROUP, qk_scale,
+        _attend(q_in,
+                (ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd),
+                (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt),
+                (hlen_ptr, s - S_SINK, S_HIST), out_in, b, h, GROUP, qk_scale,
                 True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS)

@@ -161,9 +161,11 @@ def _mth_largest8(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr, ASM: tl.constexp
             a6, b6 = _pair_chunks(v6)
             a7, b7 = _pair_chunks(v7)
             if v0.shape[1] >= 4:  # two or more chunks per half: packed pairs
-                v0, v1, v2, v3, v4, v5, v6, v7 = _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, ASM)
+                v0, v1, v2, v3, v4, v5, v6, v7 = _merge8(
+                    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, ASM)
             else:
-                v0, v1, v2, v3, v4, v5, v6, v7 = _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False)
+                v0, v1, v2, v3, v4, v5, v6, v7 = _merge8(
+                    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, False)
     t = tl.reshape(v0, [BLOCK_T]).to(tl.float32)
     t = tl.where(m == 2, tl.reshape(v1, [BLOCK_T]).to(tl.float32), t)
     t = tl.where(m == 3, tl.reshape(v2, [BLOCK_T]).to(tl.float32), t)
@@ -261,7 +263,8 @@ def _sort16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
 
 
 @triton.jit
-def _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, ASM: tl.constexpr):
+def _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+             b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, ASM: tl.constexpr):
     """The 16 largest of two descending lists, descending: bitonic max then half-cleaners."""
     v0 = _mx(a0, b15, ASM)
     v1 = _mx(a1, b14, ASM)
@@ -318,8 +321,10 @@ def _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a1
 def _mth_largest16(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
     """a [BLOCK_T, D] ≥ 0 → its m-th largest per row (1 ≤ m ≤ 16; other m give an unspecified value). Position p of
     chunk c is element p·D/16 + c, so a thread's neighbouring chunks sit in one 32-bit register (ASM pairs)."""
-    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _split16(tl.permute(tl.reshape(a, [BLOCK_T, 16, D // 16]), (0, 2, 1)))
-    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _sort16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, ASM)
+    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _split16(
+        tl.permute(tl.reshape(a, [BLOCK_T, 16, D // 16]), (0, 2, 1)))
+    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _sort16(
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, ASM)
     for _ in tl.static_range(D // 16 - 1):  # unrolled; the chunk count halves each time down to one
         if v0.shape[1] > 1:
             a0, b0 = _pair_chunks(v0)
@@ -339,9 +344,13 @@ def _mth_largest16(a, m, BLOCK_T: tl.constexpr, D: tl.constexpr, ASM: tl.constex
             a14, b14 = _pair_chunks(v14)
             a15, b15 = _pair_chunks(v15)
             if v0.shape[1] >= 4:  # two or more chunks per half: packed pairs
-                v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, ASM)
+                v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _merge16(
+                    a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                    b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, ASM)
             else:
-                v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _merge16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, False)
+                v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _merge16(
+                    a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                    b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, False)
     t = tl.reshape(v0, [BLOCK_T]).to(tl.float32)
     t = tl.where(m == 2, tl.reshape(v1, [BLOCK_T]).to(tl.float32), t)
     t = tl.where(m == 3, tl.reshape(v2, [BLOCK_T]).to(tl.float32), t)
@@ -388,8 +397,8 @@ def _kth_smallest_peel(ax, kk, D: tl.constexpr):
 def _load_rows(row_ptrs, row_ok, LO: tl.constexpr, N: tl.constexpr):
     """Dims 8·LO .. 8·(LO + N) of every row, [BLOCK_T, 8·N], as N 16-byte loads per thread, so each thread holds its
     row: a load of [BLOCK_T, 8] has one thread per row (its fast axis is one vector), and joining such loads only adds
-    register axes. (One [BLOCK_T, D] load is coalesced along D instead, spreading a row over 16 lanes, and every row
-    reduction then needs shuffles: what Triton 3.6 made of the earlier [D/8, BLOCK_T, 8] load.)"""
+    register axes. (Triton lays a [BLOCK_T, D] load, or a [D/8, BLOCK_T, 8] one, out along D instead, spreading a row
+    over 16 lanes, and every row reduction then needs shuffles.)"""
     if N == 1:
         return tl.load(row_ptrs[:, None] + LO * 8 + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0.0)
     else:
@@ -459,7 +468,8 @@ def _quantize_pack_kernel(
 
     if ROTATE:
         rot = tl.load(rot_ptr + h * stride_rh + dims[:, None] * D + dims[None, :]).to(tl.float32)  # [D, D]
-        x_in = tl.dot(x_in.to(tl.float32), rot, input_precision="ieee").to(X_DTYPE)  # the cache stores rotated rows in x's dtype
+        # the cache stores rotated rows in x's dtype
+        x_in = tl.dot(x_in.to(tl.float32), rot, input_precision="ieee").to(X_DTYPE)
     # |x| for the order statistic, apart from x (not kept alive next to it through the sorting network): 16-bit with
     # packed min/max on the GPU, float32 otherwise (min/max are exact either way)
     if NET16:
