@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..calibration.data import check_dataset_options
 from ..console import console, err_console, progress_reporter
-from ..errors import InputError, VerificationFailed
+from ..errors import InputError, SettingError, VerificationFailed
 from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings
 from ..evaluation.needle import DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleProtocol, NeedleSettings
 from ..evaluation.pipeline import VerifyRequest, verify_artifacts
@@ -120,7 +120,10 @@ def verify_command(
                             needle=needle_settings, needle_quick=needle_quick, as_exported=as_exported, plot=plot,
                             needle_plot=needle_plot, write=write)
     say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
-    report = verify_artifacts(request, say, lambda: progress_reporter(enabled=not json_output))
+    try:
+        report = verify_artifacts(request, say, lambda: progress_reporter(enabled=not json_output))
+    except SettingError as exc:  # a library setting, spelled as this command's option (seq_len is --context here)
+        raise exc.spelled(lambda name: "--context" if name == "seq_len" else "--" + name.replace("_", "-")) from None
     if json_output:
         console.print_json(report.model_dump_json())
     else:

@@ -156,6 +156,12 @@ def test_unknown_baseline_exits_2(run_cli, good_artifacts, model_dir, heldout_fi
     assert code == 2 and "quarot" in err
 
 
+def test_a_too_short_context_is_named_by_verifys_option(run_cli, good_artifacts, model_dir, heldout_file):
+    """The sequence-length bound is the calibration package's (`seq_len`); verify's message names its own option."""
+    code, out, err = run_cli("verify", *_args(good_artifacts, model_dir, heldout_file, "--context", 12))
+    assert code == 2 and "--context 12" in err and "seq_len" not in err
+
+
 def test_backends_agree_under_the_triton_interpreter(good_artifacts, loaded, heldout_ids, monkeypatch):
     """The Triton quantize/pack (interpreted on CPU) and the reference give the same metrics (same bytes)."""
     pytest.importorskip("triton")
