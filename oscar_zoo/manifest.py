@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
@@ -25,7 +24,7 @@ from .runtime.artifact import (  # noqa: F401
     ArtifactError,
     one_line as _one_line,
 )
-from .runtime.layout import MAX_WINDOW, Centring  # noqa: F401 -- Centring: the format's, re-exported
+from .runtime.layout import MAX_WINDOW, Centring, Choice  # noqa: F401 -- Centring: the format's, re-exported
 
 # The format's file names, size limits and schema versions live in `runtime/artifact.py` (the runtime reads folders
 # too); they are imported here for the schema and for the modules that read them from `manifest`.
@@ -35,17 +34,17 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Granularity(str, Enum):
+class Granularity(Choice):
     PER_HEAD = "per-head"
     PER_LAYER = "per-layer"
 
 
-class ValueTarget(str, Enum):
+class ValueTarget(Choice):
     WEIGHTED = "weighted"  # reference code: C_S = mean_t w_t v vᵀ, w_t = kᵀ C_Q k normalised to mean 1
     SOFTMAX = "softmax"  # paper figure: C_S = (1/N) Vᵀ SᵀS V with causal softmax scores
 
 
-class ClipMode(str, Enum):
+class ClipMode(Choice):
     SEARCH = "search"
     FIXED = "fixed"
 

@@ -17,6 +17,7 @@ from ..errors import SettingError, literal
 from ..manifest import Centring, ClipMode, Granularity, ValueTarget
 from ..models import DEMO, check_revision_applies
 from ..runtime import layout
+from ..runtime.layout import Choice
 from . import clip_search, distributed
 from .data import check_dataset_options, check_seq_len
 
@@ -24,14 +25,14 @@ DEFAULT_KEY_BITS = 2.7  # QUALITY.md "Retrieval": 2.98 bits/element at 32K for D
 MAX_WINDOWS = 32768  # sink + recent must stay below the 32K context of the BPE summary, so long contexts are INT2
 
 
-class AccumulateOn(str, Enum):
+class AccumulateOn(Choice):
     """Where the float64 sums live: the model's first device, or the CPU (products still form on each layer's)."""
 
     MODEL = "model"
     CPU = "cpu"
 
 
-class DeviceMap(str, Enum):
+class DeviceMap(Choice):
     """accelerate's ways to spread the layers over the visible GPUs (then CPU, then disk)."""
 
     AUTO = "auto"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -14,10 +13,11 @@ import typer
 from ..console import console, err_console
 from ..export.oscar_pt import export_oscar_pt
 from ..runtime import layout
+from ..runtime.layout import Choice
 from .options import ArtifactsArg, Json
 
 
-class Format(str, Enum):
+class Format(Choice):
     OSCAR_PT = "oscar-pt"
     SGLANG = "sglang"
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..console import console
-from ..export.oscar_pt import REFERENCE_GROUP_SIZE, import_oscar_pt, model_identity_for
+from ..export.oscar_pt import import_oscar_pt, model_identity_for
 from .options import Json, Revision
 
 

@@ -10,13 +10,14 @@ import typer
 from rich.table import Table
 
 from ..console import console, err_console, shown
+from ..hub.base import Hub
 from ..hub.publish import pull, resolve_source
 from .options import Json
 
 
 def pull_command(
     source: Annotated[str, typer.Argument(help="A catalog name (see `oscar-zoo list`) or OWNER/REPO\\[/SUBFOLDER].")],
-    hub: Annotated[str | None, typer.Option("--hub", help="`hf` or `modelscope` (default: hf for a repo id, the "
+    hub: Annotated[Hub | None, typer.Option("--hub", help="`hf` or `modelscope` (default: hf for a repo id, the "
                                                           "first published location for a catalog name).")] = None,
     revision: Annotated[str | None, typer.Option(help="Branch, tag or commit (default: the catalog's pin or the "
                                                       "default branch).")] = None,

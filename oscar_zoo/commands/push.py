@@ -12,16 +12,17 @@ import typer
 from rich.table import Table
 
 from ..console import console, err_console
+from ..hub.base import Hub
 from ..hub.publish import plan_push, push
 from .options import ArtifactsArg, Json
 
-Hub = Annotated[str, typer.Option("--hub", help="Where to publish: `hf` (Hugging Face Hub) or `modelscope`.")]
+HubOption = Annotated[Hub, typer.Option("--hub", help="Where to publish: `hf` (Hugging Face Hub) or `modelscope`.")]
 
 
 def push_command(
     artifacts: ArtifactsArg,
     repo_id: Annotated[str, typer.Argument(help="Target repo, OWNER/NAME; created if missing.")],
-    hub: Hub = "hf",
+    hub: HubOption = Hub.HF,
     path_in_repo: Annotated[str | None, typer.Option(help="Subfolder for this model in a zoo repo (default: the "
                                                           "model's name; pass \"\" for the repo root).")] = None,
     private: Annotated[bool, typer.Option(help="Create the repo private (an existing repo keeps its "

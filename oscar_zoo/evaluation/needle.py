@@ -24,13 +24,13 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import Tensor
 
 from ..errors import InputError
 from ..models import LoadedModel
+from ..runtime.layout import Choice
 from .attention import cache_argument
 from .baselines import DTYPE_NAMES
 from .registry import Setup, build_methods
@@ -92,7 +92,7 @@ def answer_is_right(text: str, key: str) -> bool:
     return found is not None and found.group(1) == key
 
 
-class NeedleProtocol(str, Enum):
+class NeedleProtocol(Choice):
     """How the question meets the cached context (module docstring); NeedleReport.protocol records the value."""
 
     FOLLOW_UP = "follow-up"

@@ -14,11 +14,28 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import HubError, InputError
+from ..runtime.layout import Choice
 
-HUBS = ("hf", "modelscope")
+
+class Hub(Choice):
+    """Where artifacts are published: the `--hub` vocabulary, the catalog's `hub` field."""
+
+    HF = "hf"
+    MODELSCOPE = "modelscope"
+
+
+HUBS = tuple(h.value for h in Hub)
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 TIMEOUT_ENV = "OSCAR_ZOO_HUB_TIMEOUT"
 DEFAULT_TIMEOUT = 30.0  # seconds a hub may stay silent: to connect, or between two pieces of an answer
+
+
+def check_hub(hub: str) -> Hub:
+    """`hub` as a Hub; anything else is an InputError naming the choices (the one check of the vocabulary)."""
+    try:
+        return Hub(hub)
+    except ValueError:
+        raise InputError(f"unknown hub {hub!r}", f"use one of {', '.join(HUBS)}") from None
 
 
 class HubClient(Protocol):

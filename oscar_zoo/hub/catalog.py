@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..errors import InputError, IntegrityError
 from ..manifest import Manifest, canonical_json, parse_versioned
-from .base import check_subfolder
+from .base import Hub, check_subfolder
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable  # Python 3.11+; only named in an annotation
@@ -29,7 +29,7 @@ CATALOG_ENV = "OSCAR_ZOO_CATALOG"
 class HubLocation(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    hub: Literal["hf", "modelscope"]
+    hub: Hub
     repo_id: str
     subfolder: str = ""
     revision: str | None = None  # a commit id pins the entry; None follows the default branch

@@ -30,7 +30,7 @@ from ..artifacts import (
 )
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
 from ..manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, Manifest
-from .base import HUBS, SUBFOLDER_RULE, HubClient, is_plain_subfolder, split_repo_path
+from .base import SUBFOLDER_RULE, Hub, HubClient, check_hub, is_plain_subfolder, split_repo_path
 from .card import render_model_card, render_zoo_card
 from .catalog import CatalogEntry, find_entry
 from .zoo import ZOO_NAME, ZooIndex, parse_report, report_verdict, zoo_entry
@@ -40,15 +40,13 @@ CARD_NAME = "README.md"
 
 
 def make_client(hub: str) -> HubClient:
-    if hub == "hf":
+    if check_hub(hub) is Hub.HF:
         from .huggingface import HuggingFaceHub
 
         return HuggingFaceHub()
-    if hub == "modelscope":
-        from .modelscope import ModelScopeHub
+    from .modelscope import ModelScopeHub
 
-        return ModelScopeHub()
-    raise InputError(f"unknown hub {hub!r}", f"use one of {', '.join(HUBS)}")
+    return ModelScopeHub()
 
 
 def default_subfolder(manifest: Manifest) -> str:
@@ -113,8 +111,7 @@ class PushPlan:
 def plan_push(artifacts: Path, repo_id: str, hub: str, subfolder: str | None, revision: str | None,
               allow_unverified: bool, workdir: Path) -> PushPlan:
     """Check the artifact folder and list what push would upload; writes the model card into `workdir`."""
-    if hub not in HUBS:
-        raise InputError(f"unknown hub {hub!r}", f"use one of {', '.join(HUBS)}")
+    check_hub(hub)
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise InputError(f"repo id {repo_id!r} must look like `owner/name`", "put a subfolder in --path-in-repo")
     manifest, _ = load_artifacts(artifacts)  # schema, every sha256, tensor shapes and orthogonality (exit 4)
@@ -200,8 +197,8 @@ class PullSource:
 
 def resolve_source(source: str, hub: str | None, revision: str | None) -> PullSource:
     """A catalog name (no `/`) or `REPO_ID[/SUBDIR]`; `--hub` picks the catalog location or the hub of a repo id."""
-    if hub is not None and hub not in HUBS:
-        raise InputError(f"unknown hub {hub!r}", f"use one of {', '.join(HUBS)}")
+    if hub is not None:
+        check_hub(hub)
     if "/" not in source:
         entry = find_entry(source)
         if entry is None:

@@ -46,7 +46,18 @@ RANGE_REL_FLOOR = 2.0**-12
 RANGE_ABS_FLOOR = 3 * 2.0**-14
 
 
-class Centring(str, Enum):
+class Choice(str, Enum):
+    """A closed vocabulary of strings: members compare, hash, print and format as their values (a plain `str` Enum
+    formats as `Class.MEMBER` in f-strings from Python 3.11 on)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Centring(Choice):
     """How history rows are stored (docs/format.md §6a): "none" as x·M; "mean" as x·M − μ·M with the calibrated
     means k_mean, v_mean. The vocabulary's one declaration: the manifest, the calibration and the runtime use it."""
 
