@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|profile]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|profile]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -22,6 +22,8 @@
 #   inductor-compiled layers around the OSCAR custom op, every supported architecture)
 # compile-bench: no tests; generate() at 100K and 32K, batch 1 (BATCHES), OSCAR and bf16graph with compiled layers
 #   (--compile), then with eager layers (--no-compile), each pair in one run
+# prefill: no tests; time to first token at 8K, 32K, 100K (batch 1) and 32K batch 8, OSCAR vs DynamicCache and the
+#   preallocated BF16 cache (benchmarks/bench_prefill.py), peak memory beside
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -81,6 +83,10 @@ if [ "$mode" = compile-bench ]; then
     python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-100000 32768} --batches ${BATCHES:-1} --budget-contexts \
       --phases --key-bits 2.7 $flag 2>&1 | tee "$OUT/bench_generate$flag.log" | grep -E "^\||compiled|eager layers|kernels "
   done
+  exit 0
+fi
+if [ "$mode" = prefill ]; then
+  python3 benchmarks/bench_prefill.py 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
   exit 0
 fi
 if [ "$mode" = pin-bench ]; then

@@ -122,3 +122,19 @@ def test_pinned_rows_are_counted_and_pinned_by_the_kv_fill(model):
         assert bg.kv_bytes(cache) == _storage_bytes(cache) == expected
     finally:
         del model._oscar_pin
+
+
+def test_prefill_benchmark_reads_the_first_token_generate_would(model):
+    """benchmarks/bench_prefill.py: its chunked prefill gives the first token transformers' generate() gives with the
+    same cache kind (one whole-prompt chunk), for every kind; a chunked row runs too."""
+    from benchmarks import bench_prefill as bp
+
+    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(3))
+    for kind in bp.KINDS:
+        bg.use_attention(model, kind)
+        got = bp.first_token(model, bg.make_cache(kind, model, T + 64), ids, chunk=T)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                             **{bg.cache_kwarg(model): bg.make_cache(kind, model, T + 64)})
+        assert torch.equal(got, out[:, -1]), kind
+        row = bp.run_row(model, kind, B, T, chunk=128)  # chunked: later chunks read the earlier ones' tiers
+        assert row["tokens_per_s"] > 0 and len(row["first_token"]) == B
