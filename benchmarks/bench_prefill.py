@@ -114,8 +114,8 @@ def main(argv=None) -> dict:
 
 def print_table(result: dict) -> None:
     print(f"\n{result['model']} ({result['layers']} layers), {result['device']}, prefill chunk {result['chunk']}")
-    print("| context | batch | cache | ms to first token | prompt tok/s | vs fastest BF16 | cache GB | peak GB over model "
-          "| peak beyond the cache GB |")
+    print("| context | batch | cache | ms to first token | prompt tok/s | vs fastest BF16 | cache GB "
+          "| peak GB over model | peak beyond the cache GB |")
     print("|---|---|---|---|---|---|---|---|---|")
     best = {}
     for r in result["rows"]:
