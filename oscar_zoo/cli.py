@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from .console import err_console
-from .errors import InputError, OscarZooError
+from .errors import InputError, OscarZooError, SettingError
 
 app = typer.Typer(
     name="oscar-zoo",
@@ -47,6 +47,8 @@ def main() -> None:
                 f"cannot use {path}: {exc.strerror or exc} (errno {exc.errno}); nothing was changed there",
                 "check the path and the file system, then run the command again")) from None
     except OscarZooError as exc:
+        if isinstance(exc, SettingError):  # a library setting no command spelled: its flag (group_size → --group-size)
+            exc = exc.spelled(lambda name: "--" + name.replace("_", "-"))
         # messages quote user input (file names, manifest keys): escaped, so `[/]` in them is text, not rich markup
         err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
         if exc.advice:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, SettingError, literal
 from .manifest import ModelIdentity, line_breaker
 from .runtime import layout
 
@@ -308,7 +308,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device {name!r} was asked for but no CUDA GPU is visible", "use --device cpu")
+        raise SettingError("device", f"device {literal(repr(name))} was asked for but no CUDA GPU is visible",
+                           "use {device} cpu")
     return torch.device(name)
 
 
@@ -326,8 +327,8 @@ def check_revision_applies(name: str, revision: str | None) -> None:
             "a GGUF file" if name.endswith(".gguf") else
             "a local folder" if Path(name).expanduser().is_dir() else None)
     if what is not None:
-        raise InputError(f"--revision {revision}: {name} is {what}; a revision applies to a Hugging Face model id",
-                         "leave --revision out")
+        raise SettingError("revision", f"{{revision}} {literal(revision)}: {literal(name)} is {what}; a revision "
+                           f"applies to a Hugging Face model id", "leave {revision} out")
 
 
 def load_model(
@@ -375,7 +376,7 @@ def load_model(
             if placement:
                 place(load_config(path.parent, where=f"the metadata of {path}", gguf_file=path.name))
             if device_map is not None:
-                raise InputError("--device-map is not supported for .gguf files",
+                raise SettingError("device_map", "{device_map} is not supported for .gguf files",
                                  "convert the model to a transformers folder first (save_pretrained)")
             model, tokenizer = _load_gguf(path, torch_dtype)
             if attn_implementation:

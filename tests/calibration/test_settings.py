@@ -84,3 +84,20 @@ def test_the_minimum_sequence_length_is_one_constant(monkeypatch, tmp_path):
                    lambda n: CalibrationRequest(out=Path(tmp_path), seq_len=n, tokens=4 * n)):
         with pytest.raises(SettingError, match=f"expected at least {2 * MIN_SEQ_LEN} tokens"):
             refuse(MIN_SEQ_LEN)
+
+
+def test_library_errors_name_settings_and_the_entry_point_spells_flags(run_cli, tmp_path):
+    """Dataset, revision and device errors of the library name the setting (split, text_field, revision); the one
+    error boundary (oscar_zoo.cli.main) spells them as the flags the user typed."""
+    from oscar_zoo.calibration.data import check_dataset_options
+    from oscar_zoo.errors import SettingError
+    from oscar_zoo.models import check_revision_applies
+
+    for call, name in ((lambda: check_dataset_options(None, "validation", None), "split"),
+                       (lambda: check_dataset_options(None, None, "body"), "text_field"),
+                       (lambda: check_revision_applies(str(tmp_path), "v1"), "revision")):
+        with pytest.raises(SettingError) as info:
+            call()
+        assert info.value.setting == name and info.value.message.startswith(name) and "--" not in info.value.message
+    code, out, err = run_cli("calibrate", "demo", "--split", "validation", "--out", tmp_path / "a")
+    assert code == 2 and "--split validation" in err
