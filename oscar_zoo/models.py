@@ -22,6 +22,7 @@ import torch
 from .errors import InputError, SettingError, literal
 from .manifest import ModelIdentity, line_breaker
 from .runtime import layout
+from .runtime.layout import Choice
 
 DEMO = "demo"
 DEMO_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -291,17 +292,31 @@ def native_cpu_bfloat16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+class Dtype(Choice):
+    """The model dtype the commands take (`--dtype`); bf16, fp16 and fp32 are accepted for the full names."""
+
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+    @classmethod
+    def _missing_(cls, value: object):
+        return {"bf16": cls.BFLOAT16, "fp16": cls.FLOAT16, "fp32": cls.FLOAT32}.get(value)
+
+
 def resolve_dtype(name: str, device: str | torch.device = "auto") -> torch.dtype:
-    """The model dtype for `name`; "auto" (the commands' default): bfloat16 on a GPU and on CPUs with native bfloat16
-    (`native_cpu_bfloat16`), float32 on other CPUs, for the device `device` resolves to."""
-    if name == "auto":
+    """The model dtype for `name` (a Dtype or its text); "auto" (the commands' default): bfloat16 on a GPU and on
+    CPUs with native bfloat16 (`native_cpu_bfloat16`), float32 on other CPUs, for the device `device` resolves to."""
+    try:
+        dtype = Dtype(name)
+    except ValueError:
+        raise SettingError("dtype", f"unknown dtype {literal(repr(name))}",
+                           "use one of auto, bfloat16 (bf16), float16 (fp16), float32 (fp32)") from None
+    if dtype is Dtype.AUTO:
         dev = resolve_device(device) if isinstance(device, str) else device
         return torch.bfloat16 if dev.type != "cpu" or native_cpu_bfloat16() else torch.float32
-    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-              "float32": torch.float32, "fp32": torch.float32}
-    if name not in dtypes:
-        raise InputError(f"unknown dtype {name!r}", f"use auto or one of {', '.join(dtypes)}")
-    return dtypes[name]
+    return getattr(torch, dtype.value)
 
 
 def resolve_device(name: str) -> torch.device:
