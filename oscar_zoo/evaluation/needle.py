@@ -181,7 +181,7 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
     progress("needle retrieval", 0, total, rate="")
     previous = model.config._attn_implementation
     try:
-        enable_oscar(model)  # exact attention with a DynamicCache; the runtime with an OscarCache
+        enable_oscar(model, compile=False)  # exact with a DynamicCache; the runtime with an OscarCache (no generate())
         with torch.inference_mode():
             for li, length in enumerate(settings.lengths):
                 for di, depth in enumerate(settings.depths):
