@@ -187,10 +187,10 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                 for di, depth in enumerate(settings.depths):
                     for _ in range(settings.trials):
                         prompt = build_prompt(tok, filler, length, depth, rng)
-                        for m, ids in zip([reference] + methods, _asked(model, prompt, [reference] + methods,
-                                                                        settings.protocol, device)):
-                            cache, question = ids
-                            answers[m.name].append(tok.decode(_answer(model, cache, question, settings.new_tokens)))
+                        everyone = [reference] + methods
+                        for m, (cache, ids) in zip(everyone, _asked(model, prompt, everyone, settings.protocol,
+                                                                    device)):
+                            answers[m.name].append(tok.decode(_answer(model, cache, ids, settings.new_tokens)))
                         for n in names:
                             right[n][li][di] += answer_is_right(answers[n][-1], prompt.key)
                         done += 1
