@@ -217,6 +217,7 @@ def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method
     method with a cache (`Method.make_cache`): OscarCache + the `oscar` attention (prefill exact, decode through the
     INT2 tiers), or transformers' QuantizedCache (the `oscar` attention is plain attention over what it returns)."""
     from ..runtime.attention import enable_oscar
+    from ..runtime.graph import install
 
     model = loaded.model
     device = next(model.parameters()).device
@@ -229,6 +230,8 @@ def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method
         reference_tokens = _greedy(model, prompt, new_tokens, pad_id)
         progress("greedy generation", 1, total, rate="")
         previous = model.config._attn_implementation
+        graphs = getattr(model, "_oscar_graphs", None)
+        compiled_before = None if graphs is None else graphs.compiled is not None
         results = {}
         try:
             enable_oscar(model, compile=False)  # a few dozen tokens: compiling the step would cost more than it saves
@@ -243,6 +246,8 @@ def compare_generation(loaded: LoadedModel, prompt: Tensor, methods: list[Method
                 progress("greedy generation", 2 + i, total, rate="")
         finally:
             model.set_attn_implementation(previous)
+            if compiled_before:  # the caller's compiled step comes back
+                install(model, compile=True)
     n = reference_tokens.shape[0]
     results[methods[0].name] = Generation(path=methods[0].cache_path, prompt_tokens=prompt.shape[1], new_tokens=n,
                                           first_divergence=None, matched_tokens=n)

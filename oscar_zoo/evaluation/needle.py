@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +112,10 @@ class NeedleSettings:
     min_relative_accuracy: float = DEFAULT_MIN_NEEDLE_ACCURACY  # the artifact's overall accuracy / BF16's
     protocol: str = NeedleProtocol.FOLLOW_UP.value  # one of PROTOCOLS
 
+    def __post_init__(self):
+        if self.protocol not in PROTOCOLS:  # before any model work, not after the teacher-forced run
+            raise InputError(f"needle protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+
 
 def _forward(model, ids: Tensor, cache) -> Tensor:
     """Last-position logits of `ids` [1, n] run after what `cache` holds."""
@@ -130,29 +134,29 @@ def _answer(model, cache, question: Tensor, new_tokens: int) -> list[int]:
     return out
 
 
-def _asked(model, prompt: NeedlePrompt, methods: list, protocol: str, device) -> list[tuple[object, Tensor]]:
-    """Per method (the reference first): its cache and the ids still to run before the answer. "follow-up": the
-    context prefilled once in BF16, each quantized cache filed from that prefill's K/V exactly as its `update` files a
-    prompt, the question left to run; "prompt": a fresh cache each, the whole prompt left to run (its own exact K/V
-    first, then the tiers: `model.generate(prompt, cache)`'s path)."""
+def _asked(model, prompt: NeedlePrompt, methods: list, protocol: str, device) -> Iterator[tuple[object, Tensor]]:
+    """Per method (the reference first), one at a time (a cache is dropped before the next is filled): its cache and
+    the ids still to run before the answer. "follow-up": the context prefilled once in BF16, each quantized cache filed
+    from that prefill's K/V exactly as its `update` files a prompt, the question left to run; "prompt": a fresh cache
+    each, the whole prompt left to run (its own exact K/V first, then the tiers: `model.generate(prompt, cache)`'s
+    path)."""
     if protocol == NeedleProtocol.PROMPT.value:
         ids = torch.tensor([prompt.context + prompt.question], device=device)
-        return [(m.make_cache(), ids) for m in methods]
-    if protocol != NeedleProtocol.FOLLOW_UP.value:
-        raise InputError(f"needle protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        for m in methods:
+            yield m.make_cache(), ids
+        return
     context = torch.tensor([prompt.context], device=device)
     question = torch.tensor([prompt.question], device=device)
     bf16 = methods[0].make_cache()  # the model's own DynamicCache
     for s in range(0, context.shape[1], PREFILL_CHUNK):
         _forward(model, context[:, s : s + PREFILL_CHUNK], bf16)
-    kv = [(layer.keys, layer.values) for layer in bf16.layers]
-    asked = [(bf16, question)]
+    kv = [(layer.keys, layer.values) for layer in bf16.layers]  # the answer below appends to new tensors, not these
+    yield bf16, question
     for m in methods[1:]:
         cache = m.make_cache()
         for idx, (k, v) in enumerate(kv):
             cache.update(k, v, idx)  # files the prompt as a prefill chunk would
-        asked.append((cache, question))
-    return asked
+        yield cache, question
 
 
 def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], settings: NeedleSettings,
@@ -181,7 +185,7 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
     progress("needle retrieval", 0, total, rate="")
     previous = model.config._attn_implementation
     try:
-        enable_oscar(model, compile=False)  # exact with a DynamicCache; the runtime with an OscarCache (no generate())
+        enable_oscar(model)  # exact attention with a DynamicCache; the runtime with an OscarCache
         with torch.inference_mode():
             for li, length in enumerate(settings.lengths):
                 for di, depth in enumerate(settings.depths):

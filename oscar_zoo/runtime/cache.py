@@ -518,8 +518,10 @@ class OscarCache(Cache):
                    k_mean=t.get("k_mean"), v_mean=t.get("v_mean"), **settings)  # fmt: skip
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        if compiled.stepping() and torch.compiler.is_compiling():  # the step's custom op files the token
-            return key_states, value_states
+        if compiled.stepping():
+            if torch.compiler.is_compiling():  # the step's custom op files the token
+                return key_states, value_states
+            compiled.check_filing()
         bound, self.bound_layer = self.bound_layer, None
         if (args or kwargs) and bound != layer_idx:  # a model's attention module (it passes its cache kwargs) that
             # enable_oscar's hook did not mark as running "oscar" attention

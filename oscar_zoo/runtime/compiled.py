@@ -33,6 +33,7 @@ class _Running:
     def __init__(self, cache):
         self.cache = cache
         self.module: torch.nn.Module | None = None
+        self.filing = False  # the op is inside its own cache.update
 
 
 _ACTIVE: list[_Running] = []  # the compiled steps running now, innermost last
@@ -41,6 +42,17 @@ _ACTIVE: list[_Running] = []  # the compiled steps running now, innermost last
 def stepping() -> bool:
     """True while a compiled step runs (and while dynamo traces one): the cache side goes through the custom op."""
     return bool(_ACTIVE)
+
+
+def check_filing() -> None:
+    """Called by a cache's `update` run eagerly inside a compiled step: only the op may file a token there. Anything
+    else is a graph break in a decoder layer that ran the update outside the op, and the op would file the same token
+    a second time: refused, rather than wrong logits."""
+    if _ACTIVE and not _ACTIVE[-1].filing:
+        raise RuntimeError(
+            "a compiled decode step filed a token outside its custom op (dynamo broke the decoder layer's graph): "
+            "turn compilation off with enable_oscar(model, compile=False)"
+        )
 
 
 @torch.library.custom_op("oscar_zoo::decode_attention", mutates_args=())
@@ -55,7 +67,11 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float, 
     cache, module = run.cache, run.module
     query, key, value = _eager_layout(query), _eager_layout(key), _eager_layout(value)
     _, kwargs = _bind_cache(module, (), {"cache": cache})  # what the pre-hook does in an eager call
-    key, value = cache.update(key, value, module.layer_idx, {})
+    run.filing = True
+    try:
+        key, value = cache.update(key, value, module.layer_idx, {})
+    finally:
+        run.filing = False
     out, _ = oscar_attention(module, query, key, value, None, scaling=scaling, softcap=softcap,
                              sliding_window=sliding_window, **kwargs)
     return out.contiguous()  # the layout the fake promises (the decode kernel's batch-major o may be strided)
@@ -96,13 +112,20 @@ class CompiledLayers:
 
     def __init__(self, model: torch.nn.Module):
         self.layers = decoder_layers(model)
-        self.supported = getattr(model.config, "model_type", None) in COMPILED_TYPES
+        self.model_type = getattr(model.config, "model_type", None)
         self.compiled: dict[type, object] = {}  # made on the first step (torch.compile is lazy; dynamo imports are not)
         self.compile_seconds: float | None = None
+
+    def usable(self) -> bool:
+        """The model type is one of COMPILED_TYPES and no layer has a forward of its own (accelerate's device-map and
+        offload hooks set one: the class's forward, compiled, would skip them)."""
+        return self.model_type in COMPILED_TYPES and not any("forward" in m.__dict__ for m in self.layers)
 
     @contextlib.contextmanager
     def step(self, cache):
         """Run the model's layers compiled, with `cache` as the one the custom op files into; restores on exit."""
+        if not self.usable():
+            raise RuntimeError(f"{self.model_type} layers with forwards of their own are not compiled (usable())")
         for cls in {type(m) for m in self.layers} - self.compiled.keys():
             self.compiled[cls] = torch.compile(cls.forward, dynamic=False)
         run = _Running(cache)

@@ -3,8 +3,9 @@
 A static decode step (`OscarLayer.is_static_step`: sink full, recent window full) touches only tensors of fixed
 address and shape and reads the tier lengths on the device, so it can be captured. Two graphs exist per batch shape:
 the plain step and the every-`flush`-steps step that also demotes (the host knows which comes next from its mirror of
-the lengths; it never reads the device). The first step of each kind runs eagerly (it compiles the kernels and makes
-the per-layer constants), the next is captured and replayed, and every later one is a replay. A history reallocation
+the lengths; it never reads the device). The first step of each kind runs uncaptured (it compiles the kernels, the
+decoder layers too at batch 1 (compiled.py), and makes the per-layer constants), the next is captured and replayed,
+and every later one is a replay. A history reallocation
 (growth past its reserve) or another cache drops the graphs, and each kind runs once eagerly and is captured again;
 `OscarCache.reserve(tokens)` after prefill avoids that.
 
@@ -79,7 +80,7 @@ class DecodeGraphs:
         types of `compiled.COMPILED_TYPES`, else eager. Batches above 1 replay the eager layers: with compiled ones the
         H200 runs gave wrong logits for Qwen3 shapes at batch 2 to 8 (not yet understood; RESULTS.md "Compiled decode
         step")."""
-        if self.compiled is None or not self.compiled.supported or kwargs["input_ids"].shape[0] != 1:
+        if self.compiled is None or not self.compiled.usable() or kwargs["input_ids"].shape[0] != 1:
             return contextlib.nullcontext()
         return self.compiled.step(cache)
 
@@ -156,20 +157,20 @@ class _Step:
         return self.out_type(**fields)
 
 
-def install(model: torch.nn.Module, compile: bool = True) -> None:
+def install(model: torch.nn.Module, compile: bool | None = None) -> None:
     """Make `model.get_compiled_call` (what generate() uses for decode steps with a compileable cache on a GPU) return
-    a `DecodeGraphs` that replays OscarCache steps (their layers compiled unless `compile` is False) and hands every
-    other cache to the model's own compiled call."""
+    a `DecodeGraphs` that replays OscarCache steps (their layers compiled unless `compile` is False; None: as set
+    before, compiled the first time) and hands every other cache to the model's own compiled call."""
     installed = getattr(model, "_oscar_graphs", None)
     if installed is not None:
-        if (installed.compiled is not None) != compile:
+        if compile is not None and (installed.compiled is not None) != compile:
             installed.compiled = CompiledLayers(model) if compile else None
             installed.reset()
         return
     if not hasattr(model, "get_compiled_call"):
         return
     own = type(model).get_compiled_call
-    graphs = DecodeGraphs(model, compile=compile)
+    graphs = DecodeGraphs(model, compile=compile is not False)
     model._oscar_graphs = graphs
 
     def get_compiled_call(compile_config=None):

@@ -58,6 +58,27 @@ def test_compiled_layers_equal_the_eager_step_across_demotions():
     assert not compiled.stepping() and all("forward" not in m.__dict__ for m in layers.layers)  # restored on exit
 
 
+def test_a_token_filed_outside_the_op_is_refused_and_hooked_layers_are_not_compiled():
+    """Inside a compiled step only the op files tokens: an eager `update` there (what a graph break in the layer
+    would run, before the op files the same token again) raises instead of giving wrong logits. A layer with a
+    forward of its own (accelerate's hooks) makes the model's layers not compiled, and the forward is kept."""
+    model = enable_oscar(_llama(layers=2, dtype=torch.float32))
+    cache = _cache(2)
+    with torch.no_grad():
+        model(torch.randint(0, 512, (1, 330)), cache=cache)
+    k = torch.randn(1, 3, 1, 64)
+    layers = CompiledLayers(model)
+    with pytest.raises(RuntimeError, match="outside its custom op"), layers.step(cache):
+        cache.update(k, k.clone(), 0)
+    assert not compiled.stepping() and all("forward" not in m.__dict__ for m in layers.layers)
+    hooked = model.model.layers[1]
+    hooked.forward = hooked.forward  # an instance forward, as accelerate's add_hook_to_module sets
+    assert not layers.usable()
+    with pytest.raises(RuntimeError, match="not compiled"), layers.step(cache):
+        pass
+    assert "forward" in hooked.__dict__
+
+
 def test_decode_attention_op_schema_and_fake_tensor():
     """torch.library.opcheck: the op declares no input mutation and really mutates none, and its fake implementation
     gives the real output's shape, dtype and strides."""
