@@ -277,6 +277,16 @@ def kernel_times(
 # ------------------------------------------------------------------------------------------------------ one row
 
 
+def fresh_peak(device: torch.device) -> int | None:
+    """Free what earlier rows left and restart the peak-memory count; the bytes allocated now (None off a GPU)."""
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -305,11 +315,7 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     if kind in PEER_KINDS:
         row["graph_note"] = peer_caches.EAGER_NOTE
     use_attention(model, kind)
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    base = fresh_peak(dev)
     cache = make_cache(kind, model, capacity)
     if fold and not getattr(model, "_oscar_folded", False):
         fold_value_rotation(model, cache)  # the benchmark's rotations are the same for every OSCAR cache (seed 0)

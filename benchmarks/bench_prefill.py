@@ -17,7 +17,6 @@ $OUT/bench_prefill_<model>.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
@@ -25,17 +24,11 @@ import time
 import torch
 
 if __package__:  # imported: `from benchmarks import bench_prefill`
-    from .bench_generate import build_model, cache_kwarg, kv_bytes, make_cache, use_attention
+    from .bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention
 else:  # run as a script (its folder is on sys.path)
-    from bench_generate import build_model, cache_kwarg, kv_bytes, make_cache, use_attention
+    from bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention
 
 KINDS = ("oscar", "dynamic", "prealloc")
-GB = 1e9
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 @torch.inference_mode()
@@ -52,11 +45,7 @@ def run_row(model, kind: str, B: int, T: int, chunk: int) -> dict:
     """One prefill of B prompts of T tokens through a fresh cache of `kind`."""
     dev = next(model.parameters()).device
     use_attention(model, kind)
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    base = fresh_peak(dev)
     ids = torch.randint(0, model.config.vocab_size, (B, T), device=dev, generator=torch.Generator(dev).manual_seed(3))
     cache = make_cache(kind, model, T + 64)
     _sync(dev)

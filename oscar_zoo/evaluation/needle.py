@@ -30,11 +30,10 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..models import LoadedModel
-from ..runtime.layout import Choice
 from .attention import cache_argument
 from .baselines import DTYPE_NAMES
 from .registry import Setup, build_methods
-from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleReport
+from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleProtocol, NeedleReport
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
 QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"
@@ -90,13 +89,6 @@ def answer_is_right(text: str, key: str) -> bool:
     """Exact: the first characters after any spaces are the passkey's digits, and no further digit follows."""
     found = re.match(r"\s*(\d+)", text)
     return found is not None and found.group(1) == key
-
-
-class NeedleProtocol(Choice):
-    """How the question meets the cached context (module docstring); NeedleReport.protocol records the value."""
-
-    FOLLOW_UP = "follow-up"
-    PROMPT = "prompt"
 
 
 PROTOCOLS = tuple(p.value for p in NeedleProtocol)

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from ..runtime.layout import Choice
+
 REPORT_VERSION = 1
 
 
@@ -71,6 +73,14 @@ class NeedleMethod(_Frozen):
     answers: list[str]  # the decoded answer of every prompt, in grid order (length, depth, trial)
 
 
+class NeedleProtocol(Choice):
+    """How the needle grid's question meets the cached context: "follow-up", the context filed first and the question
+    a second chunk read through the tiers; "prompt", context and question one prompt (generate()'s path)."""
+
+    FOLLOW_UP = "follow-up"
+    PROMPT = "prompt"
+
+
 class NeedleReport(_Frozen):
     """`verify --needle`: passkey retrieval through the runtime at several lengths and depths."""
 
@@ -87,9 +97,7 @@ class NeedleReport(_Frozen):
     passed: bool
     failures: list[str]
     wall_seconds: float
-    # "follow-up": the context filed first, the question a second chunk read through the tiers; "prompt": context and
-    # question one prompt (generate()'s path). Reports written before the option existed used "follow-up".
-    protocol: Literal["follow-up", "prompt"] = "follow-up"
+    protocol: NeedleProtocol = NeedleProtocol.FOLLOW_UP  # reports written before the option existed used "follow-up"
 
     def method(self, name: str) -> NeedleMethod:
         return next(m for m in self.methods if m.name == name)
