@@ -101,6 +101,11 @@ class GraphBF16Cache(Cache):
     def __init__(self, capacity: int, num_layers: int):
         super().__init__(layers=[GraphBF16Layer(capacity, i) for i in range(num_layers)])
 
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        if compiled.stepping() and torch.compiler.is_compiling():  # before `self.layers[layer_idx]`: indexing it made
+            return key_states, value_states  # dynamo guard on layer_idx and compile every layer apart (to its limit)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def static_step_key(self):
         ok = all(layer.is_initialized and layer.n < layer.capacity for layer in self.layers)
         return (False, tuple(layer.storage_id for layer in self.layers)) if ok else None

@@ -1,6 +1,5 @@
 """Loading transformers causal LMs (HF id + revision, local folder, GGUF file, the bundled demo model) and describing
-their attention geometry as data: which config fields give layers, H_q, H_kv, head_dim, and whether QK-norm exists;
-and a model's attention switched, for a block, to a function registered with transformers (`attention_bound`).
+their attention geometry as data: which config fields give layers, H_q, H_kv, head_dim, and whether QK-norm exists.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -424,37 +422,3 @@ def load_model(
         model.to(resolve_device(device))
     info = arch_info(model.config, f"the metadata of {path}" if path.suffix == ".gguf" else None)
     return LoadedModel(model, tokenizer, info, model_identity(model_id, revision, model.config), source)
-
-
-_BOUND = "_oscar_bound_attention"  # attribute of a model's layer modules: the value its bound attention function reads
-
-
-@contextmanager
-def attention_bound(model: torch.nn.Module, name: str, function: Callable, value: object) -> Iterator[None]:
-    """Within the block, every attention layer of `model` runs `function` (registered with transformers as `name`),
-    which finds `value` with `bound_value(module)`. The value lives on this model's modules, not in a module global, so
-    two models (or nested blocks on one model) each see their own; on exit the previous attention implementation and
-    values come back."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(name, function)
-    layers = [m for m in model.modules() if hasattr(m, "layer_idx")]
-    saved = [m.__dict__.get(_BOUND, _BOUND) for m in layers]  # _BOUND itself: the module had none
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    for m in layers:
-        m.__dict__[_BOUND] = value  # a plain attribute, even for an nn.Module value (never a registered submodule)
-    try:
-        yield
-    finally:
-        for m, old in zip(layers, saved):
-            if old is _BOUND:
-                m.__dict__.pop(_BOUND, None)
-            else:
-                m.__dict__[_BOUND] = old
-        model.set_attn_implementation(previous)
-
-
-def bound_value(module: torch.nn.Module) -> object | None:
-    """The value `attention_bound` gave `module`'s model for the current block (None outside one)."""
-    return module.__dict__.get(_BOUND)

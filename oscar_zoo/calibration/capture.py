@@ -1,7 +1,7 @@
 """Capture of what attention reads: post-QK-norm, post-RoPE Q and K, V as projected, and the attention output, for
 every layer, through an attention function registered with transformers (so every supported architecture's own
 RoPE / QK-norm code runs unchanged). The observer sees tensors; nothing is stored here, and each model carries its own
-observer (`models.attention_bound`), so two models can be captured at once.
+observer (`attention_binding.attention_bound`), so two models can be captured at once.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from ..models import attention_bound, bound_value
+from ..attention_binding import attention_bound, bound_value
 
 CAPTURE_IMPL = "oscar_capture"
 

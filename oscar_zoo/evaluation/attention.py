@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..models import attention_bound, bound_value
+from ..attention_binding import attention_bound, bound_value
 from ..runtime import reference
 
 VERIFY_IMPL = "oscar_verify"
@@ -89,7 +89,7 @@ def _verify_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 @contextmanager
 def verifying(model: torch.nn.Module, runner: Runner) -> Iterator[None]:
     """Within the block every attention layer of `model` is computed by `runner` (each model by its own: the runner
-    is bound to the model's modules, `models.attention_bound`)."""
+    is bound to the model's modules, `attention_binding.attention_bound`)."""
     with attention_bound(model, VERIFY_IMPL, _verify_attention, runner):
         yield
 

@@ -257,7 +257,7 @@ def enable_oscar(model: torch.nn.Module, compile: bool | None = None) -> torch.n
     """Register "oscar", switch `model` (a transformers PreTrainedModel) to it and bind its attention modules to the
     cache they are called with; returns the model. Rotations are applied only when an OscarCache is the cache; without
     one the model runs exact. On a GPU, generate() then replays single-token decode steps as CUDA graphs (graph.py),
-    whose decoder layers are compiled by inductor around the OSCAR work at batch 1 (compiled.py; the first such step
+    whose decoder layers are compiled by inductor around the OSCAR work (compiled.py; the first such step
     compiles). `compile=False` captures the eager layers instead; None (the default) keeps what an earlier call set,
     and compiles on a first call."""
     register()

@@ -12,8 +12,8 @@ its arguments to the op.
 
 Compilation is `dynamic=False`: one graph per layer class and batch shape; the tier lengths live on the device, so a
 later step or a demotion step reuses it. `graph.DecodeGraphs` runs the warm-up step and the capture through
-`CompiledLayers.step`, so the compiled kernels are what the CUDA graph replays (batch 1 of `COMPILED_TYPES`; graph.py
-says why not more).
+`CompiledLayers.step`, so the compiled kernels are what the CUDA graph replays (the model types of `COMPILED_TYPES`,
+up to `CompiledLayers.MAX_SHAPES` batch shapes).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ _ACTIVE: list[_Running] = []  # the compiled steps running now, innermost last
 
 
 def stepping() -> bool:
-    """True while a compiled step runs (and while dynamo traces one): the cache side goes through the custom op."""
-    return bool(_ACTIVE)
+    """True while a compiled step runs (and while dynamo traces one): the cache side goes through the custom op.
+    `len`, not `bool`: dynamo (torch 2.11) cannot trace `bool(list)` and broke every layer's graph there."""
+    return len(_ACTIVE) > 0
 
 
 def check_filing() -> None:
@@ -110,11 +111,20 @@ class CompiledLayers:
     used only inside `step` (prefill, CPU runs and steps that are not static stay eager). Compiles lazily on the first
     step; reports the time it took once."""
 
+    MAX_SHAPES = 32  # batch shapes compiled per model; later ones run eager layers (each shape is one dynamo entry)
+
     def __init__(self, model: torch.nn.Module):
         self.layers = decoder_layers(model)
         self.model_type = getattr(model.config, "model_type", None)
         self.compiled: dict[type, object] = {}  # made on the first step (torch.compile is lazy; dynamo imports are not)
         self.compile_seconds: float | None = None
+        self.shapes: set[tuple] = set()  # the input shapes compiled so far
+
+    def admit(self, shape: tuple) -> bool:
+        """Whether a step of this input shape runs compiled: a shape seen before, or a new one within MAX_SHAPES."""
+        if shape not in self.shapes and len(self.shapes) < self.MAX_SHAPES:
+            self.shapes.add(shape)
+        return shape in self.shapes
 
     def usable(self) -> bool:
         """The model type is one of COMPILED_TYPES and no layer has a forward of its own (accelerate's device-map and
@@ -134,8 +144,12 @@ class CompiledLayers:
             layer.forward = functools.partial(self._layer, run, layer)
         first = self.compile_seconds is None
         t0 = time.perf_counter()
+        # one dynamo entry per batch shape on the layer class's forward, which other models of the class share: past
+        # dynamo's default limit (8) a frame would run eagerly and file its token outside the op (check_filing)
+        limit = max(torch._dynamo.config.recompile_limit, 2 * self.MAX_SHAPES)
         try:
-            yield
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                yield
         finally:
             for layer in self.layers:
                 del layer.forward  # the class's forward again

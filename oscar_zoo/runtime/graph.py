@@ -4,7 +4,7 @@ A static decode step (`OscarLayer.is_static_step`: sink full, recent window full
 address and shape and reads the tier lengths on the device, so it can be captured. Two graphs exist per batch shape:
 the plain step and the every-`flush`-steps step that also demotes (the host knows which comes next from its mirror of
 the lengths; it never reads the device). The first step of each kind runs uncaptured (it compiles the kernels, the
-decoder layers too at batch 1 (compiled.py), and makes the per-layer constants), the next is captured and replayed,
+decoder layers too (compiled.py), and makes the per-layer constants), the next is captured and replayed,
 and every later one is a replay. A history reallocation
 (growth past its reserve) or another cache drops the graphs, and each kind runs once eagerly and is captured again;
 `OscarCache.reserve(tokens)` after prefill avoids that.
@@ -76,11 +76,10 @@ class DecodeGraphs:
         return step.output(cache)
 
     def _layers(self, cache, kwargs: dict):
-        """The decoder layers a static step runs: compiled (the OSCAR work as a custom op) at batch 1 for the model
-        types of `compiled.COMPILED_TYPES`, else eager. Batches above 1 replay the eager layers: with compiled ones the
-        H200 runs gave wrong logits for Qwen3 shapes at batch 2 to 8 (not yet understood; RESULTS.md "Compiled decode
-        step")."""
-        if self.compiled is None or not self.compiled.usable() or kwargs["input_ids"].shape[0] != 1:
+        """The decoder layers a static step runs: compiled (the OSCAR work as a custom op) for the model types of
+        `compiled.COMPILED_TYPES` (up to `CompiledLayers.MAX_SHAPES` batch shapes), else eager."""
+        layers = self.compiled
+        if layers is None or not layers.usable() or not layers.admit(tuple(kwargs["input_ids"].shape)):
             return contextlib.nullcontext()
         return self.compiled.step(cache)
 

@@ -47,15 +47,32 @@ def test_compiled_layers_equal_the_eager_step_across_demotions():
     eager_cache, compiled_cache = _cache(2), _cache(2)
     want = _teacher_forced(model, eager_cache, ids, 330, None)
     layers = CompiledLayers(model)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     got = _teacher_forced(model, compiled_cache, ids, 330, layers)
     assert counters["stats"]["unique_graphs"] - graphs == 1  # one graph for both layers, whatever the step
+    assert sum(counters["graph_break"].values()) == breaks
     scale = want.abs().max()
     assert (got - want).abs().max() <= 1e-5 * scale
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     n_hist = 330 - layout.SINK - layout.RECENT + 40  # 40 decode tokens: 5 demotions of 8
     assert compiled_cache.layers[1].n_hist == eager_cache.layers[1].n_hist == n_hist
     assert not compiled.stepping() and all("forward" not in m.__dict__ for m in layers.layers)  # restored on exit
+
+
+def test_batch_shapes_past_dynamos_recompile_limit_stay_compiled(monkeypatch):
+    """Each batch shape is one dynamo entry on the layer class's forward. With dynamo's limit at 1, a second shape would
+    run that frame eagerly inside the step, and the eager update would refuse (check_filing): the step raises the limit
+    for its layers, so batch 1 then batch 2 both give the eager logits. Past MAX_SHAPES, new shapes run eager layers."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    model = enable_oscar(_llama(layers=2, dtype=torch.float32))
+    layers = CompiledLayers(model)
+    for B in (1, 2):
+        ids = torch.randint(0, 512, (B, 333), generator=torch.Generator().manual_seed(B))
+        want = _teacher_forced(model, _cache(2), ids, 330, None)
+        got = _teacher_forced(model, _cache(2), ids, 330, layers)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    monkeypatch.setattr(CompiledLayers, "MAX_SHAPES", 2)
+    assert layers.admit((1, 1)) and layers.admit((2, 1)) and layers.admit((1, 1)) and not layers.admit((3, 1))
 
 
 def test_a_token_filed_outside_the_op_is_refused_and_hooked_layers_are_not_compiled():
@@ -104,7 +121,7 @@ def test_generate_compiled_replay_equals_eager_and_uncompiled(arch, B):
     graph step equal the uncompiled graph step's and the eager path's, logits within 1 % of their largest. Not bit for
     bit: inductor's fused reductions round differently, and a last-bit difference in a key can move it across an INT2
     level, which moves that step's logits by far more than the round-off (a misfiled token moves every later step's by
-    tens of percent). Batches above 1 replay the eager layers (graph.py): bit for bit the uncompiled capture."""
+    tens of percent)."""
     model = _qwen3("cuda") if arch == "qwen3" else _llama(device="cuda")
     model = enable_oscar(model.float())
     cfg = model.config
@@ -122,7 +139,6 @@ def test_generate_compiled_replay_equals_eager_and_uncompiled(arch, B):
         if mode != "eager":
             assert model._oscar_graphs.replays >= 210
     assert torch.equal(runs["graph"][1], runs["eager"][1])  # the uncompiled capture is exact
-    assert torch.equal(runs["compiled"][1], runs["graph"][1]) == (B > 1)
     assert torch.equal(runs["compiled"][0], runs["eager"][0])
     assert (runs["compiled"][1] - runs["eager"][1]).abs().max() <= 1e-2 * runs["eager"][1].abs().max()
 
@@ -156,7 +172,7 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
     model = enable_oscar(_arch(model_type).to(dtype))
     ids = torch.randint(0, 512, (1, 390), generator=torch.Generator().manual_seed(2)).cuda()
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    runs = []
+    runs, breaks = [], sum(counters["graph_break"].values())
     for mode in ("eager", "graph", "compiled"):
         enable_oscar(model, compile=mode == "compiled")
         cache = _cache(2)
@@ -170,6 +186,9 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
         assert model._oscar_graphs.replays == 0 and torch.equal(runs[2], runs[0])
         return
     assert model._oscar_graphs.replays >= 50
+    # no graph break: with one (torch 2.11 could not trace `bool(list)` in `compiled.stepping`) each layer's attention
+    # compiled as a frame of its own, per layer index, and past dynamo's recompile limit (8) ran eagerly
+    assert sum(counters["graph_break"].values()) == breaks
     if model_type in compiled.COMPILED_TYPES:
         tol = 1e-2 if dtype == torch.float32 else 5e-2
         assert (runs[2] - runs[0]).abs().max() <= tol * runs[0].abs().max()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import inspect
 import math
 
-import pytest
 import torch
 from transformers import DynamicCache
 

@@ -5,7 +5,7 @@ exactly the slot the device holds, nothing else touched."""
 import pytest
 import torch
 
-from oscar_zoo.runtime import reference, rotate_op
+from oscar_zoo.runtime import rotate_op
 
 
 def _orthogonal(h, d, g):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
 
-from oscar_zoo.runtime import attention, layout, ops, reference
+from oscar_zoo.runtime import layout, ops, reference
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache, OscarLayer
 from oscar_zoo.runtime.graph import DecodeGraphs, _Step
