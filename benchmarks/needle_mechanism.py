@@ -93,6 +93,16 @@ def uniform(x: torch.Tensor, bits: int, lo=None, hi=None) -> torch.Tensor:
     return (q - zero) * scale
 
 
+def per_channel(x: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
+    """x [H, T, D] coded per channel over blocks of `tokens` consecutive tokens (a scale/zero pair per channel and
+    block: KIVI's key layout), min-max, `bits` bits; the last partial block per token (per row)."""
+    H, T, D = x.shape
+    n = T // tokens * tokens
+    body = x[:, :n].reshape(H, n // tokens, tokens, D).transpose(2, 3)  # [H, blocks, D, tokens]
+    body = uniform(body, bits).transpose(2, 3).reshape(H, n, D)
+    return torch.cat([body, uniform(x[:, n:], bits)], 1) if n < T else body
+
+
 def int2(x: torch.Tensor, clip, group: int = 0) -> torch.Tensor:
     return ref.fake_quant(x, clip, group)
 
@@ -143,6 +153,8 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
         kb = kb.get(layer)
     if kb:  # uniform k_bits per row after the clip
         kq = uniform(ref.clip_rows(kr, kc), kb)
+    if o.get("k_chan"):  # per channel over token blocks (unclipped), at the layer's key bits
+        kq = per_channel(kr, kb or 2, o["k_chan"])
     if o.get("k_channel_eq"):  # static per-channel scale (the rows' RMS per channel), then per-row INT2
         s = kr.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-6)
         kq = int2(kr / s, kc) * s
@@ -253,6 +265,12 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
             Variant("artifact codec, outlier tokens 1 %", extra_bits_k=n3 + 0.14, extra_bits_v=0.14, **art,
                     outliers=0.01),
             Variant("artifact codec, K groups of 32", extra_bits_k=n3 + (1 - n3) * (1 - row), **art, k_group=32)]
+    # keys per channel over blocks of tokens (KIVI's layout; same scale/zero count as a row at 64 tokens and D = 64)
+    for n in (64, 32):
+        extra = 32 / n - row
+        out += [Variant(f"K per channel, {n}-token blocks", k_chan=n, extra_bits_k=extra),
+                Variant(f"artifact codec, K per channel, {n}-token blocks", extra_bits_k=n3 + extra, k_chan=n,
+                        k_bits=art["k_bits"])]
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):

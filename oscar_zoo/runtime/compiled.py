@@ -138,15 +138,15 @@ class CompiledLayers:
             raise RuntimeError(f"{self.model_type} layers with forwards of their own are not compiled (usable())")
         for cls in {type(m) for m in self.layers} - self.compiled.keys():
             self.compiled[cls] = torch.compile(cls.forward, dynamic=False)
+        # one dynamo entry per batch shape on the layer class's forward, which other models of the class share: past
+        # dynamo's default limit (8) a frame would run eagerly and file its token outside the op (check_filing)
+        limit = max(torch._dynamo.config.recompile_limit, 2 * self.MAX_SHAPES)
         run = _Running(cache)
         _ACTIVE.append(run)
         for layer in self.layers:
             layer.forward = functools.partial(self._layer, run, layer)
         first = self.compile_seconds is None
         t0 = time.perf_counter()
-        # one dynamo entry per batch shape on the layer class's forward, which other models of the class share: past
-        # dynamo's default limit (8) a frame would run eagerly and file its token outside the op (check_filing)
-        limit = max(torch._dynamo.config.recompile_limit, 2 * self.MAX_SHAPES)
         try:
             with torch._dynamo.config.patch(recompile_limit=limit):
                 yield
