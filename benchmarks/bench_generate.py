@@ -3,7 +3,8 @@
 A random-weight model of a real architecture (Qwen3-8B shapes on the GPU, a demo-sized Llama on CPU) gets its cache
 filled to a context, then runs greedy decode steps through `model.forward` (the step `generate` takes, without its
 host-side bookkeeping) with each cache: OscarCache (INT2 history, random orthogonal rotations, clip 0.96/0.92),
-transformers' DynamicCache and StaticCache, "prealloc" (a BF16 cache written in place and read as an exact-length
+transformers' DynamicCache and StaticCache (eager, and "static-compiled": the forward compiled whole as transformers
+documents, `static_forward`), "prealloc" (a BF16 cache written in place and read as an exact-length
 view), and "bf16graph" (a BF16 cache of fixed capacity with a device-side length, read at its exact length by the
 runtime's split-K BF16 kernel: the fastest BF16 decode that can be captured), and transformers' QuantizedCache
 ("hf-quanto-int2", "hf-hqq-int2", "-int4": the cache users pick today, its defaults; eager, timed over one
@@ -50,7 +51,7 @@ else:  # run as a script: python benchmarks/bench_generate.py (its folder is on 
     from phase_timing import PhaseTimer, patched, phase_targets
 PEER_KINDS = peer_caches.PEER_KINDS
 
-KINDS = ("oscar", "dynamic", "static", "prealloc", "bf16graph") + PEER_KINDS
+KINDS = ("oscar", "dynamic", "static", "static-compiled", "prealloc", "bf16graph") + PEER_KINDS
 GRAPH_KINDS = ("oscar", "bf16graph")  # caches with a static (capturable) decode step
 
 
@@ -125,8 +126,10 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
                           pin=getattr(model, "_oscar_pin", 0))
     if kind == "dynamic":
         return DynamicCache(config=cfg)
-    if kind == "static":
-        return StaticCache(config=cfg, max_cache_len=capacity)
+    if kind in ("static", "static-compiled"):
+        cache = StaticCache(config=cfg, max_cache_len=capacity)
+        cache.bench_compiled = kind == "static-compiled"  # decode() runs static_forward(model) over it
+        return cache
     if kind == "prealloc":
         return Cache(layers=[PreallocLayer(capacity) for _ in range(L)])
     if kind == "bf16graph":
@@ -241,13 +244,22 @@ def decode(model, cache: Cache, tokens: Tensor, steps: int, graph: bool = False)
     """`steps` greedy decode steps from tokens [B, 1]; returns the generated ids [B, steps]. No host syncs. With
     `graph`, each step goes through the model's DecodeGraphs (as generate() on a GPU does): replays once captured."""
     kw = cache_kwarg(model)
-    forward = model._oscar_graphs if graph else model
+    forward = model._oscar_graphs if graph else static_forward(model) if getattr(cache, "bench_compiled", 0) else model
     out = []
     for _ in range(steps):
         logits = forward(input_ids=tokens, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
         tokens = logits[:, -1].argmax(-1, keepdim=True)
         out.append(tokens)
     return torch.cat(out, dim=1)
+
+
+def static_forward(model):
+    """What transformers documents for a fast BF16 decode: a StaticCache and the model's forward compiled whole by
+    `torch.compile(mode="reduce-overhead", fullgraph=True)` (inductor, its CUDA graphs on a GPU); once per model."""
+    forward = model.__dict__.get("_bench_static_forward")
+    if forward is None:
+        forward = model._bench_static_forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    return forward
 
 
 def kernel_times(
@@ -301,6 +313,7 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     history), so its flush is amortised as in a long generation."""
     graph = graph and kind in GRAPH_KINDS
     fold = fold and kind == "oscar"
+    phases = phases and kind != "static-compiled"  # one compiled graph: no phases to time apart
     if kind in PEER_KINDS:
         steps = max(steps, peer_caches.RESIDUAL)
     if graph:  # each step kind (plain, demoting) runs once eagerly, then is captured: both before the timed steps

@@ -13,7 +13,7 @@ else:  # imported by bench_generate run as a script (its folder is on sys.path)
     import peer_caches
 
 PEER_KINDS = peer_caches.PEER_KINDS
-BF16_KINDS = ("dynamic", "static", "prealloc", "bf16graph")
+BF16_KINDS = ("dynamic", "static", "static-compiled", "prealloc", "bf16graph")
 GB = 1e9
 
 
