@@ -361,7 +361,7 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
         wall_s = start.elapsed_time(end) / 1e3
     else:
         wall_s = cpu_s
-    tokens_now = cache.get_seq_length()  # T + warmup + steps
+    tokens_now = int(cache.get_seq_length())  # T + warmup + steps (StaticCache: a device tensor)
     kvb = kv_bytes(cache)
     row.update(
         ms_per_step=wall_s / steps * 1e3, host_ms_per_step=cpu_s / steps * 1e3, tokens_per_s=B * steps / wall_s,
