@@ -63,7 +63,7 @@ def _general_path_only(monkeypatch):
 @pytest.mark.parametrize(("backend", "B", "steps", "tiers", "centred", "key_bits"),
                          [("reference", 1, 45, (64, 256), False, 2), ("reference", 3, 45, (64, 256), False, 2),
                           ("reference", 2, 45, (64, 256), True, 2), ("reference", 2, 45, (64, 256), False, 3),
-                          ("interpreter", 2, 17, (16, 32), False, 2), ("interpreter", 1, 9, (16, 32), True, 2),
+                          ("interpreter", 1, 17, (16, 32), False, 2), ("interpreter", 1, 9, (16, 32), True, 2),
                           ("interpreter", 2, 9, (16, 32), False, 3)])
 def test_static_step_equals_general_path(backend, B, steps, tiers, centred, key_bits, monkeypatch):
     """A prefill 10 tokens past sink + recent, then teacher-forced decode steps (45: 5 demotions; under the
