@@ -81,7 +81,7 @@ class DecodeGraphs:
         layers = self.compiled
         if layers is None or not layers.usable() or not layers.admit(tuple(kwargs["input_ids"].shape)):
             return contextlib.nullcontext()
-        return self.compiled.step(cache)
+        return layers.step(cache)
 
     def reset(self) -> None:
         """Drop every captured graph and its memory pool (the next static step warms up and captures again)."""
