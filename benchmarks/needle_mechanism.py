@@ -155,6 +155,13 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
         kq = uniform(ref.clip_rows(kr, kc), kb)
     if o.get("k_chan"):  # per channel over token blocks (unclipped), at the layer's key bits
         kq = per_channel(kr, kb or 2, o["k_chan"])
+    vb = o.get("v_bits")
+    if isinstance(vb, dict):  # per-layer value bits
+        vb = vb.get(layer)
+    if vb:  # uniform v_bits per row after the clip
+        vq = uniform(ref.clip_rows(vr, vc), vb)
+    if o.get("v_chan"):  # values per channel over token blocks too
+        vq = per_channel(vr, vb or 2, o["v_chan"])
     if o.get("k_channel_eq"):  # static per-channel scale (the rows' RMS per channel), then per-row INT2
         s = kr.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-6)
         kq = int2(kr / s, kc) * s
@@ -271,6 +278,14 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
         out += [Variant(f"K per channel, {n}-token blocks", k_chan=n, extra_bits_k=extra),
                 Variant(f"artifact codec, K per channel, {n}-token blocks", extra_bits_k=n3 + extra, k_chan=n,
                         k_bits=art["k_bits"])]
+    v3 = {i: 3 for i in three}
+    out += [Variant("K per channel 64, V 3 bits in the artifact's 3-bit-key layers", k_chan=64, v_bits=v3,
+                    extra_bits_v=n3),
+            Variant("K per channel 64, V 3 bits everywhere", k_chan=64, v_bits=3, extra_bits_v=1.0),
+            Variant("K per channel 64, K 3 bits everywhere", k_chan=64, k_bits=3, extra_bits_k=1.0),
+            Variant("K and V per channel, 64-token blocks", k_chan=64, v_chan=64),
+            Variant("artifact codec, K per channel 64, V clip off", extra_bits_k=n3, k_chan=64, k_bits=art["k_bits"],
+                    v_clip=0.0)]
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):
