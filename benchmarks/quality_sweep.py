@@ -245,6 +245,31 @@ class LloydMax(RotatedInt2):
         return kv
 
 
+class ChannelKeys(RotatedInt2):
+    """Probe of issue 32's next codec (QUALITY.md run H): `base`'s rotations and key bits, its history keys coded per
+    channel over blocks of `block` tokens (min-max, unclipped; `needle_mechanism.per_channel`) and its values
+    unclipped. At head_dim = block the scale/zero bits equal a row's, so the bits are `base`'s."""
+
+    def __init__(self, base: RotatedInt2, block: int = 64):
+        super().__init__(f"{base.name}-kchan", f"{base.label} + keys per channel / {block} tokens, values unclipped",
+                         "variant", base.k_rotation, base.v_rotation, base.k_clip, torch.zeros_like(base.v_clip),
+                         base.group_size, base.sink, base.recent, base.k_mean, base.v_mean, base.key_bits)
+        self.head_dim, self.block = base.head_dim, block
+
+    def prepare(self, layer, q, k, v, quantize_pack):
+        from needle_mechanism import per_channel
+
+        kv = super().prepare(layer, q, k, v, quantize_pack)
+        B, H, T, D = kv.k.shape
+        lo = min(self.sink, T)
+        hi = max(lo, T - self.recent)
+        if hi > lo:
+            bits = self.key_bits[layer] if self.key_bits else 2
+            rows = kv.k[:, :, lo:hi].float().reshape(B * H, hi - lo, D)
+            kv.k_hat[:, :, lo:hi] = per_channel(rows, bits, self.block).reshape(B, H, hi - lo, D)
+        return kv
+
+
 def kivi(name: str, group: int, D: int = 64) -> Kivi:
     m = Kivi(D, SINK, RECENT, group)
     m.name, m.kind, m.head_dim = name, "baseline", D
@@ -304,6 +329,9 @@ def main() -> None:
     ap.add_argument("--layer-probe", action="store_true", help="per-layer diagnostics even with --methods")
     ap.add_argument("--smoke", action="store_true", help="fixed clips instead of searches (a quick check of the loop)")
     ap.add_argument("--summarize", help="print the markdown tables of an existing result file and exit")
+    ap.add_argument("--channel-keys", action="store_true",
+                    help="with --artifact: also NAME-kchan, its keys per channel over 64-token blocks and its values "
+                         "unclipped (issue 32's probe)")
     ap.add_argument("--artifact", action="append", default=[], metavar="NAME=FOLDER",
                     help="also verify the OSCAR method of an artifact folder (its rotations, clips and key bits) as "
                          "method NAME; repeatable")
@@ -424,6 +452,8 @@ def main() -> None:
         m = ARTIFACT.build(Setup(rot, L, D, manifest.quant.group_size, SINK, RECENT, manifest.key_bits))
         m.name, m.kind, m.label = name, "variant", f"{m.label} [{folder}]"
         methods.append(m)
+        if args.channel_keys:
+            methods.append(ChannelKeys(m))
     diag_methods = [rotated(name, label, cal, kind=kind, D=D, **kw) for name, label, cal, kw, kind in diag_specs]
     log(f"rotations and clip searches: {time.perf_counter() - t0:.0f} s")
 
