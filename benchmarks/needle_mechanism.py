@@ -285,7 +285,10 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
             Variant("K per channel 64, K 3 bits everywhere", k_chan=64, k_bits=3, extra_bits_k=1.0),
             Variant("K and V per channel, 64-token blocks", k_chan=64, v_chan=64),
             Variant("artifact codec, K per channel 64, V clip off", extra_bits_k=n3, k_chan=64, k_bits=art["k_bits"],
-                    v_clip=0.0)]
+                    v_clip=0.0),
+            Variant("artifact codec, K per channel 128, V clip off", extra_bits_k=n3 - row / 2, k_chan=128,
+                    k_bits=art["k_bits"], v_clip=0.0),
+            Variant("K per channel 64, V clip off", k_chan=64, v_clip=0.0)]
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):
