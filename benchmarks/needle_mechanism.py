@@ -95,12 +95,12 @@ def uniform(x: torch.Tensor, bits: int, lo=None, hi=None) -> torch.Tensor:
 
 def per_channel(x: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
     """x [H, T, D] coded per channel over blocks of `tokens` consecutive tokens (a scale/zero pair per channel and
-    block: KIVI's key layout), min-max, `bits` bits; the last partial block per token (per row)."""
+    block: KIVI's key layout), `reference.fake_quant` unclipped at `bits`; the last partial block per row."""
     H, T, D = x.shape
     n = T // tokens * tokens
-    body = x[:, :n].reshape(H, n // tokens, tokens, D).transpose(2, 3)  # [H, blocks, D, tokens]
-    body = uniform(body, bits).transpose(2, 3).reshape(H, n, D)
-    return torch.cat([body, uniform(x[:, n:], bits)], 1) if n < T else body
+    body = x[:, :n].reshape(H, n // tokens, tokens, D).transpose(2, 3).contiguous()  # [H, blocks, D, tokens]
+    body = ref.fake_quant(body, 0.0, 0, bits).transpose(2, 3).reshape(H, n, D)
+    return torch.cat([body, ref.fake_quant(x[:, n:], 0.0, 0, bits)], 1) if n < T else body
 
 
 def int2(x: torch.Tensor, clip, group: int = 0) -> torch.Tensor:
