@@ -103,6 +103,9 @@ class QuantSpec(_Frozen):
     # History tokens per KV head that a prompt's last queries pin in BF16 beside the sink (docs/format.md §6c).
     # Schema 4 only; absent (None) means 0: no pinning, what versions 1–3 mean.
     pin: int | None = Field(default=None, ge=0, le=MAX_WINDOW, strict=True)
+    # History keys per channel over blocks of this many tokens (docs/format.md §6d; one of layout.KEY_BLOCKS), values
+    # per row. Schema 5 only; absent (None) means keys per row, what versions 1–4 mean.
+    key_block: int | None = Field(default=None, strict=True)
     sink: int = Field(ge=0, le=MAX_WINDOW)
     recent: int = Field(ge=0, le=MAX_WINDOW)
     flush: int = Field(ge=1, le=MAX_WINDOW)
@@ -214,12 +217,27 @@ class Manifest(_Frozen):
                                  f"{len(self.rotation.layer_ids)} rotation layers")
         if q.pin is not None and self.schema_version < 4:
             raise ValueError(f"quant.pin needs schema_version 4 (version {self.schema_version} artifacts pin nothing)")
+        if q.key_block is not None:
+            if self.schema_version < 5:
+                raise ValueError(f"quant.key_block needs schema_version 5 (version {self.schema_version} artifacts "
+                                 "code keys per row)")
+            if q.key_block not in layout.KEY_BLOCKS:
+                raise ValueError(f"quant.key_block {q.key_block} is not one of {list(layout.KEY_BLOCKS)}")
+            if q.flush != q.key_block or q.group_size != m.head_dim or self.pin:
+                raise ValueError(f"quant.key_block {q.key_block} needs flush = key_block (got {q.flush}), values per "
+                                 f"row (group_size = head_dim {m.head_dim}, got {q.group_size}) and no pinned tokens "
+                                 f"(got pin {self.pin})")
         return self
 
     @property
     def pin(self) -> int:
         """History tokens per KV head pinned in BF16 (0 before schema 4)."""
         return self.quant.pin or 0
+
+    @property
+    def key_block(self) -> int:
+        """Tokens per block of the per-channel history keys (0: keys per row, before schema 5 and when absent)."""
+        return self.quant.key_block or 0
 
     @property
     def key_bits(self) -> list[int]:
@@ -236,17 +254,18 @@ class Manifest(_Frozen):
     def codec(self) -> str:
         """INT2, or with 3-bit keys the layers' split: 'INT2 values, keys 3-bit in 21/30 layers (mean 2.70)'."""
         bits = self.key_bits
+        chan = f", keys per channel over {self.key_block}-token blocks" if self.key_block else ""
         if max(bits) == layout.BITS:
-            return f"INT{layout.BITS}"
+            return f"INT{layout.BITS}{chan}"
         return (f"INT{layout.BITS} values, keys 3-bit in {bits.count(3)}/{len(bits)} layers "
-                f"(mean {self.mean_key_bits:.2f})")
+                f"(mean {self.mean_key_bits:.2f}){chan}")
 
     def bits_at(self, context: int) -> float:
         """Bits per cached element at `context` tokens, K and V averaged (docs/format.md §7): codes, float16 scale and
         zero, the BF16 windows and pinned tokens, and the 3-bit keys of `key_bits`."""
         q = self.quant
         G = layout.resolve_group_size(self.model.head_dim, q.group_size)
-        return layout.kv_bits_per_element(context, G, q.sink, q.recent, self.mean_key_bits, self.pin)
+        return layout.kv_bits_per_element(context, G, q.sink, q.recent, self.mean_key_bits, self.pin, self.key_block)
 
     @property
     def centred(self) -> bool:
@@ -265,6 +284,8 @@ class Manifest(_Frozen):
                 data["quant"].pop("key_bits", None)
             if self.quant.pin is None:  # versions 1–3 are written without it
                 data["quant"].pop("pin", None)
+            if self.quant.key_block is None:  # versions 1–4 (and keys per row) are written without it
+                data["quant"].pop("key_block", None)
         return data
 
     def to_json(self) -> str:

@@ -374,6 +374,7 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         k_clip, v_clip = (torch.full((L, H), ratio, dtype=torch.float32) for ratio in settings.fixed_clips)
     key_bits = clip_search.choose_key_bits(key_noise, settings.key_bits)
     k_clip[torch.tensor(key_bits) == 3] = 1.0  # 3-bit keys are not clipped: a clip costs retrieval (QUALITY.md)
+    # (per-channel keys, docs/format.md §6d, are never clipped: their k_clip is 1.0 from `fixed_clips`)
 
     rotations = Rotations(k_rotation=k_rot, v_rotation=v_rot, k_eigenvalues=k_ev, v_eigenvalues=v_ev,
                           k_clip=k_clip, v_clip=v_clip, layer_ids=torch.arange(L, dtype=torch.int32),
@@ -391,19 +392,22 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
     info, param = loaded.info, next(loaded.model.parameters())
     device = model_device(loaded.model)
     G = settings.group_for(info.head_dim)
+    key_block = settings.key_block_for(info.head_dim)
     key_bits = key_bits if key_bits and max(key_bits) > 2 else None  # 2-bit keys everywhere: the field stays absent
     mean_key_bits = sum(key_bits) / len(key_bits) if key_bits else layout.BITS
     search, (k_default, v_default) = settings.clip == ClipMode.SEARCH, settings.fixed_clips
     return Manifest(
         model=loaded.identity,
-        quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=settings.flush,
-                        centring=settings.centring, key_bits=key_bits, pin=settings.pin or None),
+        quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=key_block or settings.flush,
+                        centring=settings.centring, key_bits=key_bits, pin=settings.pin or None,
+                        key_block=key_block or None),
         rotation=RotationSpec(granularity=settings.granularity, value_target=settings.value_target, hadamard=mixing,
                               layer_ids=list(range(info.num_layers))),
         clip=ClipSpec(mode=settings.clip, grid=grid if search else [], k_default=k_default, v_default=v_default,
                       objective="key: E[(q·δk)²] under C_Q; value: attention-output MSE on held-out sequences"
                       + ("; on centred rows" if settings.centring == Centring.MEAN else "")
-                      if search else "none (fixed ratios)"),
+                      if search else "none (keys per channel unclipped; values unclipped unless fixed)" if key_block
+                      else "none (fixed ratios)"),
         calibration=CalibrationRecord(
             dataset=seqs.dataset, token_ids_sha256=seqs.sha256, tokens=seqs.input_ids.numel(),
             sequences=seqs.input_ids.shape[0], seq_len=seqs.seq_len, heldout_tokens=seqs.heldout_ids.numel(),
@@ -413,6 +417,6 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_seconds=round(wall_seconds, 3),
         ),
         bits_per_element={str(c): round(layout.kv_bits_per_element(c, G, settings.sink, settings.recent,
-                                                                   mean_key_bits, settings.pin), 4)
+                                                                   mean_key_bits, settings.pin, key_block), 4)
                           for c in BPE_CONTEXTS},
     )

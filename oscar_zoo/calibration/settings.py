@@ -62,9 +62,10 @@ class CalibrationSettings:
 
     granularity: Granularity = Granularity.PER_HEAD
     value_target: ValueTarget = ValueTarget.WEIGHTED
-    clip: ClipMode = ClipMode.SEARCH
+    # None: search for keys per row, fixed (both unclipped) for keys per channel (`key_block`)
+    clip: ClipMode | None = None
     k_clip: float | None = None  # fixed key clip ratio, for clip "fixed" only (None: layout.DEFAULT_K_CLIP)
-    v_clip: float | None = None  # fixed value clip ratio, likewise (None: layout.DEFAULT_V_CLIP)
+    v_clip: float | None = None  # fixed value clip ratio, likewise (None: layout.DEFAULT_V_CLIP; 1.0 per channel)
     grid: tuple[float, ...] = clip_search.DEFAULT_GRID
     group_size: int = 0
     key_bits: float = DEFAULT_KEY_BITS  # mean history-key bits over the layers: the round((key_bits − 2)·L) layers
@@ -73,6 +74,9 @@ class CalibrationSettings:
     recent: int = layout.RECENT
     flush: int = layout.FLUSH
     pin: int = 0  # history tokens per KV head a prompt pins in BF16 (docs/format.md §6c; 0: none, the default)
+    # history keys per channel over blocks of this many tokens, unclipped, values unclipped (docs/format.md §6d;
+    # None: `layout.default_key_block` of the head dim, the default codec); 0: keys per row with searched clips
+    key_block: int | None = None
     centring: Centring = Centring.NONE  # none: rows stored as x·M (schema 1's); mean: the centred codec
     # (docs/format.md §6a), lower KL but worse needle retrieval (benchmarks/QUALITY.md, "Decision")
     centred_value_target: bool = False  # weighted value target about μ_V (a covariance) instead of about 0; measured
@@ -86,9 +90,23 @@ class CalibrationSettings:
         position); they are the cache tiers the manifest prescribes to runtimes. So they are checked for sanity, not
         against the sequence length: each ≥ 0, and together below MAX_WINDOWS so that a long context has INT2
         history at all."""
+        if self.key_block is not None and self.key_block != 0 and self.key_block not in layout.KEY_BLOCKS:
+            raise SettingError.bound("key_block", self.key_block, "0 (keys per row) or a block of "
+                                     + ", ".join(map(str, layout.KEY_BLOCKS)) + " tokens")
+        if self.clip is None:  # per-channel keys are unclipped: nothing to search
+            object.__setattr__(self, "clip", ClipMode.FIXED if self.per_channel else ClipMode.SEARCH)
         for name, kind in (("granularity", Granularity), ("value_target", ValueTarget), ("clip", ClipMode),
                            ("centring", Centring), ("accumulate_on", AccumulateOn)):
             _vocabulary(self, name, kind)
+        if self.per_channel:
+            for name, bad, why in (("clip", self.clip == ClipMode.SEARCH, "{clip} search"),
+                                   ("k_clip", self.k_clip is not None, f"{{k_clip}} {literal(self.k_clip)}"),
+                                   ("pin", self.pin != 0, f"{{pin}} {self.pin}")):
+                if bad:
+                    raise SettingError(name, f"{why} with keys per channel ({{key_block}} "
+                                       f"{self.key_block if self.key_block is not None else 'default'}): its keys are "
+                                       "unclipped and its history holds whole token blocks (docs/format.md §6d)",
+                                       "add {key_block} 0 for the per-row codec, or leave it out")
         given = [(name, v) for name, v in (("k_clip", self.k_clip), ("v_clip", self.v_clip)) if v is not None]
         if self.clip == ClipMode.SEARCH and given:
             raise SettingError(given[0][0], " ".join(f"{{{name}}} {literal(v)}" for name, v in given)
@@ -113,8 +131,20 @@ class CalibrationSettings:
                                "for {value_target} weighted only")
 
     @property
+    def per_channel(self) -> bool:
+        """Keys per channel over token blocks (docs/format.md §6d): the default, unless key_block is 0."""
+        return self.key_block != 0
+
+    def key_block_for(self, head_dim: int) -> int:
+        """The key block for rows of `head_dim`: 0 (keys per row), the block asked, or the head dim's default."""
+        return layout.default_key_block(head_dim) if self.key_block is None else self.key_block
+
+    @property
     def fixed_clips(self) -> tuple[float, float]:
-        """The (key, value) ratios of clip "fixed", also the manifest's defaults: k_clip, v_clip or the format's."""
+        """The (key, value) ratios of clip "fixed", also the manifest's defaults: k_clip, v_clip or the format's (per
+        channel: keys and, by default, values unclipped, 1.0)."""
+        if self.per_channel:
+            return 1.0, 1.0 if self.v_clip is None else self.v_clip
         return (layout.DEFAULT_K_CLIP if self.k_clip is None else self.k_clip,
                 layout.DEFAULT_V_CLIP if self.v_clip is None else self.v_clip)
 
@@ -122,10 +152,14 @@ class CalibrationSettings:
         """The group size G for rows of `head_dim` (group_size 0: one group per row); SettingError naming group_size
         when it does not divide the head dim (the one check of it, run as soon as the model's config is read)."""
         try:
-            return layout.resolve_group_size(head_dim, self.group_size)
+            G = layout.resolve_group_size(head_dim, self.group_size)
         except ValueError as exc:
             raise SettingError.bound("group_size", self.group_size, f"0 or a divisor of the model's head_dim "
                                      f"{head_dim} ({literal(exc)})") from None
+        if self.per_channel and G != head_dim:
+            raise SettingError("group_size", f"{{group_size}} {self.group_size} with keys per channel: values are "
+                               f"coded per row (G = head_dim {head_dim})", "add {key_block} 0, or leave it out")
+        return G
 
 
 @dataclass(frozen=True)

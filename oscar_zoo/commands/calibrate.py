@@ -50,8 +50,8 @@ def calibrate_command(
     Granularity.PER_HEAD,
     value_target: Annotated[ValueTarget, typer.Option(help="weighted (reference code) or softmax (paper figure).")] =
     ValueTarget.WEIGHTED,
-    clip: Annotated[ClipMode, typer.Option(help="search per (layer, head, K/V), or the fixed ratios.")] =
-    ClipMode.SEARCH,
+    clip: Annotated[ClipMode | None, typer.Option(help="search per (layer, head, K/V), or the fixed ratios. Default: "
+                    "search with --key-block 0; fixed (keys and values unclipped) with keys per channel.")] = None,
     k_clip: Annotated[float | None, typer.Option(help=f"Fixed key clip ratio for --clip fixed (default "
                       f"{layout.DEFAULT_K_CLIP}).")] = None,
     v_clip: Annotated[float | None, typer.Option(help=f"Fixed value clip ratio for --clip fixed (default "
@@ -69,6 +69,10 @@ def calibrate_command(
                                            "32768).")] = layout.SINK,
     recent: Annotated[int, typer.Option(help="Full-precision recent tokens the runtime keeps (≥ 0).")] =
     layout.RECENT,
+    key_block: Annotated[int | None, typer.Option(help="History keys per channel over blocks of this many tokens "
+                         f"({', '.join(map(str, layout.KEY_BLOCKS))}), unclipped, values unclipped (docs/format.md "
+                         "§6d). Default: max(64, head_dim) — it keeps needle retrieval near BF16 "
+                         "(benchmarks/QUALITY.md). 0: keys per row with searched clips (schema 4's codec).")] = None,
     pin: Annotated[int, typer.Option(help="History tokens per KV head that a prompt's last queries pin in BF16 "
                    "(docs/format.md §6c). Default 0: on the demo model's needle prompts 32 pins retrieved no more "
                    "(benchmarks/QUALITY.md \"Pinned tokens\").")] = 0,
@@ -96,6 +100,7 @@ def calibrate_command(
         settings = CalibrationSettings(
             granularity=granularity, value_target=value_target, clip=clip, k_clip=k_clip, v_clip=v_clip,
             group_size=group_size, key_bits=key_bits, sink=sink, recent=recent, pin=pin, centring=centring,
+            key_block=key_block,
             batch_size=batch_size, seed=seed, accumulate_on=accumulate_on)
         request = CalibrationRequest(
             out=out or Path("artifacts") / _slug(model_id_of(model)), settings=settings, model=model,

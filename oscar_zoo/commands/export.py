@@ -48,6 +48,10 @@ def export_command(
         warnings.append(f"{result.manifest.key_bits.count(3)} of {len(result.manifest.key_bits)} layers keep "
                         "3-bit keys in these artifacts; the reference runtime quantizes every key to INT2, so "
                         f"long-context retrieval drops in those layers: {measure} before serving this export")
+    if result.manifest.key_block:
+        warnings.append(f"these artifacts code history keys per channel over {result.manifest.key_block}-token "
+                        "blocks; the reference runtime codes them per row, so long-context retrieval drops: "
+                        f"{measure} before serving this export")
     if result.manifest.pin:
         warnings.append(f"these artifacts pin {result.manifest.pin} history tokens per KV head in BF16; the reference "
                         f"runtime pins none, so retrieval from long prompts drops: {measure} before serving this "

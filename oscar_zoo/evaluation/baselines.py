@@ -125,16 +125,19 @@ class RotatedInt2(Method):
 
     k_rotation/v_rotation float32 [L, H, D, D] (H = H_kv or 1) indexed by model layer; clips float32 [L, H] (0 = none);
     k_mean/v_mean float32 [L, H, D] in the model's basis (None: uncentred; needs rotations); key_bits: the history
-    keys' bits per model layer (None: 2 everywhere); flush and pin: the settings of its OscarCache (`make_cache`)."""
+    keys' bits per model layer (None: 2 everywhere); flush and pin: the settings of its OscarCache (`make_cache`);
+    key_block > 0: history keys per channel over blocks of that many tokens from the sink's end, unclipped
+    (docs/format.md §6d; a last partial block is coded over the tokens it has — the runtime would still hold those in
+    its recent tier, so teacher forcing is slightly harder on this codec than the cache is)."""
 
     cache_path = "oscar-cache"
 
     def __init__(self, name: str, label: str, kind: str, k_rotation: Tensor | None, v_rotation: Tensor | None,
                  k_clip: Tensor, v_clip: Tensor, group_size: int, sink: int, recent: int,
                  k_mean: Tensor | None = None, v_mean: Tensor | None = None, key_bits: list[int] | None = None,
-                 flush: int = layout.FLUSH, pin: int = 0):
+                 flush: int = layout.FLUSH, pin: int = 0, key_block: int = 0):
         self.name, self.label, self.kind = name, label, kind
-        self.key_bits, self.flush, self.pin = key_bits, flush, pin
+        self.key_bits, self.flush, self.pin, self.key_block = key_bits, flush, pin, key_block
         self.k_rotation, self.v_rotation = k_rotation, v_rotation
         self.k_mean, self.v_mean = k_mean, v_mean
         self.k_clip, self.v_clip = k_clip.float(), v_clip.float()
@@ -167,24 +170,29 @@ class RotatedInt2(Method):
             out_rotation = M_v.transpose(-1, -2).repeat_interleave(g, dim=0)  # [H_q, D, D] M_Vᵀ
             if mu_v is not None:
                 out_mean = mu_v if mu_v.shape[0] == 1 else mu_v.repeat_interleave(g, dim=0)  # [H_q, D]
-        k_hat = self._history(quantize_pack, k, k_clip, self.key_bits[layer] if self.key_bits else layout.BITS)
-        v_hat = self._history(quantize_pack, v, v_clip)
+        k_bits = self.key_bits[layer] if self.key_bits else layout.BITS
+        if self.key_block:
+            k_hat = self._history(lambda x: reference.fake_quant_channel(x, self.key_block, k_bits), k)
+        else:
+            k_hat = self._history(lambda x: fake_quant_with(quantize_pack, x, k_clip, self.group_size, k_bits), k)
+        v_hat = self._history(lambda x: fake_quant_with(quantize_pack, x, v_clip, self.group_size), v)
         return LayerKV(q, k, v, k_hat, v_hat, out_rotation, out_mean)
 
-    def _history(self, quantize_pack: QuantizePack, x: Tensor, clip: Tensor, bits: int = layout.BITS) -> Tensor:
-        """x [B, H, T, D] with rows sink ≤ j < T − recent fake-quantized (the only rows any query reads as INT2)."""
+    def _history(self, fake_quant, x: Tensor) -> Tensor:
+        """x [B, H, T, D] with rows sink ≤ j < T − recent through `fake_quant` (the only rows any query reads as
+        INT2)."""
         T = x.shape[2]
         lo = min(self.sink, T)
         hi = max(lo, T - self.recent)
         out = x.float().clone()
         if hi > lo:
-            out[:, :, lo:hi] = fake_quant_with(quantize_pack, x[:, :, lo:hi], clip, self.group_size, bits)
+            out[:, :, lo:hi] = fake_quant(x[:, :, lo:hi])
         return out
 
     def bits(self, context):
         G = layout.resolve_group_size(self.head_dim, self.group_size)
         key_bits = sum(self.key_bits) / len(self.key_bits) if self.key_bits else layout.BITS
-        return (layout.bits_per_element(context, G, self.sink, self.recent, key_bits),
+        return (layout.bits_per_element(context, G, self.sink, self.recent, key_bits, key_block=self.key_block),
                 layout.bits_per_element(context, G, self.sink, self.recent))
 
     def make_cache(self):
@@ -198,7 +206,7 @@ class RotatedInt2(Method):
             rot_k = rot_v = torch.eye(D).expand(L, 1, D, D).contiguous()
         return OscarCache(rot_k, rot_v, self.k_clip, self.v_clip, torch.arange(L), group_size=self.group_size,
                           sink=self.sink, recent=self.recent, flush=self.flush, num_layers=L, k_mean=self.k_mean,
-                          v_mean=self.v_mean, key_bits=self.key_bits, pin=self.pin)
+                          v_mean=self.v_mean, key_bits=self.key_bits, pin=self.pin, key_block=self.key_block)
 
 
 class Kivi(Method):

@@ -37,6 +37,7 @@ class Setup:
     key_bits: list[int] | None = None
     flush: int = layout.FLUSH
     pin: int = 0
+    key_block: int = 0
     config: Any = None
     dtype: torch.dtype = torch.bfloat16
 
@@ -45,7 +46,8 @@ class Setup:
         """The setup `verify` runs: the manifest's quant settings, the loaded model's geometry, config and dtype."""
         q = manifest.quant
         return cls(rotations, info.num_layers, info.head_dim, q.group_size, q.sink, q.recent, q.key_bits, q.flush,
-                   getattr(manifest, "pin", 0), model.config, next(model.parameters()).dtype)
+                   getattr(manifest, "pin", 0), getattr(manifest, "key_block", 0), model.config,
+                   next(model.parameters()).dtype)
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,13 @@ class Artifact(Entry):
         key_bits = s.key_bits
         layer_bits = None if key_bits is None or max(key_bits) == layout.BITS else [key_bits[i] for i in order.tolist()]
         three = f", 3-bit keys in {layer_bits.count(3)}/{len(layer_bits)} layers" if layer_bits else ""
+        three += f", keys per channel over {s.key_block}-token blocks" if s.key_block else ""
         means = (None, None) if rot.k_mean is None else (rot.k_mean[order], rot.v_mean[order])
         oscar = RotatedInt2(
             self.name, f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, calibrated clips"
             f"{', centred' if rot.k_mean is not None else ''}{three})", "artifact",
             rot.k_rotation[order], rot.v_rotation[order], rot.k_clip[order], rot.v_clip[order], s.group_size,
-            s.sink, s.recent, *means, key_bits=layer_bits, flush=s.flush, pin=s.pin)
+            s.sink, s.recent, *means, key_bits=layer_bits, flush=s.flush, pin=s.pin, key_block=s.key_block)
         oscar.head_dim = s.head_dim
         return oscar
 

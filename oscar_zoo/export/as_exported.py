@@ -5,7 +5,8 @@ The reference SGLang runtime takes one rotation per layer, no means, and one cli
 `average_heads` polar factor, shared by every KV head (the .pt files export writes); k_mean/v_mean are dropped and
 the codec is uncentred (the .pt format has no means); every (layer, head) clip becomes the median K or V ratio that
 `export --format sglang` writes to `sglang.env` (`reference_clip_ratios`); 3-bit keys become INT2 (the reference
-runtime's only codec), keeping their clip of 1.0 in the medians' input. Not modelled: the reference runtime's
+runtime's only codec), keeping their clip of 1.0 in the medians' input; keys per channel (§6d) become keys per row
+(their clips of 1.0 likewise), demoted `layout.FLUSH` at a time. Not modelled: the reference runtime's
 float32 scales (oscar-zoo's cache stores float16 ones), and whatever else differs in its kernels.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from ..artifacts import Rotations
 from ..manifest import Centring, ClipMode, Granularity, Manifest
+from ..runtime import layout
 from .oscar_pt import is_per_head, layer_rotations
 from .sglang import reference_clip_ratios
 
@@ -29,6 +31,7 @@ class ExportedForm:
     uncentred: bool  # the artifact's means were dropped (a centred artifact)
     int2_keys: bool  # the artifact's 3-bit keys became INT2
     unpinned: bool  # the artifact's pinned tokens are not pinned
+    per_row_keys: bool  # the artifact's per-channel keys are coded per row
     k_clip: float
     v_clip: float
 
@@ -38,6 +41,7 @@ class ExportedForm:
                  "means dropped" if self.uncentred else "no means",
                  *(["3-bit keys served as INT2"] if self.int2_keys else []),
                  *(["no pinned tokens"] if self.unpinned else []),
+                 *(["per-channel keys coded per row"] if self.per_row_keys else []),
                  f"one clip K {self.k_clip:g} / V {self.v_clip:g} (medians)"]
         return "as exported: " + ", ".join(parts)
 
@@ -56,10 +60,12 @@ def as_exported(manifest: Manifest, r: Rotations) -> ExportedForm:
         layer_ids=r.layer_ids.clone(), k_mean=None, v_mean=None)
     exported = manifest.model_copy(update={
         "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
-        "quant": manifest.quant.model_copy(update={"centring": Centring.NONE, "key_bits": None, "pin": None}),
+        "quant": manifest.quant.model_copy(update={"centring": Centring.NONE, "key_bits": None, "pin": None,
+                                                   "key_block": None, "flush": layout.FLUSH if manifest.key_block
+                                                   else manifest.quant.flush}),
         "clip": manifest.clip.model_copy(update={"mode": ClipMode.FIXED, "grid": [], "k_default": k_ratio,
                                                  "v_default": v_ratio,
                                                  "objective": "the medians export --format sglang writes"}),
         "verification": None})
     return ExportedForm(exported, rotations, per_head, r.k_mean is not None, max(manifest.key_bits) > 2,
-                        manifest.pin > 0, k_ratio, v_ratio)
+                        manifest.pin > 0, manifest.key_block > 0, k_ratio, v_ratio)

@@ -221,8 +221,9 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
                     sglang: bool = False) -> ExportResult:
     """Write the two reference `.pt` files into the folder `out` (and with `sglang` the runtime's `sglang.env` and
     `launch_sglang.sh`, `export.sglang`): every refusal (the artifacts, per-head without `allow_average`, centred or
-    3-bit keys or pinned tokens without `allow_degraded`, the sglang windows and shell values, a bad `out`) comes before
-    anything is written, and the files land together or not at all (`staging.write_export_files`)."""
+    3-bit keys, per-channel keys or pinned tokens without `allow_degraded`, the sglang windows and shell values, a bad
+    `out`) comes before anything is written, and the files land together or not at all
+    (`staging.write_export_files`)."""
     manifest, r = load_artifacts(artifacts)
     if max(manifest.key_bits) > layout.BITS and not allow_degraded:
         raise InputError(f"{artifacts} stores 3-bit keys in {manifest.key_bits.count(3)} of {len(manifest.key_bits)} "
@@ -230,6 +231,14 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
                          "exported rotations would be served with 2-bit keys in those layers (needle "
                          "retrieval drops: benchmarks/QUALITY.md)",
                          "pass --accept-degraded to export them anyway, or calibrate with --key-bits 2 for a faithful "
+                         f"export; measure the exported form first with `oscar-zoo verify "
+                         f"{shlex.quote(str(artifacts))} --as-exported`")
+    if manifest.key_block and not allow_degraded:
+        raise InputError(f"{artifacts} codes history keys per channel over {manifest.key_block}-token blocks "
+                         "(quant.key_block, docs/format.md §6d); the reference runtime codes every key per row, so the "
+                         "exported rotations would be served with per-row INT2 keys (needle retrieval drops: "
+                         "benchmarks/QUALITY.md)",
+                         "pass --accept-degraded to export anyway, or calibrate with --key-block 0 for a faithful "
                          f"export; measure the exported form first with `oscar-zoo verify "
                          f"{shlex.quote(str(artifacts))} --as-exported`")
     if manifest.pin and not allow_degraded:

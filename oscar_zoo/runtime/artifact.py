@@ -20,17 +20,18 @@ from torch import Tensor
 from .layout import Centring
 from .validate import MEAN_NAMES, TENSOR_NAMES, check_rotation_tensors, check_tensor_names
 
-SCHEMA_VERSION = 4  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
-# quant.key_bits (per layer: 2- or 3-bit history keys); 4 adds quant.pin (history tokens a prompt pins in BF16)
-READ_VERSIONS = (1, 2, 3, 4)  # what it reads: a version-1 manifest is an uncentred artifact and versions 1–2 have 2-bit
-# keys everywhere (each read as the version that wrote it)
+SCHEMA_VERSION = 5  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds
+# quant.key_bits (per layer: 2- or 3-bit history keys); 4 adds quant.pin (history tokens a prompt pins in BF16); 5 adds
+# quant.key_block (history keys per channel over blocks of that many tokens)
+READ_VERSIONS = (1, 2, 3, 4, 5)  # what it reads: a version-1 manifest is an uncentred artifact, versions 1–2 have
+# 2-bit keys everywhere and versions 1–4 keys per row (each read as the version that wrote it)
 MANIFEST_NAME = "manifest.json"
 ROTATIONS_NAME = "rotations.safetensors"
 ARTIFACT_FILES = (ROTATIONS_NAME,)  # the files a manifest may list: the format has no others (the model card that push
 # writes beside them is generated from the manifest, not listed in it)
 MANIFEST_MAX_BYTES = 1 << 20  # a manifest (or catalog entry) takes a few KiB; anything near this is not one
 JSON_MAX_DEPTH = 32  # a manifest nests 4 deep, a catalog entry with a verification report 6
-QUANT_KEYS = ("group_size", "sink", "recent", "flush", "pin")  # what the runtime reads from a manifest
+QUANT_KEYS = ("group_size", "sink", "recent", "flush", "pin", "key_block")  # what the runtime reads of a manifest
 TENSOR_DTYPES = {name: torch.int32 if name == "layer_ids" else torch.float32 for name in (*TENSOR_NAMES, *MEAN_NAMES)}
 SHA256_HEX = frozenset("0123456789abcdef")
 
@@ -214,7 +215,7 @@ def _integer(value: Any) -> bool:
 
 
 def quant_settings(doc: dict, source: Path) -> dict[str, int | list[int]]:
-    """The quant settings a cache takes from a manifest: quant.{group_size, sink, recent, flush, pin} that are present
+    """The quant settings a cache takes from a manifest: quant.{group_size, sink, recent, flush, pin, key_block} present
     and not null, each an integer, and quant.key_bits (schema 3) when present; ArtifactError naming the file when one
     is not. The values themselves are the cache's to check."""
     quant = _object(doc, "quant", source)

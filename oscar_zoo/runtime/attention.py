@@ -118,7 +118,8 @@ def oscar_attention(
         rot = layer.rotation
         q_rot = rotate_op.rotate_rows(query[:, :, 0], rot.k, None, out_dtype=torch.float32)  # [B, H_q, D]
         out_dtype = query.dtype if Mvt_q is None else torch.float32
-        o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale, v_mean=mu_v, out_dtype=out_dtype)
+        o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale, v_mean=mu_v, out_dtype=out_dtype,
+                                           key_block=layer.key_block)
         if Mvt_q is not None:
             o = rotate_op.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
         return o.unsqueeze(1), None  # [B, 1, H_q, D]

@@ -61,9 +61,11 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
         flush: int = layout.FLUSH,
         quantize: bool = True,
         pin: int = 0,
+        key_block: int = 0,
     ):
         super().__init__()
         self.rotation, self.layer_idx, self.group_size = rotation, layer_idx, group_size
+        self.key_block = key_block  # > 0: history keys per channel over blocks of this many tokens (§6d; flush = it)
         self.v_fingerprint = fingerprint(rotation.v) if rotation is not None else None  # identifies M_V for folds
         self.sink, self.recent, self.flush, self.quantize = sink, recent, flush, quantize
         self.pin = pin if quantize else 0  # history tokens per KV head a prompt pins in BF16 (docs/format.md §6c)
@@ -103,7 +105,8 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
             # scale/zero [B, H, T_cap, D/G, 2]
             self.hist_k = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, bits=self.rotation.k_bits)
             self.hist_v = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, tokens_contiguous=True)
-            self.sz_k = torch.zeros(B, H, HISTORY_CHUNK, D // G, 2, dtype=layout.SCALE_DTYPE, device=self.device)
+            k_pairs = (HISTORY_CHUNK // self.key_block, D) if self.key_block else (HISTORY_CHUNK, D // G)  # §6d
+            self.sz_k = torch.zeros(B, H, *k_pairs, 2, dtype=layout.SCALE_DTYPE, device=self.device)
             self.sz_v = torch.zeros(B, H, HISTORY_CHUNK, D // G, 2, dtype=layout.SCALE_DTYPE, device=self.device)
         else:  # test switch: history kept in BF16 [B, H, T_cap, D], no scale/zero
             self.hist_k = torch.zeros(B, H, HISTORY_CHUNK, D, **bf16)
@@ -138,7 +141,8 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
             if old is None:
                 continue
             new = self._like(name, old, new_cap)
-            new[:, :, : self.n_hist] = old[:, :, : self.n_hist]
+            live = self.n_hist // self.key_block if name == "sz_k" and self.key_block else self.n_hist
+            new[:, :, :live] = old[:, :, :live]
             setattr(self, name, new)
         self.storage_version = next(_STORAGE_IDS)
 
@@ -148,6 +152,8 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
         if self.quantize and name == "hist_v":
             D = t.shape[3] * layout.CODES_PER_BYTE
             return layout.history_codes(t.shape[0], t.shape[1], T_cap, D, t.device, tokens_contiguous=True)
+        if self.quantize and name == "sz_k" and self.key_block:
+            T_cap //= self.key_block
         return torch.zeros(t.shape[:2] + (T_cap,) + t.shape[3:], dtype=t.dtype, device=t.device)
 
     def reserve(self, tokens: int) -> None:
@@ -263,11 +269,11 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
             (self.recent_v, self.hist_v, self.sz_v, rot.v_clip, rot.v_min_clip),
         ):  # fmt: skip
             if self.quantize:
-                bits = rot.k_bits if hist is self.hist_k else layout.BITS
-                codes, scale_zero = ops.quantize_pack(tier[:, :, :F], clip, self.group_size, min_ratio=min_clip,
-                                                      bits=bits)
+                keys = hist is self.hist_k
+                codes, scale_zero = self._quantize(tier[:, :, :F], keys)
                 hist.index_copy_(2, rows, codes)
-                sz.index_copy_(2, rows, scale_zero)
+                # per-channel keys: one block of pairs, at block hist_len / key_block (F = key_block)
+                sz.index_copy_(2, rows[:1] // self.key_block if keys and self.key_block else rows, scale_zero)
             else:
                 hist.index_copy_(2, rows, tier[:, :, :F])
             tier[:, :, :W] = tier[:, :, F : F + W].clone()
@@ -294,6 +300,8 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
             total = self.n_recent + m
             full = total > self.recent and (multi or total >= self.recent + self.flush)
             n_demote = total - self.recent if full else 0
+            if self.key_block:  # per-channel keys: the history takes whole blocks (the rest wait in the recent tier)
+                n_demote -= n_demote % self.key_block
             if n_demote == 0:
                 self.recent_k[:, :, self.n_recent : total] = k
                 self.recent_v[:, :, self.n_recent : total] = v
@@ -314,18 +322,27 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
             self.n_recent = total
         self._sync_lengths()
 
+    def _quantize(self, rows: Tensor, keys: bool) -> tuple[Tensor, Tensor]:
+        """Rotated BF16 rows [B, H, m, D] of K (`keys`) or V as the history stores them: packed codes and scale/zero
+        pairs. Keys per channel (§6d) over blocks of `key_block` tokens (m whole blocks), unclipped; otherwise per row,
+        clip → quantize (keys at the layer's bits, values INT2) → pack."""
+        rot = self.rotation
+        if keys and self.key_block:
+            return ops.quantize_pack_channel(rows, self.key_block, rot.k_bits)
+        if keys:
+            return ops.quantize_pack(rows, rot.k_clip, self.group_size, min_ratio=rot.k_min_clip, bits=rot.k_bits)
+        return ops.quantize_pack(rows, rot.v_clip, self.group_size, min_ratio=rot.v_min_clip)
+
     def _append_history(self, k: Tensor, v: Tensor) -> None:
-        """Quantize already-rotated BF16 rows [B, H, m, D] (clip → INT2 → pack, no rotation) onto the history."""
+        """Quantize already-rotated BF16 rows [B, H, m, D] (no rotation; `_quantize`) onto the history."""
         m = k.shape[2]
         self._ensure_history(self.n_hist + m)
         rows = slice(self.n_hist, self.n_hist + m)
         if self.quantize:
-            rot = self.rotation
-            self.hist_k[:, :, rows], self.sz_k[:, :, rows] = ops.quantize_pack(k, rot.k_clip, self.group_size,
-                                                                               min_ratio=rot.k_min_clip,
-                                                                               bits=rot.k_bits)
-            self.hist_v[:, :, rows], self.sz_v[:, :, rows] = ops.quantize_pack(v, rot.v_clip, self.group_size,
-                                                                               min_ratio=rot.v_min_clip)
+            k_pairs = slice(self.n_hist // self.key_block, (self.n_hist + m) // self.key_block) if self.key_block \
+                else rows
+            self.hist_k[:, :, rows], self.sz_k[:, :, k_pairs] = self._quantize(k, True)
+            self.hist_v[:, :, rows], self.sz_v[:, :, rows] = self._quantize(v, False)
         else:
             self.hist_k[:, :, rows], self.hist_v[:, :, rows] = k, v
         self.n_hist += m
@@ -337,7 +354,12 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
         rows = slice(0, self.n_hist)
         if not self.quantize:
             return self.hist_k[:, :, rows].float(), self.hist_v[:, :, rows].float()
-        k = reference.dequantize_unpack(self.hist_k[:, :, rows], self.sz_k[:, :, rows], self.rotation.k_bits)
+        if self.key_block:
+            blocks = slice(0, self.n_hist // self.key_block)
+            k = reference.dequantize_unpack_channel(self.hist_k[:, :, rows], self.sz_k[:, :, blocks],
+                                                    self.rotation.k_bits)
+        else:
+            k = reference.dequantize_unpack(self.hist_k[:, :, rows], self.sz_k[:, :, rows], self.rotation.k_bits)
         v = reference.dequantize_unpack(self.hist_v[:, :, rows], self.sz_v[:, :, rows])
         return k, v
 
@@ -424,8 +446,9 @@ class OscarCache(Cache):
     k_rotation, v_rotation float32 [L, H, D, D] (H = H_kv per head, or 1 shared per layer); k_clip, v_clip float32
     [L, H]; layer_ids int32 [L]: the model layer each entry belongs to (default 0..L-1); k_mean, v_mean float32
     [L, H, D] (None: uncentred, as version-1 artifacts): the centred codec's calibrated means in the model's basis
-    (docs/format.md §6a). `quantize=False` keeps the history in BF16 (a test switch: with identity rotations
-    generation then reproduces DynamicCache)."""
+    (docs/format.md §6a). key_block > 0: history keys per channel over blocks of that many tokens, unclipped (§6d;
+    flush defaults to it, values per row). `quantize=False` keeps the history in BF16 (a test switch: with identity
+    rotations generation then reproduces DynamicCache)."""
 
     def __init__(
         self,
@@ -438,13 +461,14 @@ class OscarCache(Cache):
         group_size: int = 0,
         sink: int = layout.SINK,
         recent: int = layout.RECENT,
-        flush: int = layout.FLUSH,
+        flush: int | None = None,
         quantize: bool = True,
         num_layers: int | None = None,
         k_mean: Tensor | None = None,
         v_mean: Tensor | None = None,
         key_bits: list[int] | None = None,
         pin: int = 0,
+        key_block: int = 0,
     ):
         k_rotation, v_rotation = k_rotation.float(), v_rotation.float()
         square = k_rotation.dim() == 4 and k_rotation.shape[-1] == k_rotation.shape[-2]
@@ -455,6 +479,11 @@ class OscarCache(Cache):
             )
         L, H, D, _ = k_rotation.shape
         layout.resolve_group_size(D, group_size)
+        layout.check_key_block(key_block)
+        flush = (key_block or layout.FLUSH) if flush is None else flush
+        if key_block and (flush != key_block or layout.resolve_group_size(D, group_size) != D or pin):
+            raise ValueError(f"keys per channel over {key_block}-token blocks need flush = key_block (got {flush}), "
+                             f"values per row (group_size 0 or {D}, got {group_size}) and pin 0 (got {pin})")
         if min(sink, recent, pin) < 0 or flush < 1 or max(sink, recent, flush, pin) > layout.MAX_WINDOW:
             raise ValueError(f"need 0 ≤ sink, recent, pin ≤ {layout.MAX_WINDOW} and 1 ≤ flush ≤ {layout.MAX_WINDOW}, "
                              f"got sink={sink} recent={recent} flush={flush} pin={pin}")
@@ -495,10 +524,10 @@ class OscarCache(Cache):
                               for m, r in zip(means, (k_rotation, v_rotation)))
                 rot = Rotation(k_rotation[i], v_rotation[i], clips[0][i].reshape(H, 1), clips[1][i].reshape(H, 1),
                                mu_k, mu_v, k_bits=key_bits[i])
-            layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize, pin))
+            layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize, pin, key_block))
         super().__init__(layers=layers)
         self.quant_settings = {"group_size": group_size, "sink": sink, "recent": recent, "flush": flush,
-                               "pin": pin if quantize else 0}  # what the cache was built with (artifact.QUANT_KEYS)
+                               "pin": pin if quantize else 0, "key_block": key_block}  # as built (artifact.QUANT_KEYS)
         self.quantize = quantize
         self.bound_layer: int | None = None  # set by enable_oscar's hook just before a module's update
         self.centred = k_mean is not None or v_mean is not None
@@ -508,10 +537,10 @@ class OscarCache(Cache):
         """Build from an artifact folder, read by the one reader every command uses (`artifact.read_artifact`): the
         manifest's listed files' sizes and sha256, `rotations.safetensors` (k/v_rotation, k/v_eigenvalues, k/v_clip,
         layer_ids; k/v_mean in centred folders) against the format and the manifest, every value (finite, orthogonal,
-        clips in (0, 1]), and manifest.json's quant.{group_size, sink, recent, flush, pin, key_bits}; keyword overrides
-        win. Anything it refuses raises `artifact.ArtifactError` (a ValueError) with the message the CLI prints. A
-        folder without manifest.json is read with the tensors' values checked and the layout defaults. The model match
-        is `oscar_zoo.artifacts`'s."""
+        clips in (0, 1]), and manifest.json's quant.{group_size, sink, recent, flush, pin, key_bits, key_block};
+        keyword overrides win. Anything it refuses raises `artifact.ArtifactError` (a ValueError) with the message the
+        CLI prints. A folder without manifest.json is read with the tensors' values checked and the layout defaults.
+        The model match is `oscar_zoo.artifacts`'s."""
         art = read_artifact(path)
         t, settings = art.tensors, {**art.settings, **overrides}
         return cls(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"], quantize=quantize,

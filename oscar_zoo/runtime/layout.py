@@ -34,6 +34,11 @@ FLUSH = 8  # tokens demoted together from the recent tier into the history
 MAX_WINDOW = 1 << 20  # sink, recent and flush are each at most this many tokens (a larger one is a damaged
 # manifest, not a setting: the tiers are allocated at that size for every layer and sequence)
 
+# Keys per channel over token blocks (docs/format.md §6d): a float16 scale/zero per channel and block of KEY_BLOCK
+# consecutive history tokens; the history then holds whole blocks and demotes one block at a time (flush = block).
+KEY_BLOCKS = (16, 32, 64, 128, 256)  # block sizes a cache accepts (powers of two dividing the history's growth chunk)
+DEFAULT_KEY_BLOCK = 64  # per head dim: max(64, D) (`default_key_block`)
+
 DEFAULT_K_CLIP = 0.96
 DEFAULT_V_CLIP = 0.92
 
@@ -105,24 +110,42 @@ def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_cont
     return torch.zeros(B, H, T_cap, packed_dim(head_dim, bits), dtype=CODE_DTYPE, device=device)
 
 
+def check_key_block(key_block: int) -> int:
+    """0 (keys per row) or a block size of KEY_BLOCKS (keys per channel over blocks of that many tokens)."""
+    if key_block != 0 and key_block not in KEY_BLOCKS:
+        raise ValueError(f"key_block must be 0 (keys per row) or one of {', '.join(map(str, KEY_BLOCKS))}, "
+                         f"got {key_block}")
+    return key_block
+
+
+def default_key_block(head_dim: int) -> int:
+    """The per-channel key block for `head_dim`: as many tokens as dims from 64 on (one float16 pair per channel and
+    block costs 32/block bits per element: 0.5 at D = 64, 0.25 at D = 128)."""
+    return min(max(DEFAULT_KEY_BLOCK, head_dim), KEY_BLOCKS[-1])
+
+
 def bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT,
-                     bits: float = BITS, pin: int = 0) -> float:
+                     bits: float = BITS, pin: int = 0, key_block: int = 0) -> float:
     """Average bits per cached element at `context` tokens (docs/format.md §7) of rows coded with `bits` bits (a
-    mean over layers may be fractional), float16 scale and zero per group; `pin` pinned tokens are BF16 like the
-    windows (a prompt pins them from what would be history)."""
+    mean over layers may be fractional), float16 scale and zero per group of G dims — or, `key_block` > 0 (keys per
+    channel, §6d), per channel and block of `key_block` tokens; `pin` pinned tokens are BF16 like the windows (a
+    prompt pins them from what would be history)."""
     if context <= 0:
         raise ValueError(f"context must be positive, got {context}")
     full = min(context, sink + recent + pin)
     quant = context - full
-    scale_bits = 2 * 16 / group_size
+    scale_bits = 2 * 16 / (key_block or group_size)
     return (quant * (bits + scale_bits) + full * 16) / context
 
 
 def kv_bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT,
-                        key_bits: float = BITS, pin: int = 0) -> float:
+                        key_bits: float = BITS, pin: int = 0, key_block: int = 0) -> float:
     """The mean of K's and V's bits per element (`bits_per_element`): keys at `key_bits` (the mean of the layers'
-    key bit widths), values at BITS. key_bits = 2 is `bits_per_element` itself."""
-    k = bits_per_element(context, group_size, sink, recent, key_bits, pin)
+    key bit widths; per channel over `key_block`-token blocks when > 0), values at BITS per row.
+    key_bits = 2, key_block = 0 is `bits_per_element` itself. The history holds whole key blocks; the ≤ key_block − 1
+    tokens waiting in the recent tier beyond `recent` are counted as history (an upper bound of the history's
+    share)."""
+    k = bits_per_element(context, group_size, sink, recent, key_bits, pin, key_block)
     return (k + bits_per_element(context, group_size, sink, recent, pin=pin)) / 2
 
 
