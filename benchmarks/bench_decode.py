@@ -74,11 +74,15 @@ def graph_floor_us() -> float:
     return time_rotating([lambda: x.add_(1)])[1] * 1e3
 
 
-def int2_cache(B, H_kv, D, L, gen, key_bits=layout.BITS):
+def int2_cache(B, H_kv, D, L, gen, key_bits=layout.BITS, key_block=0):
     """A fresh random three-tier cache of L tokens (random codes and scale/zero: timing does not depend on values);
-    history keys coded with `key_bits` bits (docs/format.md §6b), values with 2."""
+    history keys coded with `key_bits` bits (docs/format.md §6b), values with 2; key_block > 0: keys per channel over
+    blocks of that many tokens (§6d: whole blocks in the history, the rest in the recent tier)."""
     sink, recent = layout.SINK, layout.RECENT
     hist = L - sink - recent
+    if key_block:
+        hist -= hist % key_block
+        recent = L - sink - hist
     dev = "cuda"
     c = dict(
         sink_k=torch.randn(B, H_kv, sink, D, device=dev, dtype=torch.bfloat16, generator=gen),
@@ -86,23 +90,29 @@ def int2_cache(B, H_kv, D, L, gen, key_bits=layout.BITS):
         sink_len=torch.full((B,), sink, dtype=torch.int32, device=dev),
         codes_k=torch.randint(0, 256, (B, H_kv, hist, layout.packed_dim(D, key_bits)), dtype=torch.uint8, device=dev,
                               generator=gen),
-        scale_zero_k=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
+        scale_zero_k=(torch.rand(B, H_kv, hist // key_block, D, 2, device=dev, generator=gen) if key_block else
+                      torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen)).mul(2).to(torch.float16),
         codes_v=torch.randint(0, 256, (B, H_kv, D // 4, hist), dtype=torch.uint8, device=dev,
                               generator=gen).transpose(2, 3),
         # (token-major, as the cache stores V's codes: layout.history_codes)
         scale_zero_v=torch.rand(B, H_kv, hist, 1, 2, device=dev, generator=gen).mul(2).to(torch.float16),
         hist_len=torch.full((B,), hist, dtype=torch.int32, device=dev),
-        recent_k=torch.randn(B, H_kv, recent + layout.FLUSH, D, device=dev, dtype=torch.bfloat16, generator=gen),
-        recent_v=torch.randn(B, H_kv, recent + layout.FLUSH, D, device=dev, dtype=torch.bfloat16, generator=gen),
+        recent_k=torch.randn(B, H_kv, layout.RECENT + (key_block or layout.FLUSH), D, device=dev, dtype=torch.bfloat16,
+                             generator=gen),
+        recent_v=torch.randn(B, H_kv, layout.RECENT + (key_block or layout.FLUSH), D, device=dev, dtype=torch.bfloat16,
+                             generator=gen),
         recent_len=torch.full((B,), recent, dtype=torch.int32, device=dev),
     )
     return c
 
 
-def int2_bytes(B, H_q, H_kv, D, L, key_bits=layout.BITS) -> int:
+def int2_bytes(B, H_q, H_kv, D, L, key_bits=layout.BITS, key_block=0) -> int:
     hist = L - layout.SINK - layout.RECENT
-    row = layout.bytes_per_token(D, D, key_bits) + layout.bytes_per_token(D, D)  # a token's K and V history rows
-    cache = B * H_kv * (hist * row + 2 * (layout.SINK + layout.RECENT) * D * 2)
+    hist -= hist % key_block if key_block else 0
+    # a token's K and V history rows (per-channel keys: one pair per channel and block, 4·D / key_block bytes a token)
+    row = layout.bytes_per_token(D, D, key_bits) + layout.bytes_per_token(D, D)
+    row += (4 * D // key_block - 4) if key_block else 0
+    cache = B * H_kv * (hist * row + 2 * (L - hist) * D * 2)
     cuda = torch.device("cuda")
     S = (ops._int2_splits(B, H_kv, H_q // H_kv, D, hist, cuda, None) + ops._bf16_splits(layout.SINK, cuda)
          + ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda))  # the splits tiered_decode_attention launches
@@ -110,9 +120,9 @@ def int2_bytes(B, H_q, H_kv, D, L, key_bits=layout.BITS) -> int:
     return cache + partials + B * H_q * D * 2
 
 
-def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS):
+def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS, key_block=0):
     bf16_bytes = 2 * B * H_kv * L * D * 2
-    int2_b = int2_bytes(B, H_q, H_kv, D, L, key_bits)
+    int2_b = int2_bytes(B, H_q, H_kv, D, L, key_bits, key_block)
     n_buf = int(max(2, min(4, MEM_BUDGET // (bf16_bytes + int2_b))))
     if bf16_bytes * 1 + int2_b * 2 > MEM_BUDGET:
         return None
@@ -120,8 +130,9 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS):
     q = torch.randn(B, H_q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
 
     # OSCAR
-    caches = [int2_cache(B, H_kv, D, L, gen, key_bits) for _ in range(n_buf)]
-    calls = [lambda c=c: ops.tiered_decode_attention(q, **c, sm_scale=sm_scale) for c in caches]
+    caches = [int2_cache(B, H_kv, D, L, gen, key_bits, key_block) for _ in range(n_buf)]
+    calls = [lambda c=c: ops.tiered_decode_attention(q, **c, sm_scale=sm_scale, key_block=key_block)
+             for c in caches]
     eager_int2, ms_int2, in_graph_int2 = time_rotating(calls)
     del caches, calls
 
@@ -141,7 +152,8 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS):
     torch.cuda.empty_cache()
     bw = int2_b / (ms_int2 * 1e-3)
     return dict(
-        H_q=H_q, H_kv=H_kv, D=D, batch=B, context=L, key_bits=key_bits, oscar_us=ms_int2 * 1e3, sdpa_us=ms_sdpa * 1e3,
+        H_q=H_q, H_kv=H_kv, D=D, batch=B, context=L, key_bits=key_bits, key_block=key_block, oscar_us=ms_int2 * 1e3,
+        sdpa_us=ms_sdpa * 1e3,
         speedup=ms_sdpa / ms_int2, oscar_bytes=int2_b, bf16_bytes=bf16_bytes, oscar_GBps=bw / 1e9,
         oscar_bw_frac=bw / copy_bw, sdpa_bw_frac=bf16_bytes / (ms_sdpa * 1e-3) / copy_bw,
         floor_us=int2_b / copy_bw * 1e6, buffers=n_buf, oscar_eager_us=eager_int2 * 1e3,
@@ -248,6 +260,9 @@ def main():
                     help="try these ops.MERGE_TILE values on the headline rows, then stop")
     ap.add_argument("--key-bits", type=int, nargs="+", default=[layout.BITS], choices=layout.KEY_BITS,
                     help="time each row with history keys of these bit widths (docs/format.md §6b; default 2)")
+    ap.add_argument("--key-block", type=int, nargs="+", default=[0], choices=(0, *layout.KEY_BLOCKS),
+                    help="time each row with keys per row (0, the default) and/or per channel over blocks of these "
+                         "many tokens (docs/format.md §6d)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -269,13 +284,14 @@ def main():
         combos = QUICK_ROWS
     if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge:
         combos = []
-    for ((H_q, H_kv, D), B, L), kb in itertools.product(combos, args.key_bits):
-        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw, kb)
+    for ((H_q, H_kv, D), B, L), kb, blk in itertools.product(combos, args.key_bits, args.key_block):
+        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw, kb, blk)
         if r is None:
             print(f"skip {H_q}/{H_kv} d={D} B={B} L={L}: does not fit", flush=True)
             continue
         result["rows"].append(r)
-        print(f"{H_q}/{H_kv} d={D} B={B} L={L} K{kb}: oscar {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us; "
+        print(f"{H_q}/{H_kv} d={D} B={B} L={L} K{kb} block {blk}: oscar {r['oscar_us']:.1f} us, "
+              f"sdpa {r['sdpa_us']:.1f} us; "
               f"in a graph of {IN_GRAPH}: {r['oscar_in_graph_us']:.1f} / {r['sdpa_in_graph_us']:.1f} us", flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_decode.json"), "w") as f:
@@ -284,11 +300,13 @@ def main():
         return
     print(f"\nCUDA-graph replays, one call per graph; then one call in a graph of {IN_GRAPH} (OSCAR, SDPA, speedup); "
           "eager launches in the last two columns")
-    print("| heads q/kv | d | batch | context | K bits | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s | % copy bw "
-          "| floor µs | in-graph OSCAR µs | in-graph SDPA µs | in-graph speedup | eager OSCAR µs | eager SDPA µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| heads q/kv | d | batch | context | K bits | K block | OSCAR µs | SDPA µs | speedup | OSCAR MB | GB/s "
+          "| % copy bw | floor µs | in-graph OSCAR µs | in-graph SDPA µs | in-graph speedup | eager OSCAR µs "
+          "| eager SDPA µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         print(f"| {r['H_q']}/{r['H_kv']} | {r['D']} | {r['batch']} | {r['context']} | {r['key_bits']} | "
+              f"{r['key_block'] or 'row'} | "
               f"{r['oscar_us']:.1f} | {r['sdpa_us']:.1f} | {r['speedup']:.2f}x | {r['oscar_bytes'] / 1e6:.1f} | "
               f"{r['oscar_GBps']:.0f} | "
               f"{r['oscar_bw_frac']:.0%} | {r['floor_us']:.1f} | {r['oscar_in_graph_us']:.1f} | "

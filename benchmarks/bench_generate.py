@@ -123,7 +123,7 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
     if kind == "oscar":
         Mk, Mv = oscar_rotations(L, H_kv, D)
         return OscarCache(Mk, Mv, layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP, key_bits=oscar_key_bits(model),
-                          pin=getattr(model, "_oscar_pin", 0))
+                          pin=getattr(model, "_oscar_pin", 0), key_block=getattr(model, "_oscar_key_block", 0))
     if kind == "dynamic":
         return DynamicCache(config=cfg)
     if kind in ("static", "static-compiled"):
@@ -178,7 +178,7 @@ def rotation_bytes(cache: Cache) -> int:
 
 
 def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capacity: int, G: int | None = None,
-                      key_bits: list[int] | None = None, pin: int = 0) -> int:
+                      key_bits: list[int] | None = None, pin: int = 0, key_block: int = 0) -> int:
     """What `kv_bytes` should report for a cache of `kind` holding T tokens (OSCAR: T > sink + recent, history of
     `capacity` rows allocated, each layer's keys at `key_bits` (default 2); BF16 static/prealloc: `capacity` rows;
     dynamic: exactly T rows; QuantizedCache: `capacity` is the filled length, the rest decode steps)."""
@@ -186,10 +186,13 @@ def expected_kv_bytes(kind: str, B: int, T: int, L: int, H_kv: int, D: int, capa
         return peer_caches.expected_peer_kv_bytes(kind, B, T, L, H_kv, D, filled=capacity)
     if kind == "oscar":
         G = G or D
-        bf16 = (layout.SINK + pin + layout.RECENT + layout.FLUSH) * D * 2  # sink (+ pinned) + recent, one of K or V
+        bf16 = (layout.SINK + pin + layout.RECENT + (key_block or layout.FLUSH)) * D * 2  # sink (+ pinned) + recent
+        # K's codes and pairs (per channel: one pair per channel and block of key_block tokens, docs/format.md §6d)
+        k_rows = (lambda kb: capacity * layout.packed_dim(D, kb) + capacity // key_block * D * 4) if key_block else (
+            lambda kb: capacity * layout.bytes_per_token(D, G, kb))
         per_layer = [
             2 * B * H_kv * bf16 + 3 * B * 4  # + int32 [B] lengths of 3 tiers
-            + B * H_kv * capacity * (layout.bytes_per_token(D, G, kb) + layout.bytes_per_token(D, G))  # K, V codes
+            + B * H_kv * (k_rows(kb) + capacity * layout.bytes_per_token(D, G))  # K, V codes and pairs
             for kb in key_bits or [layout.BITS] * L
         ]
         return sum(per_layer)
@@ -368,7 +371,8 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
         kv_bytes=kvb, rotation_bytes=rotation_bytes(cache), bytes_per_token_per_layer=kvb / (B * tokens_now * L),
         expected_kv_bytes=expected_kv_bytes(kind, B, tokens_now, L, H_kv, D, T if kind in PEER_KINDS
                                             else _capacity(cache, capacity), key_bits=oscar_key_bits(model),
-                                            pin=getattr(model, "_oscar_pin", 0)),
+                                            pin=getattr(model, "_oscar_pin", 0),
+                                            key_block=getattr(model, "_oscar_key_block", 0)),
         generated=out.shape[1], status="ok",
     )  # fmt: skip
     if dev.type == "cuda":
@@ -405,14 +409,15 @@ def _capacity(cache: Cache, capacity: int) -> int:
 
 
 def floor_ms(kind: str, B: int, T: int, cfg, weight_bytes: int, bandwidth: float, key_bits: list[int],
-             pin: int = 0) -> float:
+             pin: int = 0, key_block: int = 0) -> float:
     """Bandwidth floor of one decode step: the weights plus the KV bytes attention must read, at `bandwidth` B/s
     (OSCAR: each layer's history keys at `key_bits`)."""
     L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if kind == "oscar":
         full = min(T, layout.SINK + layout.RECENT + pin)
-        kv = sum(B * H_kv * ((T - full) * (layout.bytes_per_token(D, D, kb) + layout.bytes_per_token(D, D))
+        pairs = 4 * D / key_block - 4 if key_block else 0  # per-channel keys: a block's pairs per token, not a row's
+        kv = sum(B * H_kv * ((T - full) * (layout.bytes_per_token(D, D, kb) + layout.bytes_per_token(D, D) + pairs)
                              + 2 * full * D * 2) for kb in key_bits)  # fmt: skip
     else:
         kv = L * 2 * B * H_kv * T * D * 2
@@ -424,7 +429,7 @@ def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
     cfg = model.config
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     need = expected_kv_bytes(kind, B, T, cfg.num_hidden_layers, cfg.num_key_value_heads, D, T + 64,
-                             key_bits=oscar_key_bits(model), pin=args.pin)
+                             key_bits=oscar_key_bits(model), pin=args.pin, key_block=args.key_block)
     if free_bytes is not None and need > free_bytes:
         return dict(kind=kind, batch=B, context=T, status="does not fit",
                     note=f"needs {need / GB:.1f} GB of KV, {free_bytes / GB:.1f} GB free")  # fmt: skip
@@ -435,7 +440,7 @@ def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
             row["floor_ms"] = (weights + row["kv_bytes"]) / (args.bandwidth_tbs * 1e12) * 1e3
         else:
             row["floor_ms"] = floor_ms(kind, B, T, cfg, weights, args.bandwidth_tbs * 1e12, oscar_key_bits(model),
-                                       args.pin)
+                                       args.pin, args.key_block)
         return row
     except torch.OutOfMemoryError as e:
         gc.collect()
@@ -487,6 +492,9 @@ def main(argv=None) -> dict:
                          "--key-bits; default 2)")
     ap.add_argument("--pin", type=int, default=0, help="OSCAR rows: history tokens per KV head pinned in BF16 "
                     "(calibrate's --pin; default 0)")
+    ap.add_argument("--key-block", type=int, default=0, choices=(0, *layout.KEY_BLOCKS),
+                    help="OSCAR rows: history keys per channel over blocks of this many tokens (calibrate's "
+                         "--key-block; default 0: per row)")
     ap.add_argument("--extra", nargs="*", default=[], help="more rows as kind:context:batch (e.g. static:32768:1)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -498,10 +506,11 @@ def main(argv=None) -> dict:
         ap.error(f"--key-bits must be between {layout.BITS} and 3, got {args.key_bits}")
     model._oscar_mean_key_bits = args.key_bits
     model._oscar_pin = args.pin
+    model._oscar_key_block = args.key_block
     model._bench_compile = args.compile
     L = model.config.num_hidden_layers
     phase_rows = {tuple(int(x) for x in p.split(":")) for p in args.phases}
-    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), pin=args.pin,
+    result = dict(model=name, layers=L, key_bits=oscar_key_bits(model), pin=args.pin, key_block=args.key_block,
                   device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
                   steps=args.steps, warmup=args.warmup, fill=args.fill, rows=[], graph=args.graph,
                   compile=args.compile, budget_gb=args.budget_gb, budget=[])  # fmt: skip

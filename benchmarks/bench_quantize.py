@@ -40,6 +40,9 @@ def main():
                     help="time the per-row dispatch (a ratio tensor without its host bound) besides the bound's build")
     ap.add_argument("--bits", type=int, nargs="+", default=[layout.BITS], choices=layout.KEY_BITS,
                     help="code widths to time (default 2)")
+    ap.add_argument("--key-block", type=int, default=0, choices=(0, *layout.KEY_BLOCKS),
+                    help="also time keys per channel over blocks of this many tokens (`ops.quantize_pack_channel`, "
+                         "docs/format.md §6d; a demotion is one block)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -65,6 +68,24 @@ def main():
                      bytes=nbytes, bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip
             rows.append(r)
             print(r, flush=True)
+        del xs
+    for (B, H, T, D), bits in itertools.product(ROWS if args.key_block else [], args.bits):
+        T = max(T // args.key_block, 1) * args.key_block  # the demotion row: one block
+        xs = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+        codes_ref, sz_ref = reference.quantize_pack_channel_ref(xs[0], args.key_block, bits)
+        it = itertools.count()
+        ms_ref = triton.testing.do_bench(
+            lambda: reference.quantize_pack_channel_ref(xs[next(it) % 4], args.key_block, bits), warmup=5, rep=50)
+        nbytes = B * H * T * (2 * D + layout.packed_dim(D, bits)) + B * H * (T // args.key_block) * D * 4
+        codes, sz = ops.quantize_pack_channel(xs[0], args.key_block, bits)
+        exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
+        calls = [functools.partial(ops.quantize_pack_channel, x, args.key_block, bits) for x in xs]
+        eager, ms, in_graph = time_rotating(calls)
+        r = dict(B=B, H_kv=H, T=T, D=D, bits=bits, build=f"channel/{args.key_block}", kernel_us=ms * 1e3,
+                 in_graph_us=in_graph * 1e3, eager_us=eager * 1e3, torch_ref_us=ms_ref * 1e3, bytes=nbytes,
+                 bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)
+        rows.append(r)
+        print(r, flush=True)
         del xs
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_quantize.json"), "w") as f:

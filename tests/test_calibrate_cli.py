@@ -30,7 +30,8 @@ def text_file(tmp_path):
 def calibrated(run_cli, tiny_model_dir, text_file, tmp_path, monkeypatch):
     monkeypatch.setenv("OSCAR_ZOO_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "art"
-    code, stdout, stderr = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", out, "--json")
+    code, stdout, stderr = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", out, "--json",
+                                   "--key-block", "0")  # keys per row, searched clips (the default: per channel)
     assert code == 0, stderr
     return out, json.loads(stdout)
 
@@ -90,7 +91,7 @@ def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_mo
 
     # same model, data and settings: the accumulators are reused, no forward pass runs; another clip mode neither
     code, stdout, _ = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", out, "--json",
-                              "--clip", "fixed", "--granularity", "per-layer")
+                              "--clip", "fixed", "--granularity", "per-layer", "--key-block", "0")
     again = json.loads(stdout)
     assert code == 0 and again["forward_passes"] == []
     manifest2, rot2 = load_artifacts(out)
@@ -295,19 +296,19 @@ def test_calibrate_defaults_to_uncentred_and_centring_mean_still_writes_means(ca
     out, summary = calibrated
     manifest, rot = load_artifacts(out)
     assert summary["centring"] == "none"
-    assert manifest.schema_version == 4 and manifest.quant.centring == "none" and not manifest.centred
+    assert manifest.schema_version == 5 and manifest.quant.centring == "none" and not manifest.centred
     assert rot.k_mean is None and rot.v_mean is None
     assert not {"k_mean", "v_mean"} & set(load_tensors(out / "rotations.safetensors"))
     assert not OscarCache.from_folder(out).centred
 
     centred = tmp_path / "centred"
     code, stdout, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", centred,
-                                "--json", "--centring", "mean")
+                                "--json", "--centring", "mean", "--key-block", "0")
     assert code == 0, err
     again = json.loads(stdout)
     assert again["forward_passes"] == [] and again["centring"] == "mean"
     manifest, rot = load_artifacts(centred)
-    assert manifest.schema_version == 4 and manifest.quant.centring == "mean" and manifest.centred
+    assert manifest.schema_version == 5 and manifest.quant.centring == "mean" and manifest.centred
     assert rot.k_mean.shape == rot.v_mean.shape == (2, 2, 64)
     assert rot.k_mean.abs().max() > 0 and rot.v_mean.abs().max() > 0
     assert OscarCache.from_folder(centred).centred
@@ -327,11 +328,11 @@ def test_calibrate_pin_writes_schema_4_pins_and_the_runtime_reads_them(calibrate
 
     pinned = tmp_path / "pinned"  # INT2 keys everywhere, so that pinning is the only thing export cannot carry
     code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", pinned, "--pin", "32",
-                           "--key-bits", "2")
+                           "--key-bits", "2", "--key-block", "0")
     assert code == 0, err
     manifest, _ = load_artifacts(pinned)
     G = manifest.quant.group_size
-    assert manifest.schema_version == 4 and manifest.quant.pin == manifest.pin == 32
+    assert manifest.schema_version == 5 and manifest.quant.pin == manifest.pin == 32
     want = layout.kv_bits_per_element(32768, G, 64, 256, manifest.mean_key_bits, 32)
     assert manifest.bits_per_element["32768"] == round(want, 4) == round(manifest.bits_at(32768), 4)
     # 32 BF16 tokens in place of 32 INT2 history tokens (2 + 32/64 bits): (16 − 2.5) · 32 / 32768 more per element
@@ -344,3 +345,37 @@ def test_calibrate_pin_writes_schema_4_pins_and_the_runtime_reads_them(calibrate
     code, _, err = run_cli("export", pinned, "--format", "oscar-pt", "--out", tmp_path / "pt", "--average-heads",
                            "--accept-degraded")
     assert code == 0 and "the reference runtime pins none" in err, err
+
+
+def test_calibrate_default_codes_keys_per_channel(run_cli, tiny_model_dir, text_file, tmp_path, monkeypatch):
+    """No codec flags: keys per channel over 64-token blocks (head_dim 64; docs/format.md §6d), unclipped keys and
+    values, 3-bit keys in the loudest layers, flush one block: a schema-5 manifest whose bits per element count one
+    pair per channel and block, and `OscarCache.from_folder` serves it so; export refuses it without
+    --accept-degraded; `--key-block 128` is honoured and `--key-block 48` refused."""
+    from oscar_zoo.runtime.cache import OscarCache
+
+    monkeypatch.setenv("OSCAR_ZOO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "chan"
+    code, stdout, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", out, "--json")
+    assert code == 0, err
+    manifest, rot = load_artifacts(out)
+    q = manifest.quant
+    assert manifest.schema_version == 5 and (q.key_block, q.flush, q.group_size, manifest.key_block) == (64, 64, 64, 64)
+    assert manifest.clip.mode.value == "fixed" and manifest.clip.grid == []
+    assert torch.equal(rot.k_clip, torch.ones_like(rot.k_clip)) and torch.equal(rot.v_clip, torch.ones_like(rot.v_clip))
+    assert manifest.key_bits.count(3) == 1  # round(0.7 · 2 layers)
+    hist = 32768 - 320
+    want = (hist * ((2.5 + 0.5) + 2.5) / 2 + 320 * 16) / 32768  # keys 2.5 bits + 0.5 of pairs, values 2 + 0.5
+    assert manifest.bits_per_element["32768"] == round(want, 4) == round(manifest.bits_at(32768), 4)
+    assert "keys per channel over 64-token blocks" in manifest.codec
+    cache = OscarCache.from_folder(out)
+    assert {layer.key_block for layer in cache.layers} == {64} and cache.quant_settings["flush"] == 64
+
+    code, _, err = run_cli("export", out, "--format", "oscar-pt", "--out", tmp_path / "pt", "--average-heads")
+    assert code == 2 and "per channel over 64-token blocks" in err and not (tmp_path / "pt").exists(), err
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", tmp_path / "c128",
+                           "--key-block", "128")
+    assert code == 0 and load_artifacts(tmp_path / "c128")[0].quant.key_block == 128, err
+    code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--out", tmp_path / "bad",
+                           "--key-block", "48")
+    assert code == 2 and "--key-block 48" in err and not (tmp_path / "bad").exists(), err

@@ -136,7 +136,7 @@ def _manifest_cases(good: str, rng: random.Random) -> list[tuple[str, bytes]]:
     cases.append(("file listed twice", dump(_set(doc, ("artifacts",), doc["artifacts"] * 2))))
     cases.append(("sha256 of another file", dump(_set(doc, ("artifacts", 0, "sha256"), "0" * 64))))
     cases.append(("bytes off by one", dump(_set(doc, ("artifacts", 0, "bytes"), doc["artifacts"][0]["bytes"] + 1))))
-    cases.append(("schema_version 5", dump(_set(doc, ("schema_version",), 5))))
+    cases.append(("schema_version 6", dump(_set(doc, ("schema_version",), 6))))
     cases.append(("schema_version true", dump(_set(doc, ("schema_version",), True))))
     cases.append(("centring in a version-1 manifest", dump(_set(_set(doc, ("schema_version",), 1),
                                                                 ("quant", "centring"), "none"))))
@@ -146,6 +146,10 @@ def _manifest_cases(good: str, rng: random.Random) -> list[tuple[str, bytes]]:
                                                                  ("quant", "key_bits"), [2, 3]))))
     cases.append(("4-bit keys", dump(_set(doc, ("quant", "key_bits"), [4, 2]))))
     cases.append(("pin in a version-3 manifest", dump(_set(_set(doc, ("schema_version",), 3), ("quant", "pin"), 32))))
+    cases.append(("key_block in a version-4 manifest", dump(_set(_set(doc, ("schema_version",), 4),
+                                                                 ("quant", "key_block"), 64))))
+    for block in (48, 0, -64, 64.0, "64", True):  # not a block size; or (64) a flush, group size that cannot hold it
+        cases.append((f"key_block {block!r}", dump(_set(doc, ("quant", "key_block"), block))))
     cases.append(("negative pin", dump(_set(doc, ("quant", "pin"), -1))))
     cases.append(("pin past the window limit", dump(_set(doc, ("quant", "pin"), 2**21))))
     cases.append(("pin as a string", dump(_set(doc, ("quant", "pin"), "32"))))

@@ -17,8 +17,11 @@ def _refused(result, *words):
 
 
 CALIBRATE = [
-    (("--k-clip", "0.5"), ("--k-clip 0.5", "--clip fixed")),
-    (("--clip", "search", "--v-clip", "0.7"), ("--v-clip 0.7", "--clip fixed")),
+    (("--key-block", "0", "--k-clip", "0.5"), ("--k-clip 0.5", "--clip fixed")),
+    (("--key-block", "0", "--clip", "search", "--v-clip", "0.7"), ("--v-clip 0.7", "--clip fixed")),
+    (("--k-clip", "0.5"), ("--k-clip 0.5", "keys per channel", "--key-block 0")),  # per-channel keys are unclipped
+    (("--clip", "search"), ("--clip search", "keys per channel", "--key-block 0")),
+    (("--pin", "8"), ("--pin 8", "whole token blocks", "--key-block 0")),
     (("--offload-folder", "OFF"), ("--offload-folder", "--device-map")),
     (("--device-map", "auto", "--device", "cpu"), ("--device cpu", "--device-map auto")),
     (("--device-map", "auto", "--max-memory", "disk=100GiB"), ("--max-memory", "disk")),

@@ -98,15 +98,6 @@ class CalibrationSettings:
         for name, kind in (("granularity", Granularity), ("value_target", ValueTarget), ("clip", ClipMode),
                            ("centring", Centring), ("accumulate_on", AccumulateOn)):
             _vocabulary(self, name, kind)
-        if self.per_channel:
-            for name, bad, why in (("clip", self.clip == ClipMode.SEARCH, "{clip} search"),
-                                   ("k_clip", self.k_clip is not None, f"{{k_clip}} {literal(self.k_clip)}"),
-                                   ("pin", self.pin != 0, f"{{pin}} {self.pin}")):
-                if bad:
-                    raise SettingError(name, f"{why} with keys per channel ({{key_block}} "
-                                       f"{self.key_block if self.key_block is not None else 'default'}): its keys are "
-                                       "unclipped and its history holds whole token blocks (docs/format.md §6d)",
-                                       "add {key_block} 0 for the per-row codec, or leave it out")
         given = [(name, v) for name, v in (("k_clip", self.k_clip), ("v_clip", self.v_clip)) if v is not None]
         if self.clip == ClipMode.SEARCH and given:
             raise SettingError(given[0][0], " ".join(f"{{{name}}} {literal(v)}" for name, v in given)
@@ -122,6 +113,15 @@ class CalibrationSettings:
         _need(self.recent >= 0, "recent", self.recent, "a number of full-precision recent tokens ≥ 0")
         _need(0 <= self.pin <= layout.MAX_WINDOW, "pin", self.pin,
               f"a number of pinned tokens in [0, {layout.MAX_WINDOW:,}]")
+        if self.per_channel:
+            for name, bad, why in (("clip", self.clip == ClipMode.SEARCH, "{clip} search"),
+                                   ("k_clip", self.k_clip is not None, f"{{k_clip}} {literal(self.k_clip)}"),
+                                   ("pin", self.pin != 0, f"{{pin}} {self.pin}")):
+                if bad:
+                    raise SettingError(name, f"{why} with keys per channel ({{key_block}} "
+                                       f"{self.key_block if self.key_block is not None else 'default'}): its keys are "
+                                       "unclipped and its history holds whole token blocks (docs/format.md §6d)",
+                                       "add {key_block} 0 for the per-row codec, or leave it out")
         if not self.sink + self.recent < MAX_WINDOWS:
             raise SettingError("sink", f"{{sink}} + {{recent}} {self.sink} + {self.recent}: expected less than "
                                f"{MAX_WINDOWS:,} tokens (beyond that a 32K context keeps no INT2 history)")
@@ -210,8 +210,10 @@ class CalibrationRequest:
         _need(self.tokens >= self.seq_len, "tokens", self.tokens,
               f"at least one sequence of {{seq_len}} {self.seq_len} tokens")
         _need(self.heldout >= 0, "heldout", self.heldout, "a number of held-out sequences ≥ 0")
-        _need(self.settings.clip != ClipMode.SEARCH or self.heldout >= 1, "heldout", self.heldout,
-              "≥ 1 with {clip} search (the search scores clip ratios on held-out sequences)", "or use {clip} fixed")
+        s = self.settings
+        _need((s.clip != ClipMode.SEARCH and s.key_bits == layout.BITS) or self.heldout >= 1, "heldout", self.heldout,
+              "≥ 1 with {clip} search or {key_bits} above 2 (the clip search and the choice of 3-bit key layers "
+              "score on held-out sequences)", "or use {clip} fixed with {key_bits} 2")
         _need(self.nproc >= 1, "nproc", self.nproc, "at least 1 process")
 
     @property

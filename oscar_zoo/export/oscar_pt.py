@@ -225,20 +225,20 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
     `out`) comes before anything is written, and the files land together or not at all
     (`staging.write_export_files`)."""
     manifest, r = load_artifacts(artifacts)
-    if max(manifest.key_bits) > layout.BITS and not allow_degraded:
-        raise InputError(f"{artifacts} stores 3-bit keys in {manifest.key_bits.count(3)} of {len(manifest.key_bits)} "
-                         "layers (docs/format.md §6b); the reference runtime quantizes every key to INT2, so the "
-                         "exported rotations would be served with 2-bit keys in those layers (needle "
-                         "retrieval drops: benchmarks/QUALITY.md)",
-                         "pass --accept-degraded to export them anyway, or calibrate with --key-bits 2 for a faithful "
-                         f"export; measure the exported form first with `oscar-zoo verify "
-                         f"{shlex.quote(str(artifacts))} --as-exported`")
     if manifest.key_block and not allow_degraded:
         raise InputError(f"{artifacts} codes history keys per channel over {manifest.key_block}-token blocks "
                          "(quant.key_block, docs/format.md §6d); the reference runtime codes every key per row, so the "
                          "exported rotations would be served with per-row INT2 keys (needle retrieval drops: "
                          "benchmarks/QUALITY.md)",
                          "pass --accept-degraded to export anyway, or calibrate with --key-block 0 for a faithful "
+                         f"export; measure the exported form first with `oscar-zoo verify "
+                         f"{shlex.quote(str(artifacts))} --as-exported`")
+    if max(manifest.key_bits) > layout.BITS and not allow_degraded:
+        raise InputError(f"{artifacts} stores 3-bit keys in {manifest.key_bits.count(3)} of {len(manifest.key_bits)} "
+                         "layers (docs/format.md §6b); the reference runtime quantizes every key to INT2, so the "
+                         "exported rotations would be served with 2-bit keys in those layers (needle "
+                         "retrieval drops: benchmarks/QUALITY.md)",
+                         "pass --accept-degraded to export them anyway, or calibrate with --key-bits 2 for a faithful "
                          f"export; measure the exported form first with `oscar-zoo verify "
                          f"{shlex.quote(str(artifacts))} --as-exported`")
     if manifest.pin and not allow_degraded:

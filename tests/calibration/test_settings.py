@@ -47,7 +47,10 @@ def test_a_bad_group_size_is_named_by_the_library_and_spelled_as_the_flag_by_the
     assert "--" not in below.value.message
 
     settings = CalibrationSettings(group_size=48)  # ≥ 0: only the head dim can refuse it
-    assert CalibrationSettings(group_size=16).group_for(64) == 16 and CalibrationSettings().group_for(64) == 64
+    assert CalibrationSettings(group_size=16, key_block=0).group_for(64) == 16
+    assert CalibrationSettings().group_for(64) == 64
+    with pytest.raises(SettingError, match="values are coded per row"):  # keys per channel: values per row (§6d)
+        CalibrationSettings(group_size=16).group_for(64)
     with pytest.raises(SettingError) as misfit:
         settings.group_for(64)
     assert misfit.value.setting == "group_size"

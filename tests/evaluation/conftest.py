@@ -82,7 +82,8 @@ def loaded_bf16(model_dir):
 @pytest.fixture(scope="session")
 def good_artifacts(tmp_path_factory, loaded):
     """OSCAR artifacts calibrated by the library pipeline on 4×128 tokens of a calibration play (fixed clips), with
-    the centred codec (`centring="mean"`, schema 2 with k_mean/v_mean; not calibrate's default, which is uncentred):
+    the centred codec (`centring="mean"`, schema 2 with k_mean/v_mean; not calibrate's default, which is uncentred)
+    with keys per row (`key_block=0`; the default codes them per channel, docs/format.md §6d):
     the verify tests check the means' path against the float64 reference; the version-1 fixture covers uncentred."""
     from oscar_zoo.artifacts import write_artifacts
     from oscar_zoo.calibration.data import corpus_dir, make_sequences
@@ -92,7 +93,7 @@ def good_artifacts(tmp_path_factory, loaded):
     seqs = make_sequences(loaded.tokenizer, [text], 128, 4, 1, dataset="hamlet excerpt")
     root = tmp_path_factory.mktemp("artifacts")
     result = calibrate(loaded, seqs, CalibrationSettings(clip="fixed", sink=SINK, recent=RECENT, batch_size=4,
-                                                            centring="mean"),
+                                                            centring="mean", key_block=0),
                        store_dir=root / "store")
     write_artifacts(root / "good", result.manifest, result.rotations)
     return root / "good"

@@ -273,7 +273,7 @@ def test_the_float64_expectation_tells_centred_from_uncentred(good_artifacts, mo
     import dataclasses
 
     manifest, rot = load_artifacts(good_artifacts)
-    assert manifest.schema_version == 4 and manifest.centred and rot.k_mean is not None
+    assert manifest.schema_version == 5 and manifest.centred and rot.k_mean is not None
     ids = heldout_ids[:1]
     centred = expected_metrics(model64, ids, rot, SINK, RECENT, key_bits=manifest.key_bits)
     plain = expected_metrics(model64, ids, dataclasses.replace(rot, k_mean=None, v_mean=None), SINK, RECENT,

@@ -139,3 +139,21 @@ def test_prefill_benchmark_reads_the_first_token_generate_would(model):
         assert torch.equal(got, out[:, -1]), kind
         row = bp.run_row(model, kind, B, T, chunk=128)  # chunked: later chunks read the earlier ones' tiers
         assert row["tokens_per_s"] > 0 and len(row["first_token"]) == B
+
+
+def test_per_channel_key_rows_are_counted_as_the_tensors_hold_them(model):
+    """bench_generate --key-block: the K/V fill leaves whole key blocks in the history (the rest in the recent tier, up
+    to recent + block) and the analytic byte count (one pair per channel and block) equals what the tensors hold."""
+    model._oscar_key_block = 16
+    try:
+        cache = bg.make_cache("oscar", model, T + 20)
+        bg.use_attention(model, "oscar")
+        bg.fill_kv(cache, model, B, T, reserve=20)
+        layer = cache.layers[0]
+        assert (layer.n_hist, layer.n_recent) == (16, T - 64 - 16) and layer.sz_k.shape[2] * 16 == layer.hist_k.shape[2]
+        cfg = model.config
+        expected = bg.expected_kv_bytes("oscar", B, T, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                        layer.hist_k.shape[2], key_block=16)
+        assert bg.kv_bytes(cache) == _storage_bytes(cache) == expected
+    finally:
+        del model._oscar_key_block
