@@ -29,7 +29,7 @@ def check_lengths(name: str, t: Tensor, B: int, device: torch.device) -> Tensor:
     check(not t.is_floating_point() and t.dtype != torch.bool,
           lambda: f"{name} must be an integer tensor, got {t.dtype}")
     check(t.device == device, lambda: f"{name} is on {t.device}, expected {device} (the device of q)")
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
+    return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()  # the kernels index lengths[b] densely
 
 
 def check_q(q: Tensor) -> tuple[int, int, int]:
@@ -63,8 +63,12 @@ def codes_key_bits(codes_k: Tensor, D: int) -> int:
     return 3
 
 
-def validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len):
-    """Checks the history tier; returns H_kv, the group size G, hist_len as int32 and the keys' bits (2 or 3)."""
+def validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block: int = 0):
+    """Checks the history tier; returns H_kv, the group size G, hist_len as int32 and the keys' bits (2 or 3).
+    `key_block` > 0 (keys per channel over blocks of that many tokens, docs/format.md §6d): scale_zero_k is
+    [B, H_kv, T_cap / key_block, D, 2] (T_cap = codes_k.shape[2], whole blocks) and the values are per row (G = D)."""
+    if key_block:
+        return _validate_int2_channel(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block)
     B, H_q, D = check_q(q)
     check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
     check_tensor("codes_k", codes_k, 4, layout.CODE_DTYPE)
@@ -82,6 +86,40 @@ def validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len):
               lambda: f"{name} {tuple(sz.shape)} does not match codes {tuple(codes_k.shape)}")
     hist_len = check_lengths("hist_len", hist_len, B, q.device)
     return H_kv, D // NG, hist_len, key_bits
+
+
+def _validate_int2_channel(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block):
+    """`validate_int2` for keys per channel over blocks of `key_block` tokens (§6d); G = D."""
+    B, H_q, D = check_q(q)
+    check(isinstance(key_block, int), lambda: f"key_block must be an int, got {type(key_block).__name__}")
+    layout.check_key_block(key_block)
+    check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
+    check_tensor("codes_k", codes_k, 4, layout.CODE_DTYPE)
+    key_bits = codes_key_bits(codes_k, D)
+    H_kv = check_kv("codes_k", codes_k, q, (layout.packed_dim(D, key_bits),), layout.CODE_DTYPE)
+    check_kv("codes_v", codes_v, q, (D // 4,), layout.CODE_DTYPE)
+    check(codes_v.shape[:3] == codes_k.shape[:3],
+          lambda: f"codes_v {tuple(codes_v.shape)} does not match codes_k {tuple(codes_k.shape)}")  # fmt: skip
+    T_cap = codes_k.shape[2]
+    check(T_cap % key_block == 0,
+          lambda: f"keys per channel over blocks of {key_block} tokens need a history capacity of whole blocks, "
+          f"codes_k has {T_cap} tokens")  # fmt: skip
+    want_k = (B, H_kv, T_cap // key_block, D, 2)
+    check_tensor("scale_zero_k", scale_zero_k, 5, layout.SCALE_DTYPE)
+    check(scale_zero_k.device == q.device,
+          lambda: f"scale_zero_k is on {scale_zero_k.device}, expected {q.device} (the device of q)")
+    check(tuple(scale_zero_k.shape) == want_k,
+          lambda: f"with key_block = {key_block} (keys per channel) scale_zero_k must be [B, H_kv, T_cap / "
+          f"{key_block}, D, 2] = {list(want_k)}, got {tuple(scale_zero_k.shape)}")  # fmt: skip
+    want_v = (B, H_kv, T_cap, 1, 2)
+    check_tensor("scale_zero_v", scale_zero_v, 5, layout.SCALE_DTYPE)
+    check(scale_zero_v.device == q.device,
+          lambda: f"scale_zero_v is on {scale_zero_v.device}, expected {q.device} (the device of q)")
+    check(tuple(scale_zero_v.shape) == want_v,
+          lambda: f"with key_block = {key_block} (keys per channel) the values are per row (G = D): scale_zero_v "
+          f"must be [B, H_kv, T_cap, 1, 2] = {list(want_v)}, got {tuple(scale_zero_v.shape)}")  # fmt: skip
+    hist_len = check_lengths("hist_len", hist_len, B, q.device)
+    return H_kv, D, hist_len, key_bits
 
 
 def validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len):

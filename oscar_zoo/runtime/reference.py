@@ -228,6 +228,56 @@ def dequantize_unpack(packed: Tensor, scale_zero: Tensor, bits: int = layout.BIT
     return dequantize(unpack_codes(packed, bits), scale_zero)
 
 
+# ------------------------------------------------------------------------- keys per channel over token blocks
+# docs/format.md §6d: a layer's history keys may be coded per channel over blocks of `block` consecutive history
+# tokens (a float16 scale/zero pair per channel and block, min-max, unclipped), the codes packed per token exactly as
+# a row's (`pack_codes`). Blocks start at the first history token; the history always holds whole blocks.
+
+
+def quantize_channel(x: Tensor, block: int, bits: int = layout.BITS) -> tuple[Tensor, Tensor]:
+    """Keys x [..., T, D] (T a multiple of `block`) quantized per channel over each block of `block` tokens: codes
+    uint8 [..., T, D] and scale_zero float16 [..., T/block, D, 2] (`quantize`'s rule along the tokens, no clip)."""
+    T, D = x.shape[-2:]
+    if block <= 0 or T % block:
+        raise ValueError(f"{T} tokens are not whole blocks of {block}")
+    xb = x.float().reshape(*x.shape[:-2], T // block, block, D).transpose(-1, -2)  # [..., T/block, D, block]
+    codes, scale_zero = quantize(xb, 0, bits)  # [..., T/block, D, block], [..., T/block, D, 1, 2]
+    return codes.transpose(-1, -2).reshape(x.shape), scale_zero.squeeze(-2)
+
+
+def dequantize_channel(codes: Tensor, scale_zero: Tensor) -> Tensor:
+    """x̂[t, c] = (q[t, c] − zero[t // block, c])·scale[t // block, c] in fp32; codes [..., T, D], scale_zero
+    [..., T/block, D, 2]."""
+    T, nb = codes.shape[-2], scale_zero.shape[-3]
+    block = T // nb if nb else 1
+    s = scale_zero[..., 0].float().repeat_interleave(block, dim=-2)
+    z = scale_zero[..., 1].float().repeat_interleave(block, dim=-2)
+    return (codes.float() - z) * s
+
+
+def quantize_pack_channel_ref(x: Tensor, block: int, bits: int = layout.BITS) -> tuple[Tensor, Tensor]:
+    """`quantize_channel` with the codes packed per token (`pack_codes`): packed uint8 [..., T, packed_dim(D, bits)],
+    scale_zero float16 [..., T/block, D, 2]. The twin of the channel quantize/pack kernel."""
+    codes, scale_zero = quantize_channel(x, block, bits)
+    return pack_codes(codes, bits), scale_zero
+
+
+def dequantize_unpack_channel(packed: Tensor, scale_zero: Tensor, bits: int = layout.BITS) -> Tensor:
+    """Packed per-channel-coded keys back to fp32 [..., T, D]."""
+    return dequantize_channel(unpack_codes(packed, bits), scale_zero)
+
+
+def fake_quant_channel(x: Tensor, block: int, bits: int = layout.BITS) -> Tensor:
+    """Keys x [..., T, D] through the per-channel codec, fp32; a last partial block (fewer than `block` tokens) is
+    coded over the tokens it has (teacher forcing codes whole sequences; the runtime's history never holds one)."""
+    T = x.shape[-2]
+    n = T // block * block
+    parts = [dequantize_channel(*quantize_channel(x[..., :n, :], block, bits))] if n else []
+    if n < T:
+        parts.append(dequantize_channel(*quantize_channel(x[..., n:, :], T - n, bits)))
+    return torch.cat(parts, dim=-2)
+
+
 def fake_quant(x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, bits: int = layout.BITS) -> Tensor:
     """clip → quantize → dequantize, fp32: what attention reads from a history row."""
     codes, scale_zero = quantize(clip_rows(x, clip_ratio), group_size, bits)
@@ -350,12 +400,18 @@ def tiered_decode_attention_ref(
     recent_len: Tensor,
     sm_scale: float,
     key_bits: int = layout.BITS,
+    key_block: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over the three tiers laid out as in `layout` (history dequantized densely), merged by lse.
 
     q [B, H_q, D] is already rotated by M_K; the output is in M_V space (un-rotate with M_Vᵀ). `codes_k` holds
-    `key_bits`-bit codes ([..., packed_dim(D, key_bits)]). Returns o [B, H_q, D] and lse [B, H_q], fp32."""
-    hist_k = dequantize_unpack(codes_k, scale_zero_k, key_bits)
+    `key_bits`-bit codes ([..., packed_dim(D, key_bits)]). `key_block` > 0: the history keys are coded per channel over
+    blocks of that many tokens (§6d), scale_zero_k [B, H_kv, T_cap / key_block, D, 2] (`dequantize_unpack_channel`).
+    Returns o [B, H_q, D] and lse [B, H_q], fp32."""
+    if key_block > 0:
+        hist_k = dequantize_unpack_channel(codes_k, scale_zero_k, key_bits)
+    else:
+        hist_k = dequantize_unpack(codes_k, scale_zero_k, key_bits)
     hist_v = dequantize_unpack(codes_v, scale_zero_v)
     parts = [
         attention_partial_ref(q, sink_k, sink_v, sink_len, sm_scale),

@@ -224,11 +224,14 @@ def test_from_folder_reads_rotations_and_manifest(tmp_path):
     )  # fmt: skip
     cache = OscarCache.from_folder(tmp_path)  # no manifest: layout defaults
     assert len(cache.layers) == 4 and cache.quant_settings == {"group_size": 0, "sink": layout.SINK,
-                                                               "recent": layout.RECENT, "flush": layout.FLUSH, "pin": 0}
+                                                               "recent": layout.RECENT, "flush": layout.FLUSH, "pin": 0,
+                                                               "key_block": 0}
     assert cache.layers[0].rotation is None and torch.equal(cache.layers[3].rotation.k, Mk[1])
     (tmp_path / "manifest.json").write_text(json.dumps({"quant": {"group_size": 32, "sink": 16, "recent": 64}}))
     cache = OscarCache.from_folder(tmp_path, flush=4)
-    assert cache.quant_settings == {"group_size": 32, "sink": 16, "recent": 64, "flush": 4, "pin": 0}
+    assert cache.quant_settings == {"group_size": 32, "sink": 16, "recent": 64, "flush": 4, "pin": 0, "key_block": 0}
+    (tmp_path / "manifest.json").write_text(json.dumps({"quant": {"key_block": 64, "flush": 64}}))
+    assert {layer.key_block for layer in OscarCache.from_folder(tmp_path).layers} == {64}
     assert [cache.layers[i].rotation.k_bits for i in (1, 3)] == [2, 2]  # no key_bits: INT2 keys (schema 1–2)
     (tmp_path / "manifest.json").write_text(json.dumps({"quant": {"group_size": 32, "key_bits": [3, 2]}}))
     cache = OscarCache.from_folder(tmp_path)

@@ -185,3 +185,33 @@ def test_static_step_equals_general_path(backend, tiers, key_block, steps, monke
         assert torch.equal(getattr(a, name)[:, :, : a.n_hist], getattr(b, name)[:, :, : a.n_hist]), name
     assert torch.equal(a.sz_k[:, :, : a.n_hist // key_block], b.sz_k[:, :, : a.n_hist // key_block])
     assert torch.isfinite(static).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("B", "key_bits"), [(1, 2), (4, 3)])
+def test_generate_replays_captured_steps_equal_to_eager(B, key_bits):
+    """generate() on a GPU with per-channel keys (Qwen3-8B's attention shape, head_dim 128, 128-token blocks):
+    260 greedy tokens from a 500-token prompt (two block demotions inside captured steps, each a channel quantize and
+    a block of pairs) equal the eager path's, logits included, and most steps were replays."""
+    from .test_static_step import _qwen3
+
+    model = enable_oscar(_qwen3("cuda"), compile=False)
+    cfg = model.config
+    L, H, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    ids = torch.randint(0, cfg.vocab_size, (B, 500), generator=torch.Generator().manual_seed(0)).cuda()
+    runs = {}
+    for mode in ("eager", "graph"):
+        cache = OscarCache(_qwen3_rotations(L, H, Dh), _qwen3_rotations(L, H, Dh, 50), 1.0, 1.0, key_block=128,
+                           key_bits=[key_bits] * L)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=260, do_sample=False,
+                             disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True,
+                             past_key_values=cache)
+        runs[mode] = (out.sequences, torch.stack(out.logits, 1).float(), cache.layers[0].n_hist)
+    assert model._oscar_graphs.replays >= 250
+    assert torch.equal(runs["graph"][0], runs["eager"][0]) and torch.equal(runs["graph"][1], runs["eager"][1])
+    assert runs["graph"][2] == runs["eager"][2] == 128 + 2 * 128  # 500 − 320 → 1 block; +259 steps → 2 more
+
+
+def _qwen3_rotations(L: int, H: int, Dh: int, seed: int = 0) -> torch.Tensor:
+    mats = [reference.random_orthogonal(Dh, seed=seed + i) for i in range(L * H)]
+    return torch.stack(mats).float().reshape(L, H, Dh, Dh)

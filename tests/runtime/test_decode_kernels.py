@@ -434,3 +434,215 @@ def test_three_bit_scores_at_the_integer_bound(device, D, group):
                                      num_splits=1)  # fmt: skip
     want = q.double().sum(-1) * 7 * 0.25 * D**-0.5  # one token: lse is its score
     assert torch.allclose(lse[..., 0].cpu().double(), want, rtol=1e-6, atol=1e-6), (lse[..., 0], want)
+
+
+# ----------------------------------------------------------------------------- keys per channel over token blocks
+# docs/format.md §6d: the history's keys coded per channel over blocks of `key_block` tokens
+# (`reference.quantize_pack_channel_ref`), the values per row (G = D, unclipped); the kernel folds each tile's block
+# scales into q (`kernels/decode.py`, `_block_q`). Histories of whole blocks (as the cache holds them) that are not
+# whole splits, so splits start inside a block; one case has a partial last block (a masked last tile).
+
+
+def _channel_cache(lengths, H_kv, D, device, seed, key_block, key_bits=2):
+    """`_cache`'s sink and recent tiers for per-batch (sink, history, recent) `lengths`, with a history coded per
+    channel over blocks of `key_block` tokens, T_cap = whole blocks, one more than the longest history needs. The keys
+    are rotated-like (Gaussian channels) with very different ranges: channels 0 and 1 ×20 in every block and about one
+    in ten others ×20 in each block (other ones per block), so that a transposed scale index or a wrong block index
+    moves the answer far. The kernel's copy has NaN pairs in blocks past each history, NaN value pairs and 0xFF codes
+    past it (the clean copy keeps them finite)."""
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    B = lens.shape[0]
+    nb = -(-int(lens[:, 1].max()) // key_block) + 1
+    T_cap = nb * key_block
+    clean, dirty = _cache(None, H_kv, D, device, seed, hist_cap=8, lengths=[(s, 0, r) for s, _, r in lengths])
+    g = torch.Generator().manual_seed(seed)
+    wide = 1 + 19 * (torch.rand(B, H_kv, nb, 1, D, generator=g) < 0.1).float()
+    wide[..., :2] = 20.0
+    keys = (torch.randn(B, H_kv, nb, key_block, D, generator=g) * wide).reshape(B, H_kv, T_cap, D)
+    ck, szk = reference.quantize_pack_channel_ref(keys, key_block, key_bits)
+    cv, szv = reference.quantize_pack_ref(torch.randn(B, H_kv, T_cap, D, generator=g), 1.0)
+    cv = layout.history_codes(B, H_kv, T_cap, D, "cpu", tokens_contiguous=True).copy_(cv)
+    hist = dict(codes_k=ck, scale_zero_k=szk, codes_v=cv, scale_zero_v=szv, hist_len=lens[:, 1])
+    clean.update(hist)
+    hist = {k: v.clone() for k, v in hist.items()}
+    for b in range(B):
+        h = int(lens[b, 1])
+        hist["codes_k"][b, :, h:] = 0xFF
+        hist["codes_v"][b, :, h:] = 0xFF
+        hist["scale_zero_k"][b, :, -(-h // key_block) :] = float("nan")
+        hist["scale_zero_v"][b, :, h:] = float("nan")
+    dirty.update({k: v.to(device) for k, v in hist.items()})
+    assert dirty["codes_v"].stride(2) == 1 and dirty["scale_zero_k"].shape == (B, H_kv, nb, D, 2)
+    return clean, dirty
+
+
+def _channel_query(B, H_q, D, device, seed):
+    """q of a quarter of `_query`'s scale: with the keys' ×20 channels the softmax stays spread over many tokens."""
+    return (torch.randn(B, H_q, D, generator=torch.Generator().manual_seed(seed)) / 4).bfloat16().to(device)
+
+
+def _channel_attention(q, c, sm_scale, key_block, tiers=("sink", "hist", "recent"), scale_zero_k=None, rounded=None):
+    """Attention over `tiers` of a `_channel_cache` in float64, the history's keys per channel
+    (`reference.dequantize_unpack_channel`; `scale_zero_k` in place of c's: a wrong index): o [B, H_q, D] and lse
+    [B, H_q]. `rounded` (a GPU's dot operands, bfloat16) rounds what the kernel rounds before its dots: the history's
+    q·s per block and channel (`_block_q`; the scores are then Σ_d a·(code − zero)) and each token's P·V weight (p·s of
+    the history's values, p of the BF16 tiers); the normaliser Σp stays exact, as the kernel's."""
+    B, H_q, D = q.shape
+    H_kv, T_cap = c["codes_k"].shape[1:3]
+    group, nb = H_q // H_kv, T_cap // key_block
+    szk = c["scale_zero_k"] if scale_zero_k is None else scale_zero_k
+    qg = q.cpu().double().reshape(B, H_kv, group, D)
+    scores, values, v_scales, valid = [], [], [], []
+    for t in tiers:
+        if t == "hist":
+            if rounded is None:
+                k = reference.dequantize_unpack_channel(c["codes_k"], szk, _key_bits(c)).double()
+                scores.append(torch.einsum("bhgd,bhtd->bhgt", qg, k))
+            else:
+                codes = reference.unpack_codes(c["codes_k"], _key_bits(c)).double()
+                s, z = szk[..., 0].double(), szk[..., 1].double()  # [B, H_kv, nb, D]
+                a = (qg[:, :, :, None] * s[:, :, None]).to(rounded).double()  # [B, H_kv, group, nb, D]
+                codes = codes.reshape(B, H_kv, nb, key_block, D) - z[:, :, :, None]
+                scores.append(torch.einsum("bhgnd,bhnkd->bhgnk", a, codes).reshape(B, H_kv, group, T_cap))
+            values.append(reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"]).double())
+            v_scales.append(c["scale_zero_v"][..., 0, 0].double())
+        else:
+            scores.append(torch.einsum("bhgd,bhtd->bhgt", qg, c[f"{t}_k"].double()))
+            values.append(c[f"{t}_v"].double())
+            v_scales.append(torch.ones(c[f"{t}_v"].shape[:3], dtype=torch.float64))
+        valid.append(torch.arange(values[-1].shape[2])[None, :] < c[f"{t}_len"].long()[:, None])
+    s = (torch.cat(scores, -1) * sm_scale).masked_fill(~torch.cat(valid, 1)[:, None, None], -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None])
+    if rounded is not None:
+        v_scale = torch.cat(v_scales, -1)[:, :, None]
+        p = (p * v_scale).to(rounded).double() / v_scale
+    o = torch.einsum("bhgt,bhtd->bhgd", p, torch.cat(values, 2))
+    return o.reshape(B, H_q, D), lse.reshape(B, H_q)
+
+
+def _check_channel(o, lse, q, clean, sm_scale, key_block, device, tiers=("sink", "hist", "recent")):
+    """o within 2e-3 of max |o| of float64 (lse within 1e-3), plus on a GPU twice the error of its bfloat16 dot
+    operands (`_channel_attention`'s `rounded`); and that tolerance sees a wrong scale index: channel c read with
+    channel c − 1's pairs, or (a history of two blocks or more) block b with block b − 1's."""
+    o_ref, lse_ref = _channel_attention(q, clean, sm_scale, key_block, tiers)
+    tol, ltol = 2e-3 * o_ref.abs().max(), 1e-3
+    if device.type == "cuda":
+        o_bf, lse_bf = _channel_attention(q, clean, sm_scale, key_block, tiers, rounded=torch.bfloat16)
+        tol, ltol = tol + 2 * (o_bf - o_ref).abs().max(), ltol + 2 * (lse_bf - lse_ref).abs().max()
+    o, lse = o.cpu().double(), lse.cpu().double()
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    err, lerr = (o - o_ref).abs().max(), (lse - lse_ref).abs().max()
+    assert err <= tol, f"o error {err:.3g} vs tolerance {tol:.3g}"
+    assert lerr <= ltol, f"lse error {lerr:.3g} vs tolerance {ltol:.3g}"
+    szk = clean["scale_zero_k"]
+    wrong = {"channel": szk.roll(1, 3)}
+    if int(clean["hist_len"].max()) >= 2 * key_block:
+        wrong["block"] = torch.cat([szk[:, :, :1], szk[:, :, :-1]], 2)
+    for name, szk_wrong in wrong.items():
+        o_wrong, _ = _channel_attention(q, clean, sm_scale, key_block, tiers, scale_zero_k=szk_wrong)
+        assert (o_wrong - o_ref).abs().max() > tol, f"a wrong {name} index hides under the tolerance {tol:.3g}"
+
+
+@pytest.mark.parametrize("D, group, key_bits, key_block, lengths", [
+    (64, 4, 2, 64, [(64, 192, 7), (64, 64, 0)]),
+    (64, 1, 3, 64, [(64, 320, 3)]),
+    (64, 8, 2, 128, [(64, 256, 5)]),
+    (128, 8, 3, 128, [(64, 384, 2), (10, 128, 9)]),
+    (128, 4, 2, 64, [(64, 192, 3)]),
+    (128, 1, 2, 128, [(64, 128, 0)]),
+    (64, 4, 3, 64, [(64, 137, 3), (64, 200, 0)]),
+], ids=["64-g4-k2-kb64-ragged", "64-g1-k3-kb64", "64-g8-k2-kb128", "128-g8-k3-kb128-ragged", "128-g4-k2-kb64",
+        "128-g1-k2-kb128", "64-g4-k3-kb64-partial-block"])  # fmt: skip
+def test_channel_keys_tiered(device, D, group, key_bits, key_block, lengths):
+    """`ops.tiered_decode_attention(..., key_block=)` over sink, a channel-coded history and recent tiers against
+    float64: head dims 64 and 128, GQA groups 1, 4 and 8, 2- and 3-bit keys, blocks of 64 and 128 tokens (16-token
+    tiles under the interpreter), batches with per-batch history lengths; the last case's histories of 137 and 200
+    tokens end inside a block (the cache never holds one; the kernel masks its last tile as any)."""
+    H_kv, seed = 2, D + group + key_bits + key_block
+    clean, dirty = _channel_cache(lengths, H_kv, D, device, seed, key_block, key_bits)
+    assert clean["codes_k"].shape[-1] == layout.packed_dim(D, key_bits)
+    q = _channel_query(len(lengths), H_kv * group, D, device, seed)
+    o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=D**-0.5, key_block=key_block)
+    assert o.shape == q.shape and o.dtype == torch.float32
+    _check_channel(o, lse, q, clean, D**-0.5, key_block, device)
+
+
+@pytest.mark.parametrize("num_splits", [None, 5])
+def test_channel_keys_partials(device, num_splits):
+    """`ops.decode_int2_partial(..., key_block=)` + `merge_partials` over a channel-coded history alone (histories of
+    320 and 192 tokens, blocks of 64): 2 splits by default (160 and 96 tokens: the second starts inside a block), or 5
+    (64 and 48 tokens each, the 192-token row's splits inside blocks and one of them empty)."""
+    H_kv, group, D, key_block = 2, 4, 64, 64
+    clean, dirty = _channel_cache([(64, 320, 0), (64, 192, 0)], H_kv, D, device, 11, key_block)
+    q = _channel_query(2, H_kv * group, D, device, 11)
+    args = [dirty[k] for k in ("codes_k", "scale_zero_k", "codes_v", "scale_zero_v", "hist_len")]
+    args[-1] = torch.stack([args[-1], -args[-1]], 1)[:, 0]  # lengths as a strided view (`check_lengths` copies it)
+    o, lse = ops.decode_int2_partial(q, *args, sm_scale=D**-0.5, num_splits=num_splits, key_block=key_block)
+    assert o.shape[2] == (num_splits or 2)
+    if num_splits:
+        assert torch.isinf(lse[1, :, -1]).all() and (o[1, :, -1] == 0).all()  # 192 = 4 splits of 48: the last empty
+    _check_channel(*ops.merge_partials(o, lse), q, clean, D**-0.5, key_block, device, tiers=("hist",))
+
+
+def test_channel_keys_reference_twins(monkeypatch):
+    """Without a kernel (CPU, no interpreter) both ops take their reference twins with `key_block`
+    (`reference.tiered_decode_attention_ref`, `ops._int2_partial_ref`): the same answers."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    D, key_block = 64, 64
+    clean, _ = _channel_cache([(64, 192, 7), (5, 128, 0)], 2, D, "cpu", 3, key_block, key_bits=3)
+    q = _channel_query(2, 6, D, "cpu", 3)
+    o, lse = ops.tiered_decode_attention(q, **clean, sm_scale=D**-0.5, key_block=key_block)
+    _check_channel(o, lse, q, clean, D**-0.5, key_block, torch.device("cpu"))
+    args = [clean[k] for k in ("codes_k", "scale_zero_k", "codes_v", "scale_zero_v", "hist_len")]
+    o, lse = ops.decode_int2_partial(q, *args, sm_scale=D**-0.5, key_block=key_block)
+    _check_channel(*ops.merge_partials(o, lse), q, clean, D**-0.5, key_block, torch.device("cpu"), tiers=("hist",))
+
+
+def test_channel_keys_validation(monkeypatch):
+    """`key_block` > 0 takes scale_zero_k [B, H_kv, T_cap / key_block, D, 2] and per-row values, whole blocks of a
+    block size the format allows; the row layout's pairs are refused with it, and the channel layout's without it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the calls that pass take the reference twins
+    D = 64
+    clean, _ = _channel_cache([(64, 128, 3)], 2, D, "cpu", 4, 64)  # T_cap = 192: 3 blocks
+    q = torch.randn(1, 4, D)
+    row_k, row_v = reference.quantize_pack_ref(torch.randn(1, 2, 192, D), 1.0)[1], clean["scale_zero_v"]
+    group_v = reference.quantize_pack_ref(torch.randn(1, 2, 192, D), 1.0, 16)[1]
+
+    def call(key_block, **kw):
+        return ops.tiered_decode_attention(q, **{**clean, **kw}, sm_scale=0.125, key_block=key_block)
+
+    def partial(key_block, **kw):
+        args = {**clean, **kw}
+        return ops.decode_int2_partial(q, *[args[k] for k in ("codes_k", "scale_zero_k", "codes_v", "scale_zero_v",
+                                                              "hist_len")], sm_scale=0.125, key_block=key_block)
+
+    call(64), partial(64), call(0, scale_zero_k=row_k), partial(0, scale_zero_k=row_k)  # each layout with its own
+    for op in (call, partial):
+        with pytest.raises(ValueError, match=r"key_block = 64 \(keys per channel\) scale_zero_k must be \[B, H_kv, "
+                                             r"T_cap / 64, D, 2\] = \[1, 2, 3, 64, 2\], got \(1, 2, 192, 1, 2\)"):
+            op(64, scale_zero_k=row_k)
+        with pytest.raises(ValueError, match=r"scale_zero_k \(1, 2, 3, 64, 2\) does not match codes"):
+            op(0)
+        with pytest.raises(ValueError, match=r"\[1, 2, 6, 64, 2\], got \(1, 2, 3, 64, 2\)"):
+            op(32)  # the pairs of 64-token blocks read as 32-token ones
+        with pytest.raises(ValueError, match=r"the values are per row \(G = D\)"):
+            op(64, scale_zero_v=group_v)
+        with pytest.raises(ValueError, match="whole blocks"):
+            op(64, codes_k=clean["codes_k"][:, :, :160], codes_v=clean["codes_v"][:, :, :160],
+               scale_zero_v=row_v[:, :, :160])  # fmt: skip
+        with pytest.raises(ValueError, match="key_block must be"):
+            op(48)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_bits, key_block", [(2, 128), (3, 64), (2, 64)])
+def test_channel_keys_long_contexts_cuda(key_bits, key_block):
+    """About 100K history tokens per channel-coded keys (two batch rows of 102,400 and ~34K tokens)."""
+    H_kv, group, D = 8, 4, 128
+    hist = 100 * 1024
+    lengths = [(64, hist, 200), (64, hist // 3 // key_block * key_block, 7)]
+    clean, dirty = _channel_cache(lengths, H_kv, D, "cuda", key_bits + key_block, key_block, key_bits)
+    q = _channel_query(2, H_kv * group, D, "cuda", key_bits)
+    o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=D**-0.5, key_block=key_block)
+    _check_channel(o, lse, q, clean, D**-0.5, key_block, torch.device("cuda"))

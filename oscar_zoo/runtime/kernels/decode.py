@@ -42,6 +42,16 @@ integer path the int8 codes are 0..7, and |Σ c·(q_hi·Q_LO + q_lo)| ≤ 7·D·
 min(128, 4096 / D); on the bfloat16 path quarter k's byte is c·f_k ≤ 7·16 < 128 under the 0x43 high byte, the exact
 bfloat16 128 + c·f_k, so the dots, q_bias and the formulas above are unchanged (all linear in c); with G < D the code
 is dequantized whole. 2-bit keys compile to the code without the plane.
+
+Keys per channel over token blocks (KEY_BLOCK > 0, docs/format.md §6d): K's codes are packed per token as above, but
+its scale/zero are float16 pairs per (block of KEY_BLOCK history tokens, channel), [T_cap / KEY_BLOCK, D, 2], read as
+float16 with the block stride (not as words). K takes the bfloat16 path (INT8_K off; V is unchanged: per-token words,
+G = D). Tiles start at multiples of BLOCK_N and `ops` makes BLOCK_N divide KEY_BLOCK, so a tile lies in one block,
+b = n0 // KEY_BLOCK; q's quarters stay fp32 (q_k / f_k) and each tile folds its block's channel scales in once,
+a_k = bf16(q_k·s_k / f_k) [D/4, GP] (s_k, z_k the block's pairs of dims k·D/4 + cols, `_block_q`):
+    q·k̂_t = Σ_k a_k·(128 + c_k f_k) − Σ_k Σ_d a_k·(128 + f_k·z_k)
+the dots as on the bfloat16 path (3-bit codes included), the constant per tile and head in fp32 of the rounded a_k,
+then times qk_scale. KEY_BLOCK = 0 compiles to the row layout's code.
 """
 
 from __future__ import annotations
@@ -215,6 +225,19 @@ def _scale_zero(sz_row, tok, stride_t, tok_ok, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _block_q(qf, sz_blk, cols, QUARTER: tl.constexpr, D4: tl.constexpr, F: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Keys per channel (KEY_BLOCK > 0): quarter k of q (fp32 q_k / f_k, [D/4, GP]) times its tile's block scales s
+    (sz_blk: the block's float16 (scale, zero) pairs [D, 2]), a_k = q_k·s / f_k in DOT_DTYPE, and the fp32 terms
+    a_k·(128 + f_k·z) [D/4, GP] of the rounded a_k, whose sum over dims (and quarters) the score subtracts (the dot of
+    a_k with the biased codes 128 + c·f_k is Σ_d q_k·s·c + 128·Σ_d a_k)."""
+    ch = (QUARTER * D4 + cols) * 2
+    s = tl.load(sz_blk + ch).to(tl.float32)
+    z = tl.load(sz_blk + ch + 1).to(tl.float32)
+    a = (qf * s[:, None]).to(DOT_DTYPE)
+    return a, a.to(tl.float32) * (128.0 + F * z[:, None])
+
+
+@triton.jit
 def _softmax_step(sT, m_i, SLACK: tl.constexpr):
     """One online-softmax step over a tile's scores sT [BLOCK_N, GP] (log2 units, −inf where masked): the tile's
     probabilities p, the factor alpha [GP] that rescales the running sums, the new running maximum, and (SLACK > 0)
@@ -243,11 +266,13 @@ def _int2_tile(
     state,  # (m_i, l_t, psum_t, pz_t, acc0..acc3): the running online-softmax state
     INT8_K: tl.constexpr, PAIR: tl.constexpr, Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr,
     NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
-    KEY_BITS: tl.constexpr,
+    KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked.
-    KEY_BITS = 3: K's rows also hold the third bits' plane (D/8 bytes from byte D/4, module docstring)."""
+    KEY_BITS = 3: K's rows also hold the third bits' plane (D/8 bytes from byte D/4, module docstring).
+    KEY_BLOCK > 0: K's scale/zero per channel of block n0 // KEY_BLOCK (szk_row: float16 pairs; q0..q3: fp32
+    q_k / f_k)."""
     k_rows, v_rows, szk_row, szv_row = rows
     stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt = strides
     q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale = qk
@@ -287,7 +312,21 @@ def _int2_tile(
     else:
         pl = kb  # unused
     # ---- scores, transposed: [BLOCK_N, GP]
-    if NG == 1:
+    if KEY_BLOCK > 0:
+        # keys per channel: the tile lies in one block (BLOCK_N divides KEY_BLOCK, n0 a multiple of BLOCK_N), always in
+        # range (n0 < end); its channel scales folded into q, its zeros and the codes' +128 bias one constant per head
+        sz_blk = szk_row + tl.cast(n0 // KEY_BLOCK, tl.int64) * stride_szkt
+        a0, t0 = _block_q(q0, sz_blk, cols, 0, D4, 1.0, DOT_DTYPE)
+        a1, t1 = _block_q(q1, sz_blk, cols, 1, D4, 4.0, DOT_DTYPE)
+        a2, t2 = _block_q(q2, sz_blk, cols, 2, D4, 16.0, DOT_DTYPE)
+        a3, t3 = _block_q(q3, sz_blk, cols, 3, D4, 1.0, DOT_DTYPE)
+        const = tl.sum((t0 + t1) + (t2 + t3), axis=0)  # [GP]: one reduction over the dims per tile
+        sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM, pl, K3), a0)
+        sT = tl.dot(_biased_codes(kb, 1, DOT_DTYPE, USE_ASM, pl, K3), a1, sT)
+        sT = tl.dot(_biased_codes(kb, 2, DOT_DTYPE, USE_ASM, pl, K3), a2, sT)
+        sT = tl.dot(_biased_codes(kb, 3, DOT_DTYPE, USE_ASM, pl, K3), a3, sT)
+        sT = (sT - const[None, :]) * qk_scale
+    elif NG == 1:
         if INT8_K:
             # integer dots: int8 codes 0..3 (0..7: 3-bit keys) against q's int8 high and low parts (int32 sums, exact)
             c = _int8_codes(kb, 0, USE_ASM, pl, K3)
@@ -375,12 +414,12 @@ def _attend(
     b, h, GROUP, qk_scale,
     INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr, SLACK: tl.constexpr,
-    KEY_BITS: tl.constexpr,
+    KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     """Online softmax over one split of one tier for KV head h and its GROUP query heads; writes (o, lse) of
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
     rows; P·V is Vᵀ·p (oᵀ, dims on the rows) over INT2 codes, pᵀ·V over BF16 rows. KEY_BITS: K's codes are 2- or
-    3-bit (INT2 tiers only)."""
+    3-bit (INT2 tiers only). KEY_BLOCK > 0: K's scale/zero per channel over blocks of KEY_BLOCK tokens (G = D)."""
     q_ptr, stride_qb, stride_qh = q_in
     k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd = kv_in
     szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt = sz_in
@@ -393,9 +432,10 @@ def _attend(
     Q_LO: tl.constexpr = min(128, (4096 if KEY_BITS == 3 else 8192) // D)
     # Integer score dots need a contraction of ≥ 32 dims and fill the MMA's 8 columns: a group padded to 4 puts two
     # tokens on each row (PAIR = 2: 8 real columns, 32 dims from D = 64); groups of ≥ 8 fill them alone (D ≥ 128).
-    # Smaller groups (1, 2), groups of ≥ 8 at D = 64 and per-group scales (G < D) keep the bfloat16 dots.
+    # Smaller groups (1, 2), groups of ≥ 8 at D = 64 and per-group scales (G < D) keep the bfloat16 dots, as do keys
+    # per channel (KEY_BLOCK > 0: q scaled per tile).
     PAIRS: tl.constexpr = 2 if GP == 4 else 1
-    INT8_K: tl.constexpr = NG == 1 and PAIRS * GP >= 8 and PAIRS * D4 >= 32
+    INT8_K: tl.constexpr = NG == 1 and PAIRS * GP >= 8 and PAIRS * D4 >= 32 and KEY_BLOCK == 0
     PAIR: tl.constexpr = PAIRS if INT8_K else 1  # the bfloat16 dots take one token per row
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -448,6 +488,14 @@ def _attend(
                 qsum = _per_head(qsum, PAIR, GP)
                 q_bias = tl.full([GP], MAGIC, tl.float32)
                 q_w = qk_scale / (_per_head(q_scale, PAIR, GP) * Q_LO)
+            elif KEY_BLOCK > 0:
+                # keys per channel: q_k / f_k (exact) stays fp32; each tile folds its block's scales in and rounds to
+                # DOT_DTYPE (`_block_q`), so q_bias, q_w and qsum are unused
+                q1 = q1 * 0.25
+                q2 = q2 * 0.0625
+                qsum = tl.zeros([GP], tl.float32)
+                q_bias, q_w = qsum, qsum
+                ql0, ql1, ql2, ql3 = q0, q1, q2, q3  # unused
             else:
                 # Σq and Σ_k w_k Σq_k of the bf16 values the dots see (w_k q_k is exact: a power-of-two scaling)
                 q0 = q0.to(DOT_DTYPE).to(tl.float32)
@@ -463,7 +511,10 @@ def _attend(
                 q2 = (q2 * 0.0625).to(DOT_DTYPE)
                 q3 = q3.to(DOT_DTYPE)
                 ql0, ql1, ql2, ql3 = q0, q1, q2, q3  # unused
-            szk_row = (szk_ptr + b64 * stride_szkb + h64 * stride_szkh).to(tl.pointer_type(tl.int32), bitcast=True)
+            if KEY_BLOCK > 0:  # float16 pairs [T_cap / KEY_BLOCK, D, 2] (`_block_q`)
+                szk_row = szk_ptr + b64 * stride_szkb + h64 * stride_szkh
+            else:
+                szk_row = (szk_ptr + b64 * stride_szkb + h64 * stride_szkh).to(tl.pointer_type(tl.int32), bitcast=True)
             szv_row = (szv_ptr + b64 * stride_szvb + h64 * stride_szvh).to(tl.pointer_type(tl.int32), bitcast=True)
         else:
             qsum = tl.zeros([GP], tl.float32)  # unused: each element is dequantized before its dot
@@ -496,10 +547,10 @@ def _attend(
         state = (m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3)
         for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
             state = _int2_tile(n0, end, offs_n, cols, rows, strides, qk, state,
-                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False, KEY_BITS)
+                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False, KEY_BITS, KEY_BLOCK)
         if full_end < end:
             state = _int2_tile(full_end, end, offs_n, cols, rows, strides, qk, state,
-                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True, KEY_BITS)
+                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True, KEY_BITS, KEY_BLOCK)
         m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = state
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
@@ -556,7 +607,7 @@ def _decode_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,  # constexprs
     BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
-    SLACK: tl.constexpr, PDL: tl.constexpr, KEY_BITS: tl.constexpr,
+    SLACK: tl.constexpr, PDL: tl.constexpr, KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         # programmatic dependent launch: wait for the kernel before (it may have written q or the cache), then let
@@ -588,4 +639,4 @@ def _decode_kernel(
                 (ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd),
                 (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt),
                 (hlen_ptr, s - S_SINK, S_HIST), out_in, b, h, GROUP, qk_scale,
-                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS)
+                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS, KEY_BLOCK)
