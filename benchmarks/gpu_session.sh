@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|profile]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|profile|channel-tests|channel-bench|channel-generate]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -24,6 +24,12 @@
 #   (--compile), then with eager layers (--no-compile), each pair in one run
 # prefill: no tests; time to first token at 8K, 32K, 100K (batch 1) and 32K batch 8, OSCAR vs DynamicCache and the
 #   preallocated BF16 cache (benchmarks/bench_prefill.py), peak memory beside
+# channel-tests: the per-channel-key GPU tests (docs/format.md §6d: channel quantize, decode, generate replays), then
+#   the static-step and compiled-step GPU tests
+# channel-bench: no tests; quantize/pack of key blocks (128 tokens) at 2 and 3 bits, the headline decode rows with keys
+#   per row and per channel (64- and 128-token blocks) at 2 and 3 bits
+# channel-generate: no tests; generate() at 100K batch 1 and 8 with calibrate's key bits (2.7), keys per row vs per
+#   channel over 128-token blocks, same session
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -59,6 +65,28 @@ if [ "$mode" = profile ]; then
     grep -E "^    (Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Waves Per SM)" \
       "$OUT/details_b$1.txt"
     rm -f "$OUT/decode_b$1.ncu-rep"
+  done
+  exit 0
+fi
+if [ "$mode" = channel-tests ]; then
+  timeout 580 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_channel_keys.py \
+    tests/runtime/test_quantize_channel_kernel.py tests/runtime/test_decode_kernels.py -k "channel" \
+    --durations 10 2>&1 | tee "$OUT/test_gpu_channel.log" | tail -15
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_static_step.py \
+    tests/runtime/test_compiled_step.py -x 2>&1 | tee "$OUT/test_gpu_steps.log" | tail -5
+  exit 0
+fi
+if [ "$mode" = channel-bench ]; then
+  python3 benchmarks/bench_quantize.py --bits 2 3 --key-block 128 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
+  python3 benchmarks/bench_decode.py --quick --key-bits 2 3 --key-block 0 64 128 2>&1 | tee "$OUT/bench_decode.log" \
+    | tail -46
+  exit 0
+fi
+if [ "$mode" = channel-generate ]; then
+  for blk in 0 128; do
+    python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits 2.7 \
+      --key-block $blk 2>&1 | tee "$OUT/bench_generate_block$blk.log" | grep -E "^\|"
+    [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_block$blk.json"
   done
   exit 0
 fi

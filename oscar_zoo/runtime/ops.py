@@ -251,6 +251,59 @@ def quantize_pack(
     return codes.reshape(*out_shape, layout.packed_dim(D, bits)), scale_zero.reshape(*out_shape, D // G, 2)
 
 
+QUANT_CHANNEL_CHUNK = 16  # keys per channel: tokens a thread holds at once (blocks of more take two passes)
+# The interpreter runs a build of its own (a block's tile as one load, one pass: nested jit calls dominate its time);
+# tests set this to run the GPU's build (per-token loads joined in registers, chunks of QUANT_CHANNEL_CHUNK) on the CPU
+QUANT_CHANNEL_INTERPRET_GPU_BUILD = False
+_CHANNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def quantize_pack_channel(x: Tensor, block: int, bits: int = layout.BITS) -> tuple[Tensor, Tensor]:
+    """Keys per channel over token blocks (docs/format.md §6d): x [..., T, D] (rows already rotated; T a multiple of
+    `block`) → packed uint8 [..., T, layout.packed_dim(D, bits)] (the codes packed per token as `quantize_pack`'s rows)
+    and scale_zero float16 [..., T / block, D, 2]: one min-max (scale, zero) per channel and block of `block` tokens,
+    no clip. Bit for bit `reference.quantize_pack_channel_ref` on finite x (the float16 zero's sign aside where a
+    block's minimum is a zero and both signed zeros occur there: that order is the reduction's).
+
+    The kernel runs on CUDA tensors (and on CPU ones under TRITON_INTERPRET=1) for power-of-two D in 16..256 and
+    bf16/fp16/fp32/fp64 x; otherwise the reference. No host sync and no host→device copy (CUDA-graph capturable once
+    compiled); x may be a strided view (e.g. `tier[:, :, :F]` of a [B, H, W, D] buffer) with its last dim contiguous
+    (else it is copied)."""
+    check(isinstance(x, Tensor) and x.is_floating_point(), "x must be a floating-point tensor [..., T, D]")
+    check(x.dim() >= 2, lambda: f"x must be [..., T, D] (at least two dims), got shape {tuple(x.shape)}")
+    check(isinstance(block, int) and block >= 16 and layout.is_power_of_two(block),
+          lambda: f"block must be a power of two ≥ 16 (tokens per scale/zero block), got {block!r}")  # fmt: skip
+    bits = layout.check_bits(bits)
+    T, D = x.shape[-2:]
+    check(T % block == 0, lambda: f"x has {T} tokens, not whole blocks of {block}")
+    check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
+    check(bits == 2 or D % 8 == 0, lambda: f"3-bit codes need a head dim that is a multiple of 8, got {D}")
+    kernel_ok = layout.is_power_of_two(D) and 16 <= D <= 256 and x.dtype in _CHANNEL_DTYPES and x.numel() > 0
+    if not (_use_kernel(x) and kernel_ok):
+        return reference.quantize_pack_channel_ref(x, block, bits)
+
+    # view x as [B, H, T, D] (leading dims folded into B; a view where the strides allow)
+    x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
+    x4 = _last_contiguous(x4, 1)
+    B, H = x4.shape[:2]
+    NB = T // block
+    check(B * H * NB < 2**31, lambda: f"{B * H * NB} blocks exceed the kernel's grid")
+    codes = _alloc((B, H, T, layout.packed_dim(D, bits)), layout.CODE_DTYPE, x.device)
+    scale_zero = _alloc((B, H, NB, D, 2), layout.SCALE_DTYPE, x.device)
+
+    qp = _kernels()[0]
+    cpt = min(4, max(1, D // 32))  # channels per thread: a warp a program up to D = 128 (two at 256)
+    flat = _interpret() and not QUANT_CHANNEL_INTERPRET_GPU_BUILD
+    qp._quantize_pack_channel_kernel[(B * H * NB,)](
+        x4, codes, scale_zero, H, NB, x4.stride(0), x4.stride(1), STRIDE_T=x4.stride(2),
+        D=D, KB=block, TC=block if flat else min(block, QUANT_CHANNEL_CHUNK), CPT=cpt, FLAT=flat, BITS=bits,
+        REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
+        num_warps=max(1, D // cpt // 32),
+    )  # fmt: skip
+    lead = tuple(x.shape[:-2])
+    return codes.reshape(*lead, T, layout.packed_dim(D, bits)), scale_zero.reshape(*lead, NB, D, 2)
+
+
 def _max_m_build(D: int, min_ratio: float | None) -> int:
     """The quantize kernel's top-k build (MAX_M) for rows whose positive clip ratios are all ≥ `min_ratio`: 8 or 16
     when every clipped row's m = D − clip_index fits that path (a ratio ≤ 0 clips nothing), else 0 (the dispatch)."""
@@ -314,10 +367,13 @@ def _strides(t: Tensor, n: int) -> tuple[int, ...]:
     return tuple(t.stride())[:n] if t.dim() > 1 else (0,) * n
 
 
-def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0):
+def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0,
+                   key_block=0):
     """The one decode launch: `s_sink` splits over sink = (k, v, len), `s_hist` over hist = (codes_k, sz_k, codes_v,
     sz_v, len), `s_recent` over recent = (k, v, len), into o [B, H_q, S, D] / lse [B, H_q, S] (S = the sum).
-    An absent tier gets 0 splits and placeholders. codes_k's width says its keys' bits (`codes_key_bits`)."""
+    An absent tier gets 0 splits and placeholders. codes_k's width says its keys' bits (`codes_key_bits`).
+    `key_block` > 0: the history keys are per channel over blocks of that many tokens (sz_k [B, H_kv, T_cap /
+    key_block, D, 2], read as float16 per block; tiles of at most key_block tokens: a tile lies in one block)."""
     decode = _kernels()[1]
     B, H_q, D = q.shape
     dev = q.device
@@ -329,8 +385,9 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         ck, szk, cv, szv, hlen = hist
         ck = _last_contiguous(ck, 1)
         cv = cv if 1 in cv.stride()[2:] else cv.contiguous()  # token-major (the cache's) or dims-major
-        szk, szv = _pairs_as_words(_last_contiguous(szk, 2)), _pairs_as_words(_last_contiguous(szv, 2))
-        H_kv, G, key_bits = ck.shape[1], D // szk.shape[-2], codes_key_bits(ck, D)
+        szk = _last_contiguous(szk, 2) if key_block else _pairs_as_words(_last_contiguous(szk, 2))
+        szv = _pairs_as_words(_last_contiguous(szv, 2))
+        H_kv, G, key_bits = ck.shape[1], D if key_block else D // szk.shape[-2], codes_key_bits(ck, D)
         if key_bits == 3 and any(st % 8 for n, st in zip(ck.shape[:3], ck.stride()[:3]) if n > 1):
             ck = ck.contiguous()  # the kernel reads 3-bit rows (3D/8 bytes) with strides that are multiples of 8
     else:
@@ -349,9 +406,10 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     strides = (*q.stride()[:2], *_strides(sink[0], 3), *_strides(sink[1], 3), *_strides(ck, 3), *_strides(szk, 3),
                *_strides(cv, 4), *_strides(szv, 3), *_strides(recent[0], 3), *_strides(recent[1], 3),
                *o.stride()[:3], *lse.stride()[:2])  # fmt: skip
-    constexprs = dict(D=D, G=G, GP=_group_block(group), BLOCK_N=_block_n(dev, D, G), BLOCK_NB=_block_n(dev, None),
+    block_n = min(_block_n(dev, D, G), key_block) if key_block else _block_n(dev, D, G)  # a tile in one key block
+    constexprs = dict(D=D, G=G, GP=_group_block(group), BLOCK_N=block_n, BLOCK_NB=_block_n(dev, None),
                       DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK, STAGES=cfg.stages,
-                      SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits)  # fmt: skip
+                      SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, KEY_BLOCK=key_block)  # fmt: skip
     decode._decode_kernel[grid](*pointers, *sizes, *strides, **constexprs, num_warps=_warps(group, D),
                                 maxnreg=cfg.maxnreg, launch_pdl=pdl)
 
@@ -365,25 +423,31 @@ def decode_int2_partial(
     hist_len: Tensor,
     sm_scale: float,
     num_splits: int | None = None,
+    key_block: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Split-K attention over the INT2 history: partial o fp32 [B, H_q, S, D] and lse fp32 [B, H_q, S] (normalised
     per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`. `codes_k` [..., D/4] holds
-    2-bit keys, [..., 3D/8] 3-bit keys (`layout.packed_dim`); values are 2-bit."""
-    H_kv, G, hist_len, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
+    2-bit keys, [..., 3D/8] 3-bit keys (`layout.packed_dim`); values are 2-bit. `key_block` > 0: the keys are coded
+    per channel over blocks of that many history tokens (docs/format.md §6d): scale_zero_k [B, H_kv, T_cap /
+    key_block, D, 2] (T_cap = codes_k.shape[2], whole blocks), values per row (scale_zero_v [B, H_kv, T_cap, 1, 2])."""
+    H_kv, G, hist_len, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block)
     B, H_q, D = q.shape
     S = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, num_splits)
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
-        return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S, key_bits)
+        return _int2_partial_ref(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, sm_scale, S, key_bits,
+                                 key_block)  # fmt: skip
     o = _alloc((B, H_q, S, D), torch.float32, q.device)
     lse = _alloc((B, H_q, S), torch.float32, q.device)
-    _launch_decode(q, o, lse, sm_scale, hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len), s_hist=S)
+    _launch_decode(q, o, lse, sm_scale, hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len), s_hist=S,
+                   key_block=key_block)  # fmt: skip
     return o, lse
 
 
-def _int2_partial_ref(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, S, key_bits=layout.BITS):
+def _int2_partial_ref(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, S, key_bits=layout.BITS, key_block=0):
     """Reference fallback of `decode_int2_partial`: the whole history as split 0, the other splits empty."""
     B, H_q, D = q.shape
-    k, v = reference.dequantize_unpack(codes_k, sz_k, key_bits), reference.dequantize_unpack(codes_v, sz_v)
+    dequant_k = reference.dequantize_unpack_channel if key_block else reference.dequantize_unpack
+    k, v = dequant_k(codes_k, sz_k, key_bits), reference.dequantize_unpack(codes_v, sz_v)
     o0, lse0 = reference.attention_partial_ref(q, k, v, hist_len, sm_scale)
     o = torch.zeros(B, H_q, S, D, dtype=torch.float32, device=q.device)
     lse = torch.full((B, H_q, S), -math.inf, dtype=torch.float32, device=q.device)
@@ -481,14 +545,19 @@ def tiered_decode_attention(
     sm_scale: float,
     v_mean: Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
+    key_block: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`; the history's keys 2- or 3-bit
     by codes_k's width, `layout.packed_dim`), exact softmax over their union. q [B, H_q, D] already rotated by M_K.
     Returns o [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
     Two launches: the split-K decode kernel over all three tiers, then the merge; lengths are read on the device (no
     host sync). The merge also finishes the output: `v_mean` [H_q, D] or [1, D] (the centred codec's μ_V·M_V per query
-    head, `reference.add_value_mean`) is added in float32, and o is rounded once to `out_dtype`."""
-    H_kv, G, hist_len_i, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len)
+    head, `reference.add_value_mean`) is added in float32, and o is rounded once to `out_dtype`.
+    `key_block` > 0: the history keys are coded per channel over blocks of that many tokens (docs/format.md §6d),
+    scale_zero_k [B, H_kv, T_cap / key_block, D, 2], values per row (scale_zero_v [B, H_kv, T_cap, 1, 2]); the kernel
+    folds each block's channel scales into q once per tile (`kernels/decode.py`)."""
+    H_kv, G, hist_len_i, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
+                                                  key_block)  # fmt: skip
     sink_len_i, recent_len_i = validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
     check(sink_k.shape[1] == H_kv, lambda: f"sink tiers have {sink_k.shape[1]} KV heads, the history {H_kv}")
     B, H_q, D = q.shape
@@ -498,7 +567,7 @@ def tiered_decode_attention(
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         o, lse = reference.tiered_decode_attention_ref(
             q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
-            recent_k, recent_v, recent_len, sm_scale, key_bits=key_bits,
+            recent_k, recent_v, recent_len, sm_scale, key_bits=key_bits, key_block=key_block,
         )  # fmt: skip
         return reference.add_value_mean(o.unsqueeze(2), v_mean)[:, :, 0].to(out_dtype), lse
     s_hist = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None)
@@ -508,7 +577,8 @@ def tiered_decode_attention(
     lse_part = _alloc((B, H_q, S), torch.float32, q.device)
     _launch_decode(q, o_part, lse_part, sm_scale, sink=(sink_k, sink_v, sink_len_i),
                    hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len_i),
-                   recent=(recent_k, recent_v, recent_len_i), s_sink=s_sink, s_hist=s_hist, s_recent=s_recent)
+                   recent=(recent_k, recent_v, recent_len_i), s_sink=s_sink, s_hist=s_hist, s_recent=s_recent,
+                   key_block=key_block)
     out = _alloc((B * H_q, D), out_dtype, q.device)
     out_lse = _alloc((B * H_q,), torch.float32, q.device)
     mean = v_mean.float().contiguous() if v_mean is not None else None
