@@ -319,13 +319,14 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     phases = phases and kind != "static-compiled"  # one compiled graph: no phases to time apart
     if kind in PEER_KINDS:
         steps = max(steps, peer_caches.RESIDUAL)
+    flush = (getattr(model, "_oscar_key_block", 0) if kind == "oscar" else 0) or layout.FLUSH  # tokens per demotion
     if graph:  # each step kind (plain, demoting) runs once eagerly, then is captured: both before the timed steps
-        warmup = max(warmup, 2 * layout.FLUSH + 2)
+        warmup = max(warmup, 2 * flush + 2)
     dev = next(model.parameters()).device
     cfg = model.config
     L, H_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    extra = warmup + steps + 6 * layout.FLUSH  # decode steps: warmup, timed, phase-timed, kernel-timed (2×)
+    extra = warmup + steps + 6 * flush  # decode steps: warmup, timed, phase-timed, kernel-timed (2×)
     capacity = T + extra + 1
     row = dict(kind=kind, batch=B, context=T, steps=steps, warmup=warmup, fill=fill, layers=L, graph=graph, fold=fold)
     if kind in PEER_KINDS:

@@ -83,7 +83,7 @@ if [ "$mode" = channel-bench ]; then
   exit 0
 fi
 if [ "$mode" = channel-generate ]; then
-  for blk in 0 128; do
+  for blk in ${BLOCKS:-0 128}; do
     python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits 2.7 \
       --key-block $blk 2>&1 | tee "$OUT/bench_generate_block$blk.log" | grep -E "^\|"
     [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_block$blk.json"

@@ -90,7 +90,8 @@ class Artifact(Entry):
         three += f", keys per channel over {s.key_block}-token blocks" if s.key_block else ""
         means = (None, None) if rot.k_mean is None else (rot.k_mean[order], rot.v_mean[order])
         oscar = RotatedInt2(
-            self.name, f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, calibrated clips"
+            self.name, f"OSCAR INT2 ({'per-head' if H > 1 else 'per-layer'} U·H·P, "
+            f"{'unclipped' if s.key_block else 'calibrated clips'}"
             f"{', centred' if rot.k_mean is not None else ''}{three})", "artifact",
             rot.k_rotation[order], rot.v_rotation[order], rot.k_clip[order], rot.v_clip[order], s.group_size,
             s.sink, s.recent, *means, key_bits=layer_bits, flush=s.flush, pin=s.pin, key_block=s.key_block)

@@ -571,7 +571,8 @@ def test_channel_keys_tiered(device, D, group, key_bits, key_block, lengths):
 @pytest.mark.parametrize("num_splits", [None, 5])
 def test_channel_keys_partials(device, num_splits):
     """`ops.decode_int2_partial(..., key_block=)` + `merge_partials` over a channel-coded history alone (histories of
-    320 and 192 tokens, blocks of 64): 2 splits by default (160 and 96 tokens: the second starts inside a block), or 5
+    320 and 192 tokens, blocks of 64): the default splits (under the interpreter 2: 160 and 96 tokens, the second
+    starting inside a block; on a GPU 3), or 5
     (64 and 48 tokens each, the 192-token row's splits inside blocks and one of them empty)."""
     H_kv, group, D, key_block = 2, 4, 64, 64
     clean, dirty = _channel_cache([(64, 320, 0), (64, 192, 0)], H_kv, D, device, 11, key_block)
@@ -579,7 +580,8 @@ def test_channel_keys_partials(device, num_splits):
     args = [dirty[k] for k in ("codes_k", "scale_zero_k", "codes_v", "scale_zero_v", "hist_len")]
     args[-1] = torch.stack([args[-1], -args[-1]], 1)[:, 0]  # lengths as a strided view (`check_lengths` copies it)
     o, lse = ops.decode_int2_partial(q, *args, sm_scale=D**-0.5, num_splits=num_splits, key_block=key_block)
-    assert o.shape[2] == (num_splits or 2)
+    default = ops._int2_splits(2, H_kv, group, D, args[0].shape[2], q.device, None)  # 2 interpreted, 3 on a GPU
+    assert o.shape[2] == (num_splits or default) and default >= 2
     if num_splits:
         assert torch.isinf(lse[1, :, -1]).all() and (o[1, :, -1] == 0).all()  # 192 = 4 splits of 48: the last empty
     _check_channel(*ops.merge_partials(o, lse), q, clean, D**-0.5, key_block, device, tiers=("hist",))
