@@ -65,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--heldout", type=int, default=1, help="held-out sequences for the clip search")
     ap.add_argument("--clip", default="search", choices=["search", "fixed"])
+    ap.add_argument("--key-block", type=int, default=0,
+                    help="calibrate's --key-block (default 0: keys per row, so the clip search runs, the work timed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
@@ -193,7 +195,7 @@ def run(args) -> dict | None:
     ids = torch.randint(0, config.vocab_size, (N + args.heldout, T), generator=g)
     seqs = TokenSequences(ids[:N], ids[N:], "random", False)
     loaded = LoadedModel(model, None, info, model_identity(f"random-{args.shape}", None, config), "random")
-    settings = CalibrationSettings(batch_size=args.batch_size, clip=args.clip, seed=args.seed)
+    settings = CalibrationSettings(batch_size=args.batch_size, clip=args.clip, seed=args.seed, key_block=args.key_block)
     if rank == 0:
         print(f"world {world}, {args.shape}-based shapes: {config.num_hidden_layers} layers, "
               f"hidden {config.hidden_size}, heads {config.num_attention_heads}/{config.num_key_value_heads}"
