@@ -91,7 +91,7 @@ def test_peer_rows(model, kind):
 
 def test_peer_rows_without_the_package_and_the_comparison_table(model, monkeypatch, capsys):
     args = bg.argparse.Namespace(steps=2, warmup=8, fill="kv", chunk=256, graph=False, fold=False, bandwidth_tbs=4.27,
-                                 pin=0)
+                                 pin=0, key_block=0)
     monkeypatch.setattr(bg.peer_caches, "missing_package", lambda backend: "hqq" if backend == "hqq" else None)
     missing = bg.safe_row(model, "hf-hqq-int2", B, T, args)
     assert missing["status"] == "not installed" and "hqq" in missing["note"]
