@@ -263,11 +263,7 @@ class OscarLayer(PinnedTokens, CacheLayerMixin):
         F, W = self.flush, self.recent
         self._ensure_history(self.n_hist + F)  # eager only: a captured step has its capacity reserved beforehand
         rows = self.hist_len[:1].long() + torch.arange(F, device=self.device)  # [F] history rows written
-        rot = self.rotation
-        for tier, hist, sz, clip, min_clip in (
-            (self.recent_k, self.hist_k, self.sz_k, rot.k_clip, rot.k_min_clip),
-            (self.recent_v, self.hist_v, self.sz_v, rot.v_clip, rot.v_min_clip),
-        ):  # fmt: skip
+        for tier, hist, sz in ((self.recent_k, self.hist_k, self.sz_k), (self.recent_v, self.hist_v, self.sz_v)):
             if self.quantize:
                 keys = hist is self.hist_k
                 codes, scale_zero = self._quantize(tier[:, :, :F], keys)
