@@ -63,13 +63,9 @@ def codes_key_bits(codes_k: Tensor, D: int) -> int:
     return 3
 
 
-def validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block: int = 0):
-    """Checks the history tier; returns H_kv, the group size G, hist_len as int32 and the keys' bits (2 or 3).
-    `key_block` > 0 (keys per channel over blocks of that many tokens, docs/format.md §6d): scale_zero_k is
-    [B, H_kv, T_cap / key_block, D, 2] (T_cap = codes_k.shape[2], whole blocks) and the values are per row (G = D)."""
-    if key_block:
-        return _validate_int2_channel(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block)
-    B, H_q, D = check_q(q)
+def _check_codes(q, codes_k, codes_v, D: int) -> tuple[int, int]:
+    """The history's packed codes (either key layout): K [B, H_kv, T_cap, packed_dim(D, bits)], V [.., D/4] with the
+    same leading dims. Returns H_kv and the keys' bits."""
     check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
     check_tensor("codes_k", codes_k, 4, layout.CODE_DTYPE)
     key_bits = codes_key_bits(codes_k, D)
@@ -77,6 +73,17 @@ def validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key
     check_kv("codes_v", codes_v, q, (D // 4,), layout.CODE_DTYPE)
     check(codes_v.shape[:3] == codes_k.shape[:3],
           lambda: f"codes_v {tuple(codes_v.shape)} does not match codes_k {tuple(codes_k.shape)}")  # fmt: skip
+    return H_kv, key_bits
+
+
+def validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block: int = 0):
+    """Checks the history tier; returns H_kv, the group size G, hist_len as int32 and the keys' bits (2 or 3).
+    `key_block` > 0 (keys per channel over blocks of that many tokens, docs/format.md §6d): scale_zero_k is
+    [B, H_kv, T_cap / key_block, D, 2] (T_cap = codes_k.shape[2], whole blocks) and the values are per row (G = D)."""
+    if key_block:
+        return _validate_int2_channel(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block)
+    B, H_q, D = check_q(q)
+    H_kv, key_bits = _check_codes(q, codes_k, codes_v, D)
     check_tensor("scale_zero_k", scale_zero_k, 5, layout.SCALE_DTYPE)
     NG = scale_zero_k.shape[-2]
     check(NG > 0 and D % NG == 0, lambda: f"scale_zero_k has {NG} groups, which does not divide head dim {D}")
@@ -93,13 +100,7 @@ def _validate_int2_channel(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist
     B, H_q, D = check_q(q)
     check(isinstance(key_block, int), lambda: f"key_block must be an int, got {type(key_block).__name__}")
     layout.check_key_block(key_block)
-    check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
-    check_tensor("codes_k", codes_k, 4, layout.CODE_DTYPE)
-    key_bits = codes_key_bits(codes_k, D)
-    H_kv = check_kv("codes_k", codes_k, q, (layout.packed_dim(D, key_bits),), layout.CODE_DTYPE)
-    check_kv("codes_v", codes_v, q, (D // 4,), layout.CODE_DTYPE)
-    check(codes_v.shape[:3] == codes_k.shape[:3],
-          lambda: f"codes_v {tuple(codes_v.shape)} does not match codes_k {tuple(codes_k.shape)}")  # fmt: skip
+    H_kv, key_bits = _check_codes(q, codes_k, codes_v, D)
     T_cap = codes_k.shape[2]
     check(T_cap % key_block == 0,
           lambda: f"keys per channel over blocks of {key_block} tokens need a history capacity of whole blocks, "

@@ -61,6 +61,16 @@ _C4, _C5, _C6, _C7 = (tl.constexpr(c) for c in ROUND_THRESHOLDS[3:])
 
 
 @triton.jit
+def _scale_zero16(lo, hi, LEVELS: tl.constexpr, REL_FLOOR: tl.constexpr, ABS_FLOOR: tl.constexpr):
+    """float16 scale and zero of a group whose minimum and maximum are lo, hi (fp32): `reference.quantize`'s rule,
+    range floors included, IEEE-rounded divisions."""
+    amax = tl.maximum(tl.abs(lo), tl.abs(hi))
+    rng = tl.maximum(tl.maximum(hi - lo, amax * REL_FLOOR), ABS_FLOOR)
+    scale16 = tl.div_rn(rng, LEVELS).to(tl.float16)
+    return scale16, tl.div_rn(_negate(lo), scale16.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _f32_next(x, UP: tl.constexpr):
     """The float32 just above (UP) or just below finite x, by its bits (±0 count as zero)."""
     x = x + 0.0  # −0 → +0
@@ -519,11 +529,8 @@ def _quantize_pack_kernel(
     lo = tl.where(lo >= neg_tau[:, None], lo, neg_tau[:, None])  # a value equal to the bound keeps its own
     hi = tl.where(hi <= tau[:, None], hi, tau[:, None])  # zero's sign, as the reference's clamp
     # asymmetric min-max per group, float16 scale/zero, codes from the rounded values
-    amax = tl.maximum(tl.abs(lo), tl.abs(hi))
-    rng = tl.maximum(tl.maximum(hi - lo, amax * REL_FLOOR), ABS_FLOOR)
-    scale16 = tl.div_rn(rng, LEVELS).to(tl.float16)
+    scale16, zero16 = _scale_zero16(lo, hi, LEVELS, REL_FLOOR, ABS_FLOOR)
     s = scale16.to(tl.float32)
-    zero16 = tl.div_rn(_negate(lo), s).to(tl.float16)
     z = zero16.to(tl.float32)
     # the reference's count against each group's thresholds in x's units (float64 arithmetic once per group, no
     # division and no clamp per element); a NaN x reaches none
@@ -707,11 +714,8 @@ def _quantize_pack_channel_kernel(
         lo = tl.minimum(lo, tl.min(xc, axis=2))
         hi = tl.maximum(hi, tl.max(xc, axis=2))
     # float16 scale and zero by the row kernel's rule (`reference.quantize`), no clip
-    amax = tl.maximum(tl.abs(lo), tl.abs(hi))
-    rng = tl.maximum(tl.maximum(hi - lo, amax * REL_FLOOR), ABS_FLOOR)
-    scale16 = tl.div_rn(rng, LEVELS).to(tl.float16)
+    scale16, zero16 = _scale_zero16(lo, hi, LEVELS, REL_FLOOR, ABS_FLOOR)
     s = scale16.to(tl.float32)
-    zero16 = tl.div_rn(_negate(lo), s).to(tl.float16)
     z = zero16.to(tl.float32)
     ch = ch0[:, None] + (D // CPT) * tl.arange(0, CPT)[None, :]  # [DT, CPT]
     tl.store(sz_ptr + pid.to(tl.int64) * (2 * D) + ch[:, :, None] * 2 + tl.arange(0, 2)[None, None, :],
