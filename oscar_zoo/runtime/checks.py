@@ -105,20 +105,15 @@ def _validate_int2_channel(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist
     check(T_cap % key_block == 0,
           lambda: f"keys per channel over blocks of {key_block} tokens need a history capacity of whole blocks, "
           f"codes_k has {T_cap} tokens")  # fmt: skip
-    want_k = (B, H_kv, T_cap // key_block, D, 2)
-    check_tensor("scale_zero_k", scale_zero_k, 5, layout.SCALE_DTYPE)
-    check(scale_zero_k.device == q.device,
-          lambda: f"scale_zero_k is on {scale_zero_k.device}, expected {q.device} (the device of q)")
-    check(tuple(scale_zero_k.shape) == want_k,
-          lambda: f"with key_block = {key_block} (keys per channel) scale_zero_k must be [B, H_kv, T_cap / "
-          f"{key_block}, D, 2] = {list(want_k)}, got {tuple(scale_zero_k.shape)}")  # fmt: skip
-    want_v = (B, H_kv, T_cap, 1, 2)
-    check_tensor("scale_zero_v", scale_zero_v, 5, layout.SCALE_DTYPE)
-    check(scale_zero_v.device == q.device,
-          lambda: f"scale_zero_v is on {scale_zero_v.device}, expected {q.device} (the device of q)")
-    check(tuple(scale_zero_v.shape) == want_v,
-          lambda: f"with key_block = {key_block} (keys per channel) the values are per row (G = D): scale_zero_v "
-          f"must be [B, H_kv, T_cap, 1, 2] = {list(want_v)}, got {tuple(scale_zero_v.shape)}")  # fmt: skip
+    for name, sz, want, what in (
+        ("scale_zero_k", scale_zero_k, (B, H_kv, T_cap // key_block, D, 2), f"[B, H_kv, T_cap / {key_block}, D, 2]"),
+        ("scale_zero_v", scale_zero_v, (B, H_kv, T_cap, 1, 2),
+         "[B, H_kv, T_cap, 1, 2] (the values are per row (G = D))"),
+    ):
+        check_tensor(name, sz, 5, layout.SCALE_DTYPE)
+        check(sz.device == q.device, lambda: f"{name} is on {sz.device}, expected {q.device} (the device of q)")
+        check(tuple(sz.shape) == want, lambda: f"with key_block = {key_block} (keys per channel) {name} must be "
+              f"{what} = {list(want)}, got {tuple(sz.shape)}")  # fmt: skip
     hist_len = check_lengths("hist_len", hist_len, B, q.device)
     return H_kv, D, hist_len, key_bits
 

@@ -74,9 +74,9 @@ def _use_kernel(t: Tensor) -> bool:
 
 
 def _kernels():
-    from .kernels import decode, merge, quantize_pack, rotate
+    from .kernels import decode, merge, quantize_channel, quantize_pack, rotate
 
-    return quantize_pack, decode, merge, rotate
+    return quantize_pack, decode, merge, rotate, quantize_channel
 
 
 def _dot_dtype():
@@ -291,7 +291,7 @@ def quantize_pack_channel(x: Tensor, block: int, bits: int = layout.BITS) -> tup
     codes = _alloc((B, H, T, layout.packed_dim(D, bits)), layout.CODE_DTYPE, x.device)
     scale_zero = _alloc((B, H, NB, D, 2), layout.SCALE_DTYPE, x.device)
 
-    qp = _kernels()[0]
+    qp = _kernels()[4]
     cpt = min(4, max(1, D // 32))  # channels per thread: a warp a program up to D = 128 (two at 256)
     flat = _interpret() and not QUANT_CHANNEL_INTERPRET_GPU_BUILD
     qp._quantize_pack_channel_kernel[(B * H * NB,)](

@@ -195,14 +195,14 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernel_sass import _specialise, resources
 from oscar_zoo.runtime import ops
-from oscar_zoo.runtime.kernels import quantize_pack as qp
+from oscar_zoo.runtime.kernels import quantize_channel as qp
 
 D, KB, bits = map(int, sys.argv[1:4])
 captured = {}
 class Grab:  # stands in for the kernel: records the launch as ops makes it
     def __getitem__(self, grid):
         return lambda *args, **kw: captured.update(args=args, kw=kw)
-ops._kernels = lambda: (type("M", (), {"_quantize_pack_channel_kernel": Grab()}), None, None)
+ops._kernels = lambda: (None, None, None, None, type("M", (), {"_quantize_pack_channel_kernel": Grab()}))
 ops._use_kernel = lambda t: True
 ops.quantize_pack_channel(torch.empty(1, 8, 4096, D, dtype=torch.bfloat16), KB, bits)
 kw = dict(captured["kw"])
