@@ -8,6 +8,7 @@ reading one token-head of a d = 128 INT2 row (K and V, 72 B) at the copy bandwid
 a loop above that cannot reach the bandwidth floor whatever its memory pipeline does. Shared memory per program is
 printed too (a kernel above 227 KiB does not launch). Usage:
     PYTHONPATH=. python benchmarks/kernel_sass.py [--shape 32,8,128] [--block-n 64] [--warps 1] [--stages 3]
+        [--key-block 128]
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def _specialise(fn, values: dict, constexprs: dict):
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
 
 
-def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, group_size: int = 0):
-    """The decode kernel as `ops.tiered_decode_attention` would launch it on an H200 (132 SMs) for this shape."""
+def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, group_size: int = 0,
+                   key_block: int = 0):
+    """The decode kernel as `ops.tiered_decode_attention` would launch it on an H200 (132 SMs) for this shape
+    (`key_block` > 0: keys per channel over blocks of that many tokens)."""
     captured = {}
 
     class Grab:  # stands in for the kernel: records the launch arguments instead of running
@@ -63,6 +66,8 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
             return lambda *args, **kw: captured.update(args=args, kw=kw, grid=grid)
 
     hist = context - layout.SINK - layout.RECENT
+    if key_block:
+        hist = hist // key_block * key_block  # the history holds whole blocks
     NG = D // layout.resolve_group_size(D, group_size)
     cuda = torch.device("cuda", 0)
     q = torch.empty(batch, H_q, D, dtype=torch.bfloat16)
@@ -70,7 +75,8 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
         sink=(torch.empty(batch, H_kv, layout.SINK, D, dtype=torch.bfloat16),) * 2
              + (torch.empty(batch, dtype=torch.int32),),
         hist=(layout.history_codes(batch, H_kv, hist, D, "cpu"),
-              torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
+              torch.empty(batch, H_kv, hist // key_block, D, 2, dtype=torch.float16) if key_block
+              else torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
               layout.history_codes(batch, H_kv, hist, D, "cpu", tokens_contiguous=True),
               torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
               torch.empty(batch, dtype=torch.int32)),
@@ -88,7 +94,7 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
         S = s_sink + s_hist + s_recent
         o, lse = torch.empty(batch, H_q, S, D), torch.empty(batch, H_q, S)
         ops._launch_decode(q, o, lse, D**-0.5, sink=tiers["sink"], hist=tiers["hist"], recent=tiers["recent"],
-                           s_sink=s_sink, s_hist=s_hist, s_recent=s_recent)  # fmt: skip
+                           s_sink=s_sink, s_hist=s_hist, s_recent=s_recent, key_block=key_block)  # fmt: skip
     finally:
         ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n = orig
     kw = dict(captured["kw"])
@@ -204,6 +210,7 @@ def main():
     ap.add_argument("--stages", type=int, help="software-pipeline depth of the INT2 loop")
     ap.add_argument("--slack", type=float, help="DecodeConfig.rescale_slack (0: rescale whenever a maximum grows)")
     ap.add_argument("--group-size", type=int, default=0, help="scale/zero group (0: one per row)")
+    ap.add_argument("--key-block", type=int, default=0, help="keys per channel over blocks of this many tokens")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
@@ -215,7 +222,8 @@ def main():
     ops.DECODE_CONFIGS.update({d: cfg for d in ops.DECODE_CONFIGS})
     import tempfile
 
-    compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch, args.group_size)
+    compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch, args.group_size,
+                                           args.key_block)
     with tempfile.TemporaryDirectory() as tmp:
         found = loops(compiled.asm["cubin"], Path(tmp))
         res = resources(compiled.asm["cubin"], Path(tmp))
