@@ -5,10 +5,13 @@ random token ids in chunks of `--chunk` tokens, as `generate()` runs a prompt, a
 (its argmax, on the host). OSCAR files each chunk into its tiers (the chunk attends to its own exact K/V and to the
 earlier tokens through the tiers, then rotation, clip and quantize/pack into the INT2 history); "dynamic" is
 transformers' DynamicCache (BF16, grows by concatenation), "prealloc" a BF16 cache written in place
-(bf16_caches.py). Per row: ms to the first token, prompt tokens/s, the peak memory above the model, and the cache's
+(bf16_caches.py); both run transformers' "sdpa" attention (a later chunk: an explicit causal mask over repeated K/V).
+"bf16graph" is the BF16 cache of the decode benchmarks with the runtime's own prefill attention, the one OscarCache's
+chunks take (`attention.dense_attention`: a later chunk through SDPA's lower-right causal flash kernel): the
+like-for-like BF16 row. Per row: ms to the first token, prompt tokens/s, the peak memory above the model, and the cache's
 own bytes after the prompt. With OSCAR, "peak − tiers" is what the prefill held beyond its tiers: the rule to check is
-that it stays within one chunk's BF16 K/V per layer plus the chunk's activations. One warm-up row per kind (two
-chunks: the later-chunk path too) runs first so that kernel compilation is not timed. Details go to
+that it stays within one chunk's BF16 K/V per layer plus the chunk's activations. One warm-up row per kind and batch
+size (two chunks: the later-chunk path too) runs first so that kernel compilation is not timed. Details go to
 $OUT/bench_prefill_<model>.json when OUT is set.
 
     PYTHONPATH=. python benchmarks/bench_prefill.py [--contexts 8192 32768 100000] [--batches 1] [--chunk 8192]
@@ -28,7 +31,7 @@ if __package__:  # imported: `from benchmarks import bench_prefill`
 else:  # run as a script (its folder is on sys.path)
     from bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention
 
-KINDS = ("oscar", "dynamic", "prealloc")
+KINDS = ("oscar", "dynamic", "prealloc", "bf16graph")
 
 
 @torch.inference_mode()
@@ -82,8 +85,9 @@ def main(argv=None) -> dict:
     result = dict(model=name, layers=model.config.num_hidden_layers, chunk=args.chunk, key_bits=args.key_bits,
                   torch=torch.__version__,
                   device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=[])
-    for kind in args.kinds:  # compile every kernel the rows use (Triton, cuBLAS heuristics) before timing
-        run_row(model, kind, 1, args.chunk + 512, args.chunk)
+    for kind in args.kinds:  # compile every kernel the rows use (Triton, cuBLAS heuristics) before timing: each
+        for B in sorted({B for _, B in combos}):  # batch size is a specialisation of its own
+            run_row(model, kind, B, args.chunk + 512, args.chunk)
     for T, B in combos:
         for kind in args.kinds:
             try:

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -36,7 +37,9 @@ def dense_attention(
 ) -> Tensor:  # fmt: skip
     """Causal attention, q [B, H_q, n, D] at positions q_offset.. (default: the last n of k), k/v [B, H_kv, S, D]
     (`causal` False: every query sees every key, as in an encoder). SDPA in q's dtype (as transformers' sdpa path
-    runs it); fp32 eager math when a logit softcap is set."""
+    runs it); fp32 eager math when a logit softcap is set. A later prefill chunk (the last n of S keys) takes SDPA's
+    lower-right causal bias with the KV heads as they are: on a GPU its flash kernel, with no mask tensor and no
+    repeated K/V (elsewhere SDPA materialises the mask itself)."""
     n, S = q.shape[2], k.shape[2]
     q_offset = S - n if q_offset is None else q_offset
     if causal:
@@ -50,6 +53,9 @@ def dense_attention(
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=g > 1)
         if q_offset == 0 and n == S:  # a fresh prefill chunk
             return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=g > 1)
+        if q_offset == S - n:  # a later chunk: query i sees keys ..S − n + i
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, S), scale=scale,
+                                                  enable_gqa=g > 1)
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     k, v = k.float().repeat_interleave(g, dim=1), v.float().repeat_interleave(g, dim=1)
@@ -130,7 +136,7 @@ def oscar_attention(
     else:  # a chunk: earlier tokens through their tiers (if any), then its own exact K/V
         k, v = key, value
         if pending.past is not None:
-            past_k, past_v = pending.past  # fp32, dequantized history included
+            past_k, past_v = pending.past  # in the chunk's dtype, dequantized history included
             k, v = torch.cat([past_k, key.to(past_k.dtype)], dim=2), torch.cat([past_v, value.to(past_v.dtype)], dim=2)
         o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap, q_offset=pending.past_len)
         if layer.staged is not None:  # the chunk's last queries choose the history tokens pinned in BF16

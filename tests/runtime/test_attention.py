@@ -102,7 +102,7 @@ def test_quantized_decode_matches_dense_reference(decode_calls):
 
 def test_second_chunk_attends_tiers_and_its_own_exact_kv():
     """A 150-token chunk after a 400-token prefill sees the earlier tokens through their tiers (INT2 history
-    dequantized) and its own K/V unquantized, causally."""
+    dequantized, in the chunk's dtype: bfloat16 K/V here, float32 q) and its own K/V unquantized, causally."""
     B, n1, n2 = 1, 400, 150
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
     cache = OscarCache(Mk, Mv, 0.96, 0.92)
@@ -113,11 +113,42 @@ def test_second_chunk_attends_tiers_and_its_own_exact_kv():
     out, _ = oscar_attention(STUB, q, key, value, None, scaling=SCALE, oscar_cache=cache)
 
     rk1, rv1 = reference.rotate(k[:, :, :n1], Mk[0]), reference.rotate(v[:, :, :n1], Mv[0])
-    k_hat = torch.cat([reference.fake_quant_tiers(rk1.float(), torch.full((H_KV,), 0.96)), key.float()], 2)
-    v_hat = torch.cat([reference.fake_quant_tiers(rv1.float(), torch.full((H_KV,), 0.92)), value.float()], 2)
+    k_past = reference.fake_quant_tiers(rk1.float(), torch.full((H_KV,), 0.96)).to(key.dtype)
+    v_past = reference.fake_quant_tiers(rv1.float(), torch.full((H_KV,), 0.92)).to(value.dtype)
+    k_hat, v_hat = torch.cat([k_past, key], 2).float(), torch.cat([v_past, value], 2).float()
     expected = _dense_ref(q, k_hat, v_hat, Mk[0], Mv[0], q_offset=n1)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
     assert cache.layers[0].n_recent == layout.RECENT and cache.get_seq_length() == n1 + n2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, H_q, H_kv, n, S", [(1, 32, 8, 1024, 5000), (2, 9, 3, 333, 1200)])
+def test_later_chunk_takes_the_flash_kernel_and_sees_the_right_keys(B, H_q, H_kv, n, S):
+    """`dense_attention` on a later prefill chunk (the last n of S keys, GQA, bfloat16) runs on the GPU's flash kernel
+    alone (every other SDPA backend disabled: no mask tensor, no repeated K/V) and equals float64 causal attention
+    with query i seeing keys ..S − n + i, within twice the error of rounding its inputs and output to bfloat16; one key
+    more or less per query is outside that tolerance."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from oscar_zoo.runtime.attention import dense_attention
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q, k, v = (torch.randn(B, h, t, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+               for h, t in ((H_q, n), (H_kv, S), (H_kv, S)))  # fmt: skip
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = dense_attention(q, k, v, 128**-0.5).double().cpu()
+
+    def f64(shift):
+        qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
+        kd, vd = kd.repeat_interleave(H_q // H_kv, 1), vd.repeat_interleave(H_q // H_kv, 1)
+        allowed = torch.arange(S)[None, :] <= (S - n + shift + torch.arange(n))[:, None]
+        logits = (qd @ kd.transpose(-1, -2) * 128**-0.5).masked_fill(~allowed, -math.inf)
+        return torch.softmax(logits, -1) @ vd
+
+    ref = f64(0)
+    tol = 2 * (ref.to(torch.bfloat16).double() - ref).abs().max() + 1e-2 * ref.abs().max() / 64
+    assert (out - ref).abs().max() <= tol
+    assert (f64(-1) - ref).abs().max() > tol and (f64(1)[:, :, :-1] - ref[:, :, :-1]).abs().max() > tol
 
 
 def test_softcap_and_scaling_are_respected():
