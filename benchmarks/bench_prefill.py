@@ -4,15 +4,15 @@ A random-weight model of a real architecture (Qwen3-8B shapes on the GPU, a demo
 random token ids in chunks of `--chunk` tokens, as `generate()` runs a prompt, and the first generated token is read
 (its argmax, on the host). OSCAR files each chunk into its tiers (the chunk attends to its own exact K/V and to the
 earlier tokens through the tiers, then rotation, clip and quantize/pack into the INT2 history); "dynamic" is
-transformers' DynamicCache (BF16, grows by concatenation), "prealloc" a BF16 cache written in place
-(bf16_caches.py); both run transformers' "sdpa" attention (a later chunk: an explicit causal mask over repeated K/V).
-"bf16graph" is the BF16 cache of the decode benchmarks with the runtime's own prefill attention, the one OscarCache's
-chunks take (`attention.dense_attention`: a later chunk through SDPA's lower-right causal flash kernel): the
-like-for-like BF16 row. Per row: ms to the first token, prompt tokens/s, the peak memory above the model, and the cache's
-own bytes after the prompt. With OSCAR, "peak − tiers" is what the prefill held beyond its tiers: the rule to check is
-that it stays within one chunk's BF16 K/V per layer plus the chunk's activations. One warm-up row per kind and batch
-size (two chunks: the later-chunk path too) runs first so that kernel compilation is not timed. Details go to
-$OUT/bench_prefill_<model>.json when OUT is set.
+transformers' DynamicCache (BF16, grows by concatenation), "prealloc" a BF16 cache written in place (bf16_caches.py);
+both run transformers' "sdpa" attention (a later chunk: an explicit causal mask over repeated K/V). "bf16graph" is the
+BF16 cache of the decode benchmarks with the runtime's own prefill attention, the one OscarCache's chunks take
+(`attention.dense_attention`: a later chunk through SDPA's lower-right causal flash kernel): the like-for-like BF16 row.
+Per row: ms to the first token, prompt tokens/s, the peak memory above the model, and the cache's own bytes after the
+prompt. With OSCAR, "peak − tiers" is what the prefill held beyond its tiers: the rule to check is that it stays within
+one chunk's BF16 K/V per layer plus the chunk's activations. One warm-up row per kind and batch size (two chunks: the
+later-chunk path too) runs first so that kernel compilation is not timed. Details go to $OUT/bench_prefill_<model>.json
+when OUT is set.
 
     PYTHONPATH=. python benchmarks/bench_prefill.py [--contexts 8192 32768 100000] [--batches 1] [--chunk 8192]
 """

@@ -1,8 +1,8 @@
-"""Where a later prefill chunk's time goes: torch.profiler over one chunk of a long prompt, OSCAR against the like-for-like
-BF16 cache ("bf16graph": the same prefill attention, `attention.dense_attention`), on a random-weight model of real
-shapes (Qwen3-8B on the GPU, a few layers: every layer does the same work). The earlier chunks run unprofiled; the
-table lists the ops with the most device time in the profiled chunk (self time, ms) for each kind, after the wall time
-of every chunk (synchronised); the full tables go to $OUT/profile_prefill_<kind>.txt when OUT is set.
+"""Where a later prefill chunk's time goes: torch.profiler over one chunk of a long prompt, OSCAR against the
+like-for-like BF16 cache ("bf16graph": the same prefill attention, `attention.dense_attention`), on a random-weight
+model of real shapes (Qwen3-8B on the GPU, a few layers: every layer does the same work). The earlier chunks run
+unprofiled; the table lists the ops with the most device time in the profiled chunk (self time, ms) for each kind, after
+the wall time of every chunk (synchronised); the full tables go to $OUT/profile_prefill_<kind>.txt when OUT is set.
 
     PYTHONPATH=. python benchmarks/profile_prefill.py [--layers 4] [--batch 8] [--context 32768] [--chunk 8192]
 """
@@ -23,7 +23,7 @@ else:
 
 
 @torch.inference_mode()
-def profile_chunk(model, kind: str, B: int, T: int, chunk: int, top: int) -> tuple[list[float], float, list[tuple[str, float]]]:
+def profile_chunk(model, kind: str, B: int, T: int, chunk: int, top: int) -> tuple[list[float], float, list]:
     """Prefill T − chunk tokens of B random prompts, then profile the last chunk: (the wall ms of every chunk, the last
     one profiled; its self device ms, kernels and the ops that launch them both counted; the `top` ops by self device
     time as (name, ms))."""
@@ -71,9 +71,11 @@ def main():
     for kind in args.kinds:
         profile_chunk(model, kind, 1, 2 * args.chunk, args.chunk, 1)  # warm-up: compile what the rows use
         walls, total, rows = profile_chunk(model, kind, args.batch, args.context, args.chunk, args.top)
-        print(f"\n{kind}: batch {args.batch}, the chunk at {args.context - args.chunk}..{args.context}, "
-              f"{args.layers} layers: {total:.1f} ms of self device time (ops and kernels both counted); wall ms per "
-              f"chunk: " + ", ".join(f"{w:.1f}" for w in walls))
+        print(
+            f"\n{kind}: batch {args.batch}, the chunk at {args.context - args.chunk}..{args.context}, "
+            f"{args.layers} layers: {total:.1f} ms of self device time (ops and kernels both counted); wall ms per "
+            f"chunk: " + ", ".join(f"{w:.1f}" for w in walls)
+        )
         print("| op | ms |\n|---|---|")
         for name, ms in rows:
             print(f"| {name[:90]} | {ms:.2f} |")
