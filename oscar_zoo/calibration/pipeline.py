@@ -340,8 +340,9 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
     order = [layer for turn in itertools.zip_longest(*by_device.values()) for layer in turn if layer is not None]
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     noises: dict[int, torch.Tensor] = {}
+    stage = "clip search" if search else "key noise"  # fixed clips: only the key noise that ranks 3-bit layers
     for i, layer in enumerate(order):
-        progress("clip search", i, len(mine))
+        progress(stage, i, len(mine))
         on = devices.get(layer, torch.device("cpu"))
         means = {} if k_mean is None else {
             "k_mean": reference.rotate_mean(k_mean[layer], k_rot[layer]).to(on),
@@ -352,7 +353,7 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
         if search:
             tables[layer] = clip_search.objectives(sample, k_rot[layer].to(on), v_rot[layer].to(on),
                                                    key_target[layer].to(on), grid, settings.group_size, **means)
-    progress("clip search", len(mine), len(mine))
+    progress(stage, len(mine), len(mine))
     R = len(grid)
     key_noise = torch.zeros(L, H, dtype=torch.float64)
     for layer, noise in noises.items():

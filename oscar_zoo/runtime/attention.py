@@ -136,8 +136,12 @@ def oscar_attention(
     else:  # a chunk: earlier tokens through their tiers (if any), then its own exact K/V
         k, v = key, value
         if pending.past is not None:
-            past_k, past_v = pending.past  # in the chunk's dtype, dequantized history included
-            k, v = torch.cat([past_k, key.to(past_k.dtype)], dim=2), torch.cat([past_v, value.to(past_v.dtype)], dim=2)
+            past_k, past_v = pending.past  # fp32, dequantized history included
+            # in the dtype SDPA takes them (q's) before the concatenation: the same values, no fp32 copy of the whole;
+            # with a softcap the logits are fp32 math over fp32 keys
+            dt = query.dtype if softcap is None else past_k.dtype
+            k = torch.cat([past_k.to(dt), key.to(dt)], dim=2)
+            v = torch.cat([past_v.to(dt), value.to(dt)], dim=2)
         o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap, q_offset=pending.past_len)
         if layer.staged is not None:  # the chunk's last queries choose the history tokens pinned in BF16
             window, keys = q_rot[:, :, -layout.PIN_WINDOW :], _uncentred_keys(k, layer, softcap)

@@ -163,8 +163,7 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
             self.advance_host()
         else:
             k_rot, v_rot = self._rotate(key_states, value_states)
-            # earlier tokens as the tiers present them, in the chunk's dtype (the attention's): one copy, no fp32
-            past = self.dense_kv(key_states.dtype) if n > 1 and past_len > 0 else None
+            past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
             self._append(k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE), multi=n > 1)
         self.pending = Pending(k_rot, past, past_len)
         return k_rot, v_rot
