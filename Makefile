@@ -20,9 +20,10 @@ demo: $(STAMP)
 	@echo "artifacts: $(ARTIFACTS)/ (verified). Next: $(VENV)/bin/oscar-zoo inspect $(ARTIFACTS), or serve them with" \
 	      "OscarCache.from_folder('$(ARTIFACTS)') (README: 'The runtime')."
 
+# two pytest workers: the Triton-interpreter tests are single-threaded Python, so two cores run two of them at once
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
