@@ -42,10 +42,12 @@ def dense_attention(
     repeated K/V (elsewhere SDPA materialises the mask itself)."""
     n, S = q.shape[2], k.shape[2]
     q_offset = S - n if q_offset is None else q_offset
-    if causal:
-        allowed = torch.arange(S, device=q.device)[None, :] <= (q_offset + torch.arange(n, device=q.device))[:, None]
-    else:
-        allowed = torch.ones(n, S, dtype=torch.bool, device=q.device)
+
+    def allowed() -> Tensor:  # [n, S] bool, made only where a path needs the mask itself (n·S bytes)
+        if not causal:
+            return torch.ones(n, S, dtype=torch.bool, device=q.device)
+        return torch.arange(S, device=q.device)[None, :] <= (q_offset + torch.arange(n, device=q.device))[:, None]
+
     g = q.shape[1] // k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
     if softcap is None:
@@ -57,11 +59,11 @@ def dense_attention(
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, S), scale=scale,
                                                   enable_gqa=g > 1)
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed(), scale=scale)
     k, v = k.float().repeat_interleave(g, dim=1), v.float().repeat_interleave(g, dim=1)
     logits = (q.float() @ k.transpose(-1, -2)) * scale  # [B, H_q, n, S]
     logits = torch.tanh(logits / softcap) * softcap
-    p = torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1)
+    p = torch.softmax(logits.masked_fill(~allowed(), -math.inf), dim=-1)
     return (p @ v).to(q.dtype)
 
 
