@@ -214,6 +214,8 @@ def main():
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
+    if args.key_block and (args.key_block not in layout.KEY_BLOCKS or args.group_size not in (0, D)):
+        ap.error(f"--key-block must be one of {layout.KEY_BLOCKS} with per-row value scales (--group-size 0)")
     cfg = ops.decode_config(D)
     cfg = dataclasses.replace(cfg, block_n=args.block_n or cfg.block_n,
                               warps=args.warps or cfg.warps, stages=args.stages or cfg.stages,

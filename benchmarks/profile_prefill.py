@@ -69,7 +69,7 @@ def main():
     model = build_model("qwen3-8b" if dev.type == "cuda" else "demo", args.layers, dev)
     model._oscar_mean_key_bits = args.key_bits
     for kind in args.kinds:
-        profile_chunk(model, kind, 1, 2 * args.chunk, args.chunk, 1)  # warm-up: compile what the rows use
+        profile_chunk(model, kind, args.batch, 2 * args.chunk, args.chunk, 1)  # warm-up: compile what the rows use
         walls, total, rows = profile_chunk(model, kind, args.batch, args.context, args.chunk, args.top)
         print(
             f"\n{kind}: batch {args.batch}, the chunk at {args.context - args.chunk}..{args.context}, "

@@ -265,6 +265,11 @@ def ensure_demo_model(progress: Callable[[str], None] | None = None) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (dest / "config.json").is_file():  # another process converted it first (two commands, two test workers)
+            return dest
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -37,9 +37,9 @@ def dense_attention(
 ) -> Tensor:  # fmt: skip
     """Causal attention, q [B, H_q, n, D] at positions q_offset.. (default: the last n of k), k/v [B, H_kv, S, D]
     (`causal` False: every query sees every key, as in an encoder). SDPA in q's dtype (as transformers' sdpa path
-    runs it); fp32 eager math when a logit softcap is set. A later prefill chunk (the last n of S keys) takes SDPA's
-    lower-right causal bias with the KV heads as they are: on a GPU its flash kernel, with no mask tensor and no
-    repeated K/V (elsewhere SDPA materialises the mask itself)."""
+    runs it); fp32 eager math when a logit softcap is set. On a GPU in bfloat16/float16 a later prefill chunk (the last
+    n of S keys) takes SDPA's lower-right causal bias with the KV heads as they are: its flash kernel, with no mask
+    tensor and no repeated K/V."""
     n, S = q.shape[2], k.shape[2]
     q_offset = S - n if q_offset is None else q_offset
 
@@ -55,7 +55,10 @@ def dense_attention(
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=g > 1)
         if q_offset == 0 and n == S:  # a fresh prefill chunk
             return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=g > 1)
-        if q_offset == S - n:  # a later chunk: query i sees keys ..S − n + i
+        if q_offset == S - n and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            # a later chunk on the flash kernel (query i sees keys ..S − n + i); where flash does not run (CPU,
+            # float32) SDPA would materialise the lower-right mask and, with GQA, take its math kernel, which holds the
+            # [B, H_q, n, S] scores: the masked path below keeps its memory-efficient kernels
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, S), scale=scale,
                                                   enable_gqa=g > 1)
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
