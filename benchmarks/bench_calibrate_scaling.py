@@ -311,6 +311,11 @@ CAPTURE = ("pass 1/2: key target", "pass 2/2: value target")  # data parallel: s
 PER_LAYER = ("rotations", "clip search", "key noise")  # split by layers, round-robin ("key noise": --clip fixed)
 
 
+def _search_s(phases: dict) -> float:
+    """The per-layer stage after the rotations: the clip search, or (--clip fixed) the key noise alone."""
+    return phases.get("clip search", phases.get("key noise", 0))
+
+
 def predict(one: dict, two: dict, gpus: list[int]) -> list[dict]:
     """N-GPU wall time from measured 1- and 2-GPU runs of the same problem. Per phase (rank 0's times):
     capture passes scale as 1/N at the parallel efficiency measured at N = 2; the eigendecompositions and the clip
@@ -349,19 +354,17 @@ def table(report: dict) -> None:
           "| capture tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     cap = report["capture_tokens_per_s"]
-    per_layer = p.get("clip search", p.get("key noise", 0))  # --clip fixed: the key noise alone
     print(f"| {report['world_size']} | {report['wall_s']:.3f} | {report['tokens_per_s']:,.0f} | "
           f"{p.get('pass 1/2: key target', 0):.3f} | {p.get('held-out capture', 0):.3f} | "
-          f"{p.get('pass 2/2: value target', 0):.3f} | {p.get('rotations', 0):.3f} | {per_layer:.3f} | "
+          f"{p.get('pass 2/2: value target', 0):.3f} | {p.get('rotations', 0):.3f} | {_search_s(p):.3f} | "
           f"{f'{cap:,.0f}' if cap else '—'} |")
     if report.get("ranks"):
         names = ("pass 1/2: key target", "held-out capture", "pass 2/2: value target", "rotations")
         print("| rank | pass 1 s | held-out s | pass 2 s | rotations s | clip search (or key noise) s |")
         print("|---|---|---|---|---|---|")
         for r in report["ranks"]:
-            layer_s = r["phases"].get("clip search", r["phases"].get("key noise", 0))
             print(f"| {r['rank']} | " + " | ".join(f"{r['phases'].get(n, 0):.3f}" for n in names)
-                  + f" | {layer_s:.3f} |")
+                  + f" | {_search_s(r['phases']):.3f} |")
 
 
 def main(argv=None) -> None:

@@ -265,13 +265,10 @@ def ensure_demo_model(progress: Callable[[str], None] | None = None) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, dest)
-    except OSError:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if (dest / "config.json").is_file():  # another process converted it first (two commands, two test workers)
+        if isinstance(e, OSError) and (dest / "config.json").is_file():  # another process converted it first
             return dest
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
 
