@@ -42,7 +42,7 @@ def _specialise(fn, values: dict, constexprs: dict):
         v = values[name]
         if isinstance(v, torch.Tensor):
             sig[name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                               torch.uint8: "u8", torch.int32: "i32"}[v.dtype]  # fmt: skip
+                               torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32"}[v.dtype]  # fmt: skip
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[name] = "fp32"
@@ -85,7 +85,9 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
     )  # fmt: skip
     orig = (ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n)
     try:
-        ops._kernels = lambda: (None, type("M", (), {"_decode_kernel": Grab()}), None)
+        skip = type("Skip", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})()  # the block-query prepass
+        ops._kernels = lambda: (None, type("M", (), {"_decode_kernel": Grab()}), None, None, None,
+                                type("B", (), {"_block_query_kernel": skip}))
         ops._programs_target = lambda device, D: ops.decode_config(D).programs_per_sm * 132
         ops._dot_dtype = lambda: tl.bfloat16
         ops._block_n = lambda device, D, G=None: ops.gpu_block_n(D, G)

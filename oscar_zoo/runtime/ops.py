@@ -47,6 +47,9 @@ MERGE_TILE = 8192  # [splits × dims] elements a merge program loads per step (m
 INT2_ASM_UNPACK = os.environ.get("OSCAR_INT2_ASM", "1") == "1"  # GPU: PTX byte-permute unpack (0 = plain Triton)
 QUANT_ASM = os.environ.get("OSCAR_QUANT_ASM", "1") == "1"  # GPU: sort |x| as bf16x2/f16x2 pairs (0 = float32)
 DECODE_PDL = os.environ.get("OSCAR_PDL", "1") == "1"  # GPU ≥ sm_90: launch the merge (and decode) early, see _pdl
+# keys per channel on the integer score path: each block's q·s as int8 operands first (kernels/block_query.py); 0 = the
+# bfloat16 dots with q·s folded per tile
+BLOCK_QUERY = os.environ.get("OSCAR_BLOCK_QUERY", "1") == "1"
 QUANT_WARPS = 4  # quantize/pack: one row per thread, 32·QUANT_WARPS rows per program (benchmarks/quantize_sass.py)
 
 
@@ -74,9 +77,9 @@ def _use_kernel(t: Tensor) -> bool:
 
 
 def _kernels():
-    from .kernels import decode, merge, quantize_channel, quantize_pack, rotate
+    from .kernels import block_query, decode, merge, quantize_channel, quantize_pack, rotate
 
-    return quantize_pack, decode, merge, rotate, quantize_channel
+    return quantize_pack, decode, merge, rotate, quantize_channel, block_query
 
 
 def _dot_dtype():
@@ -399,19 +402,59 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     sink, recent = sink or recent, recent or sink
     group = H_q // H_kv
     cfg, pdl = decode_config(D), _pdl(q)
+    block_q = bool(hist and key_block and s_hist and block_query(_group_block(group), D) and B * H_kv < 65536)
+    if block_q:  # keys per channel on the integer score path: each block's q·s as int8 parts first
+        qb, qf = _block_query(q, szk, hlen, key_block, key_bits, sm_scale * LOG2E, H_kv)
+    else:
+        qb = qf = _dummy(dev, torch.float32)
     grid = (B * H_kv, s_sink + s_hist + s_recent)
     # the kernel's arguments in its order: pointers, sizes, strides (positional), then its constexprs
-    pointers = (q, *sink, ck, szk, cv, szv, hlen, *recent, o, lse)
-    sizes = (H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E)
+    pointers = (q, *sink, ck, szk, cv, szv, hlen, *recent, o, lse, qb, qf)
+    sizes = (H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E, qb.shape[2] if block_q else 0)
     strides = (*q.stride()[:2], *_strides(sink[0], 3), *_strides(sink[1], 3), *_strides(ck, 3), *_strides(szk, 3),
                *_strides(cv, 4), *_strides(szv, 3), *_strides(recent[0], 3), *_strides(recent[1], 3),
                *o.stride()[:3], *lse.stride()[:2])  # fmt: skip
     block_n = min(_block_n(dev, D, G), key_block) if key_block else _block_n(dev, D, G)  # a tile in one key block
     constexprs = dict(D=D, G=G, GP=_group_block(group), BLOCK_N=block_n, BLOCK_NB=_block_n(dev, None),
                       DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK, STAGES=cfg.stages,
-                      SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, KEY_BLOCK=key_block)  # fmt: skip
+                      SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, KEY_BLOCK=key_block,
+                      BLOCK_Q=block_q)  # fmt: skip
     decode._decode_kernel[grid](*pointers, *sizes, *strides, **constexprs, num_warps=_warps(group, D),
                                 maxnreg=cfg.maxnreg, launch_pdl=pdl)
+
+
+def block_query(GP: int, D: int) -> bool:
+    """Whether keys per channel take the integer score dots (`kernels/decode.py`, INT8_SHAPE) with the block operands
+    of `kernels/block_query.py`: GQA groups padded to 4 (two tokens per score row) or ≥ 8, from D = 128. At D = 64 the
+    operands (2·GP·D bytes a block) cost more than the integer dots save (benchmarks/RESULTS.md): q·s is folded per
+    tile there, as for groups of 1–2."""
+    return BLOCK_QUERY and D >= 128 and (GP == 4 or GP >= 8)
+
+
+def _block_query(q: Tensor, szk: Tensor, hlen: Tensor, key_block: int, key_bits: int, qk_scale: float,
+                 H_kv: int) -> tuple[Tensor, Tensor]:
+    """Keys per channel: every history block's q·s as the decode kernel's int8 operands and its (w, bias)
+    (`kernels/block_query.py`): qb [B, H_kv, NB, 2, GP, D] int8, qf [B, H_kv, NB, 2, GP] float32, NB = szk's blocks.
+    Blocks past a row's history are left unwritten (the decode reads none)."""
+    B, H_q, D = q.shape
+    NB = szk.shape[2]
+    GP = _group_block(H_q // H_kv)
+    qb = _alloc((B, H_kv, NB, 2, GP, D), torch.int8, q.device)
+    qf = _alloc((B, H_kv, NB, 2, GP), torch.float32, q.device)
+    q_lo = min(128, (4096 if key_bits == 3 else 8192) // D)  # the decode kernel's Q_LO
+    pdl = _pdl(q)
+    # blocks per program: one until the grid is ≈ 16 one-warp programs per SM, then up to 8 (a power of two; the
+    # interpreter takes 8 for any but the smallest grids, the GPU tests 1)
+    resident = 16 * _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if q.is_cuda else 1
+    bpp = 1
+    while bpp < 8 and NB * B * H_kv >= 2 * bpp * resident:
+        bpp *= 2
+    _kernels()[5]._block_query_kernel[(-(-NB // bpp), B * H_kv)](
+        q, szk, hlen, qb, qf, H_kv, H_q // H_kv, NB, bpp, qk_scale, *q.stride()[:2], *szk.stride()[:3],
+        D=D, GP=GP, KEY_BLOCK=key_block, Q_LO=q_lo, PDL=pdl, num_warps=1, launch_pdl=pdl,
+    )  # fmt: skip
+    return qb, qf
 
 
 def decode_int2_partial(

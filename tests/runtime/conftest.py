@@ -37,4 +37,6 @@ def decode_calls(monkeypatch):
 def _poisoned_alloc(shape, dtype, device):
     """Output buffers filled with garbage (NaN / 0xAB bytes) so that any element a kernel fails to write shows."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0xAB)
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.view(torch.uint8).fill_(0xAB).view(dtype) if t.element_size() == 1 else t.fill_(0xAB)

@@ -44,14 +44,19 @@ bfloat16 128 + c·f_k, so the dots, q_bias and the formulas above are unchanged 
 is dequantized whole. 2-bit keys compile to the code without the plane.
 
 Keys per channel over token blocks (KEY_BLOCK > 0, docs/format.md §6d): K's codes are packed per token as above, but
-its scale/zero are float16 pairs per (block of KEY_BLOCK history tokens, channel), [T_cap / KEY_BLOCK, D, 2], read as
-float16 with the block stride (not as words). K takes the bfloat16 path (INT8_K off; V is unchanged: per-token words,
-G = D). Tiles start at multiples of BLOCK_N and `ops` makes BLOCK_N divide KEY_BLOCK, so a tile lies in one block,
-b = n0 // KEY_BLOCK; q's quarters stay fp32 (q_k / f_k) and each tile folds its block's channel scales in once,
-a_k = bf16(q_k·s_k / f_k) [D/4, GP] (s_k, z_k the block's pairs of dims k·D/4 + cols, `_block_q`):
-    q·k̂_t = Σ_k a_k·(128 + c_k f_k) − Σ_k Σ_d a_k·(128 + f_k·z_k)
-the dots as on the bfloat16 path (3-bit codes included), the constant per tile and head in fp32 of the rounded a_k,
-then times qk_scale. KEY_BLOCK = 0 compiles to the row layout's code.
+its scale/zero are float16 pairs per (block of KEY_BLOCK history tokens, channel), [T_cap / KEY_BLOCK, D, 2]. Tiles
+start at multiples of BLOCK_N and `ops` makes BLOCK_N divide KEY_BLOCK, so a tile lies in one block, b = n0 //
+KEY_BLOCK. Two builds (V is unchanged: per-token words, G = D):
+- BLOCK_Q (`ops.block_query`: the integer dots' shapes, D ≥ 128): K takes the integer dots above with q' = q ⊙ s_b in
+  place of q. `block_query.py` writes every block's int8 parts of λ_b·q' and per head (w, bias) once per step; a tile
+  loads its block's, and its score is (MAGIC + Σ c·(Q_LO·q'_hi + q'_lo))·w − bias (that module's docstring).
+- otherwise K takes the bfloat16 path, reading the pairs as float16 with the block stride: q's quarters stay fp32
+  (q_k / f_k) and each tile folds its block's channel scales in, a_k = bf16(q_k·s_k / f_k) [D/4, GP] (s_k, z_k the
+  block's pairs of dims k·D/4 + cols, `_block_q`):
+      q·k̂_t = Σ_k a_k·(128 + c_k f_k) − Σ_k Σ_d a_k·(128 + f_k·z_k)
+  the dots as on the bfloat16 path (3-bit codes included), the constant per tile and head in fp32 of the rounded a_k,
+  then times qk_scale.
+KEY_BLOCK = 0 compiles to the row layout's code.
 """
 
 from __future__ import annotations
@@ -96,12 +101,37 @@ def _softmax_step(sT, m_i, SLACK: tl.constexpr):
 
 
 @triton.jit
+def _int8_scores(kb, pl, q_parts, Q_LO: tl.constexpr, USE_ASM: tl.constexpr, K3: tl.constexpr, N: tl.constexpr,
+                 GP: tl.constexpr):
+    """Integer score dots of a tile: int8 codes 0..3 (0..7: 3-bit keys) against q's int8 high and low parts (int32
+    sums, exact), as float32 MAGIC + (Q_LO·Σ c·q_hi + Σ c·q_lo) [N tokens, GP]. |·| < 2^22: to float32 by an integer
+    add to MAGIC's bits (no int→float conversion, a quarter-rate instruction; the caller removes MAGIC); [R, PAIR·GP]
+    → [N, GP]: row PAIR·r + i is token PAIR·r + i."""
+    q0, q1, q2, q3, ql0, ql1, ql2, ql3 = q_parts
+    c = _int8_codes(kb, 0, USE_ASM, pl, K3)
+    s_hi = tl.dot(c, q0, out_dtype=tl.int32)
+    s_lo = tl.dot(c, ql0, out_dtype=tl.int32)
+    c = _int8_codes(kb, 1, USE_ASM, pl, K3)
+    s_hi = tl.dot(c, q1, s_hi, out_dtype=tl.int32)
+    s_lo = tl.dot(c, ql1, s_lo, out_dtype=tl.int32)
+    c = _int8_codes(kb, 2, USE_ASM, pl, K3)
+    s_hi = tl.dot(c, q2, s_hi, out_dtype=tl.int32)
+    s_lo = tl.dot(c, ql2, s_lo, out_dtype=tl.int32)
+    c = _int8_codes(kb, 3, USE_ASM, pl, K3)
+    s_hi = tl.dot(c, q3, s_hi, out_dtype=tl.int32)
+    s_lo = tl.dot(c, ql3, s_lo, out_dtype=tl.int32)
+    sT = (s_hi * Q_LO + s_lo + 0x4B400000).to(tl.float32, bitcast=True)
+    return tl.reshape(sT, [N, GP])
+
+
+@triton.jit
 def _int2_tile(
     n0, end, offs_n, cols,
     rows,  # (k_rows, v_rows, szk_row, szv_row): this KV head's codes and scale/zero pairs
     strides,  # (stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt): per token (V's codes also per dim)
     qk,  # (q0..q3, ql0..ql3, q_bias, q_w, qsum, qk_scale): q's quarters as the score dots take them (`_attend`)
     state,  # (m_i, l_t, psum_t, pz_t, acc0..acc3): the running online-softmax state
+    chan,  # (qb_row, qf_row, pq, pq_ok): keys per channel on the integer path, this KV head's block operands
     INT8_K: tl.constexpr, PAIR: tl.constexpr, Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr,
     NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
     KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0,
@@ -109,7 +139,8 @@ def _int2_tile(
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked.
     KEY_BITS = 3: K's rows also hold the third bits' plane (D/8 bytes from byte D/4, module docstring).
-    KEY_BLOCK > 0: K's scale/zero per channel of block n0 // KEY_BLOCK (szk_row: float16 pairs; q0..q3: fp32
+    KEY_BLOCK > 0: K's scale/zero per channel of block n0 // KEY_BLOCK: on the integer path (INT8_K) the block's int8
+    q·s parts and (w, bias) from `block_query.py` (chan), else folded here (szk_row: float16 pairs; q0..q3: fp32
     q_k / f_k)."""
     k_rows, v_rows, szk_row, szv_row = rows
     stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt = strides
@@ -150,9 +181,29 @@ def _int2_tile(
     else:
         pl = kb  # unused
     # ---- scores, transposed: [BLOCK_N, GP]
-    if KEY_BLOCK > 0:
-        # keys per channel: the tile lies in one block (BLOCK_N divides KEY_BLOCK, n0 a multiple of BLOCK_N), always in
-        # range (n0 < end); its channel scales folded into q, its zeros and the codes' +128 bias one constant per head
+    if KEY_BLOCK > 0 and INT8_K:
+        # keys per channel, integer dots: the tile lies in one block (BLOCK_N divides KEY_BLOCK, n0 a multiple of
+        # BLOCK_N); its q·s as int8 parts, laid out as q's (block-diagonal for PAIR = 2), and the per-head (w, bias)
+        qb_row, qf_row, pq, pq_ok = chan
+        GPB: tl.constexpr = q_w.shape[0]
+        blk = tl.cast(n0 // KEY_BLOCK, tl.int64)
+        qb = qb_row + blk * (2 * GPB * 4 * D4) + pq
+        q0 = tl.load(qb + 0 * D4, mask=pq_ok, other=0)
+        q1 = tl.load(qb + 1 * D4, mask=pq_ok, other=0)
+        q2 = tl.load(qb + 2 * D4, mask=pq_ok, other=0)
+        q3 = tl.load(qb + 3 * D4, mask=pq_ok, other=0)
+        ql0 = tl.load(qb + GPB * 4 * D4 + 0 * D4, mask=pq_ok, other=0)
+        ql1 = tl.load(qb + GPB * 4 * D4 + 1 * D4, mask=pq_ok, other=0)
+        ql2 = tl.load(qb + GPB * 4 * D4 + 2 * D4, mask=pq_ok, other=0)
+        ql3 = tl.load(qb + GPB * 4 * D4 + 3 * D4, mask=pq_ok, other=0)
+        qf = qf_row + blk * (2 * GPB) + tl.arange(0, GPB)
+        w = tl.load(qf)
+        bias = tl.load(qf + GPB)
+        sT = _int8_scores(kb, pl, (q0, q1, q2, q3, ql0, ql1, ql2, ql3), Q_LO, USE_ASM, K3, offs_n.shape[0], GPB)
+        sT = sT * w[None, :] - bias[None, :]
+    elif KEY_BLOCK > 0:
+        # keys per channel, bfloat16 dots: the tile lies in one block, always in range (n0 < end); its channel scales
+        # folded into q, its zeros and the codes' +128 bias one constant per head
         sz_blk = szk_row + tl.cast(n0 // KEY_BLOCK, tl.int64) * stride_szkt
         a0, t0 = _block_q(q0, sz_blk, cols, 0, D4, 1.0, DOT_DTYPE)
         a1, t1 = _block_q(q1, sz_blk, cols, 1, D4, 4.0, DOT_DTYPE)
@@ -166,24 +217,8 @@ def _int2_tile(
         sT = (sT - const[None, :]) * qk_scale
     elif NG == 1:
         if INT8_K:
-            # integer dots: int8 codes 0..3 (0..7: 3-bit keys) against q's int8 high and low parts (int32 sums, exact)
-            c = _int8_codes(kb, 0, USE_ASM, pl, K3)
-            s_hi = tl.dot(c, q0, out_dtype=tl.int32)
-            s_lo = tl.dot(c, ql0, out_dtype=tl.int32)
-            c = _int8_codes(kb, 1, USE_ASM, pl, K3)
-            s_hi = tl.dot(c, q1, s_hi, out_dtype=tl.int32)
-            s_lo = tl.dot(c, ql1, s_lo, out_dtype=tl.int32)
-            c = _int8_codes(kb, 2, USE_ASM, pl, K3)
-            s_hi = tl.dot(c, q2, s_hi, out_dtype=tl.int32)
-            s_lo = tl.dot(c, ql2, s_lo, out_dtype=tl.int32)
-            c = _int8_codes(kb, 3, USE_ASM, pl, K3)
-            s_hi = tl.dot(c, q3, s_hi, out_dtype=tl.int32)
-            s_lo = tl.dot(c, ql3, s_lo, out_dtype=tl.int32)
-            # |s_hi·Q_LO + s_lo| < 2^22: to float32 as MAGIC + that, by an integer add to MAGIC's bits (no int→float
-            # conversion, a quarter-rate instruction; q_bias removes MAGIC); [R, PAIR·GP] → [BLOCK_N, GP]: row
-            # PAIR·r + i is token PAIR·r + i
-            sT = (s_hi * Q_LO + s_lo + 0x4B400000).to(tl.float32, bitcast=True)
-            sT = tl.reshape(sT, [offs_n.shape[0], q_w.shape[0]])
+            sT = _int8_scores(kb, pl, (q0, q1, q2, q3, ql0, ql1, ql2, ql3), Q_LO, USE_ASM, K3, offs_n.shape[0],
+                              q_w.shape[0])  # fmt: skip
         else:
             # quarters of bfloat16 128 + code·4^k against q_k / 4^k
             sT = tl.dot(_biased_codes(kb, 0, DOT_DTYPE, USE_ASM, pl, K3), q0)
@@ -249,15 +284,18 @@ def _attend(
     sz_in,  # (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt): INT2
     len_in,  # (len_ptr, split, S): the tier's lengths [B], and which of its S splits this program reads
     out_in,  # (o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split)
+    chan_in,  # (qb_ptr, qf_ptr, row0): keys per channel on the integer path, `block_query.py`'s operands and the
+    # index of this (batch, KV head)'s first block in them
     b, h, GROUP, qk_scale,
     INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr, SLACK: tl.constexpr,
-    KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0,
+    KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0, BLOCK_Q: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over one split of one tier for KV head h and its GROUP query heads; writes (o, lse) of
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
     rows; P·V is Vᵀ·p (oᵀ, dims on the rows) over INT2 codes, pᵀ·V over BF16 rows. KEY_BITS: K's codes are 2- or
-    3-bit (INT2 tiers only). KEY_BLOCK > 0: K's scale/zero per channel over blocks of KEY_BLOCK tokens (G = D)."""
+    3-bit (INT2 tiers only). KEY_BLOCK > 0: K's scale/zero per channel over blocks of KEY_BLOCK tokens (G = D);
+    BLOCK_Q: the host ran `block_query.py` (the integer path's shapes), whose operands replace the scales."""
     q_ptr, stride_qb, stride_qh = q_in
     k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd = kv_in
     szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt = sz_in
@@ -270,10 +308,12 @@ def _attend(
     Q_LO: tl.constexpr = min(128, (4096 if KEY_BITS == 3 else 8192) // D)
     # Integer score dots need a contraction of ≥ 32 dims and fill the MMA's 8 columns: a group padded to 4 puts two
     # tokens on each row (PAIR = 2: 8 real columns, 32 dims from D = 64); groups of ≥ 8 fill them alone (D ≥ 128).
-    # Smaller groups (1, 2), groups of ≥ 8 at D = 64 and per-group scales (G < D) keep the bfloat16 dots, as do keys
-    # per channel (KEY_BLOCK > 0: q scaled per tile).
+    # Smaller groups (1, 2), groups of ≥ 8 at D = 64 and per-group scales (G < D) keep the bfloat16 dots. Keys per
+    # channel (KEY_BLOCK > 0) take them with the block operands of `block_query.py` (BLOCK_Q), else fold q·s per tile.
     PAIRS: tl.constexpr = 2 if GP == 4 else 1
-    INT8_K: tl.constexpr = NG == 1 and PAIRS * GP >= 8 and PAIRS * D4 >= 32 and KEY_BLOCK == 0
+    INT8_SHAPE: tl.constexpr = NG == 1 and PAIRS * GP >= 8 and PAIRS * D4 >= 32
+    tl.static_assert(not BLOCK_Q or (INT8_SHAPE and KEY_BLOCK > 0))
+    INT8_K: tl.constexpr = INT8_SHAPE and (KEY_BLOCK == 0 or BLOCK_Q)
     PAIR: tl.constexpr = PAIRS if INT8_K else 1  # the bfloat16 dots take one token per row
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -306,13 +346,21 @@ def _attend(
         pc = tl.arange(0, PAIR * GP)[None, :]
         q_blk = q_ptr + b64 * stride_qb + (h * GROUP + pc % GP) * stride_qh + pj % D4
         blk_ok = (pj // D4 == pc // GP) & (pc % GP < GROUP)
+        qb_ptr, qf_ptr, row0 = chan_in
+        # keys per channel on the integer path: a block's operands sit as [2, GP, D] int8 (`block_query.py`)
+        chan = (qb_ptr + row0 * (2 * GP * D), qf_ptr + row0 * (2 * GP), (pc % GP) * D + pj % D4, blk_ok)
         q0 = tl.load(q_blk + 0 * D4, mask=blk_ok, other=0.0).to(tl.float32)
         q1 = tl.load(q_blk + 1 * D4, mask=blk_ok, other=0.0).to(tl.float32)
         q2 = tl.load(q_blk + 2 * D4, mask=blk_ok, other=0.0).to(tl.float32)
         q3 = tl.load(q_blk + 3 * D4, mask=blk_ok, other=0.0).to(tl.float32)
         if NG == 1:
             # scores = (dots − q_bias − z·qsum)·s·q_w, per head
-            if INT8_K:
+            if INT8_K and KEY_BLOCK > 0:
+                # keys per channel: each tile loads its block's parts (`_int2_tile`); q_w only carries GP
+                qsum = tl.zeros([GP], tl.float32)
+                q_bias, q_w = qsum, qsum
+                ql0, ql1, ql2, ql3 = q0, q1, q2, q3  # unused
+            elif INT8_K:
                 # K side: each head's q as int8 high and low parts (7 + log2 Q_LO bits of its range, 13 at d = 128)
                 amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
                                   tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
@@ -384,10 +432,10 @@ def _attend(
         qk = (q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale)
         state = (m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3)
         for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
-            state = _int2_tile(n0, end, offs_n, cols, rows, strides, qk, state,
+            state = _int2_tile(n0, end, offs_n, cols, rows, strides, qk, state, chan,
                                INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False, KEY_BITS, KEY_BLOCK)
         if full_end < end:
-            state = _int2_tile(full_end, end, offs_n, cols, rows, strides, qk, state,
+            state = _int2_tile(full_end, end, offs_n, cols, rows, strides, qk, state, chan,
                                INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True, KEY_BITS, KEY_BLOCK)
         m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = state
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
@@ -436,7 +484,9 @@ def _decode_kernel(
     # V's any strides, fastest token-major), scale/zero [.., D/G, 2] f16
     rk_ptr, rv_ptr, rlen_ptr,  # recent K/V [B, H_kv, RECENT_CAP, D] bf16
     o_ptr, lse_ptr,  # partials [B, H_q, S, D] f32, [B, H_q, S] f32
-    H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale,  # sizes: heads, splits per tier; scale·log2(e)
+    qb_ptr, qf_ptr,  # keys per channel, BLOCK_Q: the blocks' int8 q·s parts and (w, bias) (`block_query.py`)
+    H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale, NB,  # sizes: heads, splits per tier; scale·log2(e); blocks
+    # per (batch, KV head) in qb/qf
     stride_qb, stride_qh,  # strides: q, sink K/V, history codes and scales, recent K/V, o, lse
     stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
     stride_ckb, stride_ckh, stride_ckt, stride_szkb, stride_szkh, stride_szkt,
@@ -446,6 +496,7 @@ def _decode_kernel(
     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,  # constexprs
     BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
     SLACK: tl.constexpr, PDL: tl.constexpr, KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0,
+    BLOCK_Q: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         # programmatic dependent launch: wait for the kernel before (it may have written q or the cache), then let
@@ -458,6 +509,7 @@ def _decode_kernel(
     s = tl.program_id(1)
     q_in = (q_ptr, stride_qb, stride_qh)
     out_in = (o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s)
+    chan_in = (qb_ptr, qf_ptr, pid.to(tl.int64) * NB)
     if (s < S_SINK) | (s >= S_SINK + S_HIST):
         # a BF16 tier: sink or recent (one instantiation of the loop; both branches give identically typed values).
         # Names bound here are not bound in the INT2 branch: Triton would merge them, and the types differ.
@@ -470,11 +522,11 @@ def _decode_kernel(
                    1)  # stride_vd: BF16 rows are dims-contiguous
         bf16_len = (tl.where(in_sink, slen_ptr, rlen_ptr), tl.where(in_sink, s, s - S_SINK - S_HIST),
                     tl.where(in_sink, S_SINK, S_RECENT))
-        _attend(q_in, bf16_kv, (q_ptr, q_ptr, 0, 0, 0, 0, 0, 0), bf16_len, out_in, b, h, GROUP, qk_scale,
+        _attend(q_in, bf16_kv, (q_ptr, q_ptr, 0, 0, 0, 0, 0, 0), bf16_len, out_in, chan_in, b, h, GROUP, qk_scale,
                 False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0, 2)  # (no scales: placeholders)
     else:
         _attend(q_in,
                 (ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd),
                 (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt),
-                (hlen_ptr, s - S_SINK, S_HIST), out_in, b, h, GROUP, qk_scale,
-                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS, KEY_BLOCK)
+                (hlen_ptr, s - S_SINK, S_HIST), out_in, chan_in, b, h, GROUP, qk_scale,
+                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS, KEY_BLOCK, BLOCK_Q)
