@@ -155,8 +155,22 @@ def test_generate_compiled_replay_equals_eager_and_uncompiled(arch, B):
         if mode != "eager":
             assert model._oscar_graphs.replays >= 210
     assert torch.equal(runs["graph"][1], runs["eager"][1])  # the uncompiled capture is exact
-    assert torch.equal(runs["compiled"][0], runs["eager"][0])
+    assert torch.equal(runs["compiled"][0], runs["eager"][0]), _first_divergence(runs["eager"], runs["compiled"])
     assert (runs["compiled"][1] - runs["eager"][1]).abs().max() <= 1e-2 * runs["eager"][1].abs().max()
+
+
+def _first_divergence(want, got) -> str:
+    """Where two greedy runs (sequences, logits [B, steps, V]) first differ: the row, the step, the eager logits' top-2
+    margin there and the largest logit difference up to it, both against the largest logit (a near-tie flipped by
+    round-off, or a real fault)."""
+    steps = want[1].shape[1]
+    gen_w, gen_g = want[0][:, -steps:], got[0][:, -steps:]
+    row, step = map(int, (gen_w != gen_g).nonzero()[0])
+    top2 = want[1][row, step].topk(2).values
+    scale = want[1].abs().max()
+    diff = (want[1][:, : step + 1] - got[1][:, : step + 1]).abs().max()
+    return (f"row {row} differs from step {step}: eager's top-2 margin there {float((top2[0] - top2[1]) / scale):.2e}, "
+            f"largest logit difference until then {float(diff / scale):.2e} (of the largest logit)")
 
 
 def test_the_gpu_architecture_list_is_every_supported_architecture():
