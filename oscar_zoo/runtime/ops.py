@@ -402,7 +402,8 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     sink, recent = sink or recent, recent or sink
     group = H_q // H_kv
     cfg, pdl = decode_config(D), _pdl(q)
-    block_q = bool(hist and key_block and s_hist and block_query(_group_block(group), D) and B * H_kv < 65536)
+    block_q = bool(hist and key_block and s_hist and szk.shape[2] and block_query(_group_block(group), D)
+                   and B * H_kv < 65536)  # (the prepass's grid: blocks on x, B·H_kv on y)
     if block_q:  # keys per channel on the integer score path: each block's q·s as int8 parts first
         qb, qf = _block_query(q, szk, hlen, key_block, key_bits, sm_scale * LOG2E, H_kv)
     else:
