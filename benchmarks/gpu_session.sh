@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|profile|channel-tests|channel-bench|channel-generate]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|profile|channel-tests|channel-bench|channel-generate|blockq]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -30,6 +30,9 @@
 #   per row and per channel (64- and 128-token blocks) at 2 and 3 bits
 # channel-generate: no tests; generate() at 100K batch 1 and 8 with calibrate's key bits (2.7), keys per row vs per
 #   channel over 128-token blocks, same session
+# blockq: the channel decode GPU tests, then the decode rows with keys per row and per channel (128-token blocks) at 2
+#   and 3 bits (the block-query prepass), again at 2 bits with q·s folded per tile (OSCAR_BLOCK_QUERY=0), and
+#   generate() at 100K batch 1 and 8 (calibrate's key bits 2.7), keys per channel then per row (OSCAR rows only)
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -86,6 +89,20 @@ if [ "$mode" = channel-generate ]; then
   for blk in ${BLOCKS:-0 128}; do
     python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits 2.7 \
       --key-block $blk 2>&1 | tee "$OUT/bench_generate_block$blk.log" | grep -E "^\|"
+    [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_block$blk.json"
+  done
+  exit 0
+fi
+if [ "$mode" = blockq ]; then
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_decode_kernels.py -k channel 2>&1 \
+    | tee "$OUT/test_gpu_channel_decode.log" | tail -2
+  python3 benchmarks/bench_decode.py --quick --key-bits 2 3 --key-block 0 128 2>&1 | tee "$OUT/bench_decode.log" | tail -32
+  [ -f "$OUT/bench_decode.json" ] && mv "$OUT/bench_decode.json" "$OUT/bench_decode_blockq.json"
+  OSCAR_BLOCK_QUERY=0 python3 benchmarks/bench_decode.py --quick --key-bits 2 --key-block 128 2>&1 \
+    | tee "$OUT/bench_decode_fold.log" | tail -10
+  for blk in 128 0; do
+    python3 benchmarks/bench_generate.py --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts --phases \
+      --key-bits 2.7 --key-block $blk 2>&1 | tee "$OUT/bench_generate_block$blk.log" | grep -E "^\|"
     [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_block$blk.json"
   done
   exit 0
