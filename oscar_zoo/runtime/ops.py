@@ -445,7 +445,7 @@ def _block_query(q: Tensor, szk: Tensor, hlen: Tensor, key_block: int, key_bits:
     q_lo = min(128, (4096 if key_bits == 3 else 8192) // D)  # the decode kernel's Q_LO
     pdl = _pdl(q)
     # blocks per program: one until the grid is ≈ 16 one-warp programs per SM, then up to 8 (a power of two; the
-    # interpreter takes 8 for any but the smallest grids, the GPU tests 1)
+    # interpreter takes 8 for any but the smallest grids)
     resident = 16 * _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 1
     bpp = 1
@@ -453,7 +453,8 @@ def _block_query(q: Tensor, szk: Tensor, hlen: Tensor, key_block: int, key_bits:
         bpp *= 2
     _kernels()[5]._block_query_kernel[(-(-NB // bpp), B * H_kv)](
         q, szk, hlen, qb, qf, H_kv, H_q // H_kv, NB, bpp, qk_scale, *q.stride()[:2], *szk.stride()[:3],
-        D=D, GP=GP, KEY_BLOCK=key_block, Q_LO=q_lo, PDL=pdl, num_warps=1, launch_pdl=pdl,
+        D=D, GP=GP, KEY_BLOCK=key_block, Q_LO=q_lo, PDL=pdl, num_warps=min(8, max(1, GP * D // 1024)),
+        launch_pdl=pdl,
     )  # fmt: skip
     return qb, qf
 

@@ -552,19 +552,30 @@ def _check_channel(o, lse, q, clean, sm_scale, key_block, device, tiers=("sink",
     (128, 4, 2, 64, [(64, 192, 3)]),
     (128, 1, 2, 128, [(64, 128, 0)]),
     (64, 4, 3, 64, [(64, 137, 3), (64, 200, 0)]),
+    (128, 3, 2, 64, [(64, 200, 3)]),
+    (128, 4, 3, 16, [(64, 176, 2), (64, 48, 0)]),
+    (128, 6, 2, 128, [(64, 256, 1)]),
 ], ids=["64-g4-k2-kb64-ragged", "64-g1-k3-kb64", "64-g8-k2-kb128", "128-g8-k3-kb128-ragged", "128-g4-k2-kb64",
-        "128-g1-k2-kb128", "64-g4-k3-kb64-partial-block"])  # fmt: skip
-def test_channel_keys_tiered(device, D, group, key_bits, key_block, lengths):
+        "128-g1-k2-kb128", "64-g4-k3-kb64-partial-block", "128-g3-k2-kb64-partial-block", "128-g4-k3-kb16-ragged",
+        "128-g6-k2-kb128"])  # fmt: skip
+def test_channel_keys_tiered(device, D, group, key_bits, key_block, lengths, monkeypatch):
     """`ops.tiered_decode_attention(..., key_block=)` over sink, a channel-coded history and recent tiers against
-    float64: head dims 64 and 128, GQA groups 1, 4 and 8, 2- and 3-bit keys, blocks of 64 and 128 tokens (16-token
-    tiles under the interpreter), batches with per-batch history lengths; the last case's histories of 137 and 200
-    tokens end inside a block (the cache never holds one; the kernel masks its last tile as any)."""
+    float64: head dims 64 and 128, GQA groups 1, 3, 4, 6 and 8, 2- and 3-bit keys, blocks of 16, 64 and 128 tokens
+    (16-token tiles under the interpreter), batches with per-batch history lengths; histories of 137 and 200 tokens end
+    inside a block (the cache never holds one; the kernel masks its last tile as any). From D = 128 with groups of ≥ 3
+    (padded to 4 or 8) the integer dots take `kernels/block_query.py`'s operands, and that prepass runs: groups of 3 and
+    6 leave padded heads in its operands, and 11 blocks of 16 tokens give the interpreter's 8 blocks per program two
+    programs on a row, one of them starting past block 0."""
     H_kv, seed = 2, D + group + key_bits + key_block
     clean, dirty = _channel_cache(lengths, H_kv, D, device, seed, key_block, key_bits)
     assert clean["codes_k"].shape[-1] == layout.packed_dim(D, key_bits)
     q = _channel_query(len(lengths), H_kv * group, D, device, seed)
+    prepasses = []
+    real = ops._block_query
+    monkeypatch.setattr(ops, "_block_query", lambda *a, **k: prepasses.append(a[1].shape[2]) or real(*a, **k))
     o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=D**-0.5, key_block=key_block)
     assert o.shape == q.shape and o.dtype == torch.float32
+    assert len(prepasses) == (D >= 128 and group >= 3)
     _check_channel(o, lse, q, clean, D**-0.5, key_block, device)
 
 
