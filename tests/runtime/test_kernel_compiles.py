@@ -25,13 +25,13 @@ SM90_REGISTERS = 65536  # per SM, allocated per warp in units of 8 registers per
 
 @pytest.mark.parametrize("shape, group_size, key_block, int8_dots", [
     ("32,8,128", 0, 0, True), ("9,3,64", 0, 0, True), ("32,4,64", 0, 0, False), ("32,8,128", 32, 0, False),
-    ("32,32,128", 0, 0, False), ("64,1,128", 0, 0, None), ("16,16,256", 0, 0, False), ("8,4,256", 0, 0, False),
+    ("32,32,128", 0, 0, False), ("64,1,128", 0, 0, True), ("16,16,256", 0, 0, False), ("8,4,256", 0, 0, False),
     ("32,8,128", 0, 128, True), ("9,3,64", 0, 64, False),
 ])  # fmt: skip
 def test_decode_kernel_compiles_for_sm90(shape, group_size, key_block, int8_dots):
     """int8_dots: whether the score dots run in integers (`kernels/decode.py`: groups padded to 4 or ≥ 8 with ≥ 32 dims
-    of contraction, one scale per row; None: not checked — at 64/1/128 the loop the script reads shows bfloat16 dots
-    only, with spills, not understood yet). key_block: keys per channel, at 32/8/128 on the integer dots with the block
+    of contraction, one scale per row): IMMA, or IGMMA where a program has a warpgroup (4 warps: the group of 64).
+    key_block: keys per channel, at 32/8/128 on the integer dots with the block
     operands (`ops.block_query`), at 9/3/64 with q·s folded per tile (bfloat16 dots)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--shape", shape,
@@ -43,7 +43,7 @@ def test_decode_kernel_compiles_for_sm90(shape, group_size, key_block, int8_dots
     assert r["shared"] <= SM90_SHARED
     assert r["GP"] == ops.triton_next_pow2(H_q // H_kv)
     assert r["ops"]["HMMA"] > 0  # the token loop runs on tensor cores
-    assert int8_dots is None or (r["ops"].get("IMMA", 0) > 0) == int8_dots
+    assert (r["ops"].get("IMMA", 0) + r["ops"].get("IGMMA", 0) > 0) == int8_dots
     assert r["ops"].get("PRMT", 0) > 0 or not ops.INT2_ASM_UNPACK  # the INT2 loop was found (byte-permute unpack)
     assert r["registers"] <= (ops.decode_config(D).maxnreg or 255)
     cfg = ops.decode_config(D)  # the split rule assumes programs_per_sm one-warp slots are resident on an SM at once
