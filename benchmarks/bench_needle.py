@@ -15,7 +15,7 @@ Each run's JSON (every prompt's passkey, every method's answer and whether it is
 
     PYTHONPATH=. python benchmarks/bench_needle.py --model-dir DIR --artifacts DIR --texts DIR [--weights] [--quick]
     PYTHONPATH=. python benchmarks/bench_needle.py --model-dir DIR --weights --texts DIR --artifacts default=A k2=B \
-        --lengths 1024,2048,4096 --depths 0.1,0.3,0.5,0.7,0.9 --trials 40 --seeds 10 11 --baselines none
+        --lengths 1024,2048,4096 --depths 0.1,0.3,0.5,0.7,0.9 --trials 40 --seeds 10 11 --baselines none --batch 20
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def main():
     ap.add_argument("--depths", help="comma-separated needle depths (default: verify's)")
     ap.add_argument("--trials", type=int, help="prompts per (length, depth) (default: verify's)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="one grid per seed and artifact")
+    ap.add_argument("--batch", type=int, default=1, help="prompts of one length per batch (verify --needle-batch)")
     ap.add_argument("--time-budget", type=float, default=math.inf, help="start no further run after this many s")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,7 +113,7 @@ def main():
     texts = [(Path(args.texts) / f"{play}_gut.txt").read_text(encoding="utf-8") for play in EVALUATION_PLAYS]
     filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids  # as verify's (evaluation/pipeline.py _filler)
     settings = NeedleSettings(lengths=(), depths=QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS,
-                              trials=1 if args.quick else 2, min_relative_accuracy=0.0)  # as verify --needle[-quick]
+                              trials=1 if args.quick else 2, min_relative_accuracy=0.0, batch=args.batch)  # as verify --needle[-quick]
     settings.lengths = default_lengths(config.max_position_embeddings - settings.new_tokens, args.quick)
     if args.lengths:
         settings.lengths = tuple(int(x) for x in args.lengths.split(","))
@@ -140,7 +141,7 @@ def main():
             prompts = grid_keys(tok, filler, settings)
             methods = {("bf16" if m.kind == "reference" else m.name): m for m in report.methods}
             run = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", weights=args.weights,
-                       artifact=name, seed=seed, lengths=list(settings.lengths), depths=list(settings.depths),
+                       artifact=name, seed=seed, batch=args.batch, lengths=list(settings.lengths), depths=list(settings.depths),
                        trials=settings.trials, wall_seconds=wall, overall={n: m.overall for n, m in methods.items()},
                        prompts=prompts,
                        answers={n: m.answers for n, m in methods.items()},

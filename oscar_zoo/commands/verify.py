@@ -79,6 +79,9 @@ def verify_command(
              "first answer token included (a question about a cached document); prompt: context and question are "
              "one prompt, as model.generate(prompt, past_key_values=cache) runs it (the prompt attends to its own "
              "exact K/V).")] = None,
+    needle_batch: Annotated[int | None, typer.Option(help="Prompts of one length run together as the rows of one "
+                                                          "batch (default 1). The same prompts and answers up to "
+                                                          "round-off; faster on a GPU.")] = None,
     as_exported: Annotated[bool, typer.Option("--as-exported", help="Verify the form `oscar-zoo export` deploys "
                                                                     "to the reference runtime: per-head rotations "
                                                                     "averaged per layer, means dropped, the median "
@@ -100,7 +103,8 @@ def verify_command(
     check_dataset_options(dataset, split, text_field)
     # a needle option given alone asks for the grid: it implies --needle rather than being ignored
     needle = needle or needle_quick or any(v is not None for v in (needle_lengths, needle_depths, needle_trials,
-                                                                   min_needle_accuracy, needle_protocol))
+                                                                   min_needle_accuracy, needle_protocol,
+                                                                   needle_batch))
     needle_plot = None
     if plot is not None:  # a name matplotlib cannot write, or a folder, is refused now, not after the whole run
         from ..evaluation.plot import check_plot_path
@@ -110,7 +114,7 @@ def verify_command(
             needle_plot = check_plot_path(_needle_plot_path(plot), needle_of=plot)
 
     needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
-                                       min_needle_accuracy, seed, needle_protocol) if needle else None
+                                       min_needle_accuracy, seed, needle_protocol, needle_batch) if needle else None
     settings = VerifySettings(context=context, sequences=sequences, baselines=chosen, backend=backend,
                               positions_from=score_from, generate_tokens=generate,
                               thresholds=Thresholds(max_ppl_increase=max_ppl_increase, max_kl=max_kl,
@@ -145,8 +149,10 @@ def _parse_list(option: str, value: str, kind):
     return items
 
 
-def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed, protocol) -> NeedleSettings:
+def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed, protocol, batch) -> NeedleSettings:
     trials = (1 if quick else 2) if trials is None else trials
+    if batch is not None and batch <= 0:
+        raise InputError(f"--needle-batch must be positive, got {batch}")
     min_accuracy = DEFAULT_MIN_NEEDLE_ACCURACY if min_accuracy is None else min_accuracy
     if trials <= 0:
         raise InputError(f"--needle-trials must be positive, got {trials}")
@@ -161,7 +167,7 @@ def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed, protoco
         raise InputError(f"--needle-depths must lie in [0, 1], got {depths}")
     return NeedleSettings(lengths=parsed_lengths, depths=parsed_depths, trials=trials, seed=seed,
                           min_relative_accuracy=min_accuracy,
-                          protocol=(protocol or NeedleProtocol.FOLLOW_UP).value)
+                          protocol=(protocol or NeedleProtocol.FOLLOW_UP).value, batch=batch or 1)
 
 
 def _needle_plot_path(plot: Path) -> Path:

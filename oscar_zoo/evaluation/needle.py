@@ -103,42 +103,46 @@ class NeedleSettings:
     new_tokens: int = 7  # " 48213." and a spare: the first non-space characters decide
     min_relative_accuracy: float = DEFAULT_MIN_NEEDLE_ACCURACY  # the artifact's overall accuracy / BF16's
     protocol: str = NeedleProtocol.FOLLOW_UP.value  # one of PROTOCOLS
+    batch: int = 1  # prompts of one length run as the rows of one batch (the same prompts; round-off may differ)
 
     def __post_init__(self):
         if self.protocol not in PROTOCOLS:  # before any model work, not after the teacher-forced run
             raise InputError(f"needle protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.batch < 1:
+            raise InputError(f"needle batch must be positive, got {self.batch}")
 
 
 def _forward(model, ids: Tensor, cache) -> Tensor:
-    """Last-position logits of `ids` [1, n] run after what `cache` holds."""
+    """Last-position logits of `ids` [B, n] run after what `cache` holds."""
     return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(): cache}).logits[:, -1]
 
 
-def _answer(model, cache, question: Tensor, new_tokens: int) -> list[int]:
-    """`question` (the question, or the whole prompt) as one chunk after what `cache` holds, then greedy decode steps;
-    the generated token ids."""
+def _answer(model, cache, question: Tensor, new_tokens: int) -> list[list[int]]:
+    """`question` [B, n] (the question, or the whole prompt) as one chunk after what `cache` holds, then greedy decode
+    steps; each row's generated token ids (read from the device once, at the end)."""
     logits = _forward(model, question, cache)
     out = []
-    for _ in range(new_tokens):
-        token = logits.argmax(-1, keepdim=True)  # [1, 1]
-        out.append(int(token))
-        logits = _forward(model, token, cache)
-    return out
+    for step in range(new_tokens):
+        out.append(logits.argmax(-1, keepdim=True))  # [B, 1]
+        if step + 1 < new_tokens:
+            logits = _forward(model, out[-1], cache)
+    return torch.cat(out, 1).tolist()
 
 
-def _asked(model, prompt: NeedlePrompt, methods: list, protocol: str, device) -> Iterator[tuple[object, Tensor]]:
+def _asked(model, prompts: list[NeedlePrompt], methods: list, protocol: str,
+           device) -> Iterator[tuple[object, Tensor]]:
     """Per method (the reference first), one at a time (a cache is dropped before the next is filled): its cache and
-    the ids still to run before the answer. "follow-up": the context prefilled once in BF16, each quantized cache filed
-    from that prefill's K/V exactly as its `update` files a prompt, the question left to run; "prompt": a fresh cache
-    each, the whole prompt left to run (its own exact K/V first, then the tiers: `model.generate(prompt, cache)`'s
-    path)."""
+    the ids still to run before the answer, the prompts (of one length) as the rows of one batch. "follow-up": the
+    context prefilled once in BF16, each quantized cache filed from that prefill's K/V exactly as its `update` files a
+    prompt, the question left to run; "prompt": a fresh cache each, the whole prompt left to run (its own exact K/V
+    first, then the tiers: `model.generate(prompt, cache)`'s path)."""
     if protocol == NeedleProtocol.PROMPT.value:
-        ids = torch.tensor([prompt.context + prompt.question], device=device)
+        ids = torch.tensor([p.context + p.question for p in prompts], device=device)
         for m in methods:
             yield m.make_cache(), ids
         return
-    context = torch.tensor([prompt.context], device=device)
-    question = torch.tensor([prompt.question], device=device)
+    context = torch.tensor([p.context for p in prompts], device=device)
+    question = torch.tensor([p.question for p in prompts], device=device)
     bf16 = methods[0].make_cache()  # the model's own DynamicCache
     for s in range(0, context.shape[1], PREFILL_CHUNK):
         _forward(model, context[:, s : s + PREFILL_CHUNK], bf16)
@@ -176,21 +180,23 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
     total, done = len(settings.lengths) * len(settings.depths) * settings.trials, 0
     progress("needle retrieval", 0, total, rate="")
     previous = model.config._attn_implementation
+    everyone = [reference] + methods
     try:
         enable_oscar(model)  # exact attention with a DynamicCache; the runtime with an OscarCache
         with torch.inference_mode():
             for li, length in enumerate(settings.lengths):
-                for di, depth in enumerate(settings.depths):
-                    for _ in range(settings.trials):
-                        prompt = build_prompt(tok, filler, length, depth, rng)
-                        everyone = [reference] + methods
-                        for m, (cache, ids) in zip(everyone, _asked(model, prompt, everyone, settings.protocol,
-                                                                    device)):
-                            answers[m.name].append(tok.decode(_answer(model, cache, ids, settings.new_tokens)))
-                        for n in names:
-                            right[n][li][di] += answer_is_right(answers[n][-1], prompt.key)
-                        done += 1
-                        progress("needle retrieval", done, total, rate=f"{length} tokens")
+                cells = [(di, build_prompt(tok, filler, length, depth, rng)) for di, depth in
+                         enumerate(settings.depths) for _ in range(settings.trials)]  # the grid's order
+                for s in range(0, len(cells), settings.batch):
+                    batch = cells[s : s + settings.batch]
+                    prompts = [p for _, p in batch]
+                    for m, (cache, ids) in zip(everyone, _asked(model, prompts, everyone, settings.protocol, device)):
+                        answers[m.name] += tok.batch_decode(_answer(model, cache, ids, settings.new_tokens))
+                    for n in names:
+                        for (di, p), text in zip(batch, answers[n][-len(batch) :]):
+                            right[n][li][di] += answer_is_right(text, p.key)
+                    done += len(batch)
+                    progress("needle retrieval", done, total, rate=f"{length} tokens")
     finally:
         model.set_attn_implementation(previous)
     ran = DTYPE_NAMES.get(next(model.parameters()).dtype, "BF16")
@@ -214,4 +220,4 @@ def needle_report(results: list[NeedleMethod], settings: NeedleSettings, sink: i
                         seed=settings.seed, needle=NEEDLE.strip(), question=QUESTION.strip(), sink=sink, recent=recent,
                         methods=results, min_relative_accuracy=settings.min_relative_accuracy,
                         passed=not failures, failures=failures, wall_seconds=round(wall, 2),
-                        protocol=settings.protocol)
+                        protocol=settings.protocol, batch=settings.batch)

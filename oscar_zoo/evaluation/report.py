@@ -98,6 +98,7 @@ class NeedleReport(_Frozen):
     failures: list[str]
     wall_seconds: float
     protocol: NeedleProtocol = NeedleProtocol.FOLLOW_UP  # reports written before the option existed used "follow-up"
+    batch: int = 1  # prompts per batch (`--needle-batch`); reports written before the option existed ran one at a time
 
     def method(self, name: str) -> NeedleMethod:
         return next(m for m in self.methods if m.name == name)

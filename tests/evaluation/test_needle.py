@@ -77,11 +77,14 @@ def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monke
     assert oscar.answers == bf16.answers and oscar.accuracy == bf16.accuracy
 
 
-def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_file, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_file, monkeypatch, batch):
     """--needle-protocol prompt is `model.generate(prompt, past_key_values=cache)`'s path: every answer equals what
-    transformers' own generate() writes with a fresh quantizing OscarCache (random rotations, INT2 history between a
-    16-token sink and a 32-token recent window) and, for BF16, with no cache at all; and each first answer token is
-    BF16's (the prompt attends to its own exact K/V), which the follow-up protocol does not promise."""
+    transformers' own generate() writes for that prompt alone with a fresh quantizing OscarCache (random rotations,
+    INT2 history between a 16-token sink and a 32-token recent window) and, for BF16, with no cache at all; and each
+    first answer token is BF16's (the prompt attends to its own exact K/V), which the follow-up protocol does not
+    promise. With --needle-batch 3 the 4 prompts of a length run as a batch of 3 and one of 1: the same answers, in
+    the grid's order."""
     from oscar_zoo.evaluation.attention import cache_argument
     from oscar_zoo.evaluation.needle import NeedleProtocol
     from oscar_zoo.runtime.attention import enable_oscar
@@ -95,17 +98,17 @@ def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_fil
         return OscarCache(M, M, 0.9, 0.9, sink=sink, recent=recent, num_layers=L)
 
     monkeypatch.setattr(RotatedInt2, "make_cache", int2_cache)
-    settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=1, new_tokens=5,
-                              protocol=NeedleProtocol.PROMPT.value)
+    settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5,
+                              protocol=NeedleProtocol.PROMPT.value, batch=batch)
     filler = _filler(tokenizer, heldout_file)
     report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), filler, settings, baselines=())
-    assert report.protocol == "prompt"
+    assert report.protocol == "prompt" and report.batch == batch
     rng, want = random.Random(settings.seed), {"bf16": [], "oscar": []}
     previous = model.config._attn_implementation
     try:
         enable_oscar(model, compile=False)
         for length in settings.lengths:
-            for depth in settings.depths:
+            for depth in [d for d in settings.depths for _ in range(settings.trials)]:
                 p = build_prompt(tokenizer, filler, length, depth, rng)
                 ids = torch.tensor([p.context + p.question])
                 for name, cache in (("bf16", None), ("oscar", int2_cache())):
@@ -153,15 +156,15 @@ def test_cli_needle_table_json_heatmap_and_bad_options(run_cli, good_artifacts, 
     _print_needle(NeedleReport.model_validate(needle))
     assert "needle: OSCAR" in capsys.readouterr().out
     for bad in (("--needle-depths", "0.5,1.5"), ("--needle-lengths", "12"), ("--needle-trials", "0"),
-                ("--min-needle-accuracy", "2"), ("--needle-lengths", "a,b")):
+                ("--min-needle-accuracy", "2"), ("--needle-lengths", "a,b"), ("--needle-batch", "0")):
         code, out, err = run_cli(*base, *bad)
         assert code == 2, (bad, out, err)
 
 
 def test_needle_options_imply_needle_and_are_never_ignored(run_cli, good_artifacts, model_dir, heldout_file):
     """A --needle-* option without --needle runs the grid it describes (it was silently ignored); --needle-trials
-    with --needle-quick is honoured (quick's one trial is only its default); --needle-protocol is recorded, and an
-    unknown protocol is a usage error."""
+    with --needle-quick is honoured (quick's one trial is only its default); --needle-protocol and --needle-batch are
+    recorded, and an unknown protocol is a usage error."""
     base = ("verify", good_artifacts, "--model", model_dir, "--dataset", heldout_file, "--context", "192",
             "--sequences", "1", "--generate", "0", "--baselines", "none", "--max-kl", "9", "--min-top1", "0",
             "--max-ppl-increase", "99", "--min-needle-accuracy", "0", "--needle-lengths", "300", "--json")
@@ -174,6 +177,9 @@ def test_needle_options_imply_needle_and_are_never_ignored(run_cli, good_artifac
         needle = json.loads(out)["needle"]
         assert needle is not None and needle["lengths"] == [300], extra
         assert needle["trials"] == trials and needle["depths"] == depths and needle["protocol"] == protocol, extra
+    code, out, err = run_cli(*base, "--needle-batch", "2")  # implies --needle too, and is recorded
+    assert code == 0, err
+    assert json.loads(out)["needle"]["batch"] == 2
     code, out, err = run_cli(*base, "--needle-protocol", "first-turn")
     assert code == 2 and "first-turn" in err
     code, out, err = run_cli(*base[:-5], "--json")  # no needle option at all: no grid
