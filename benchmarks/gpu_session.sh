@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|profile|channel-tests|channel-bench|channel-generate|blockq]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|profile|channel-tests|channel-bench|channel-generate|blockq]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -33,6 +33,15 @@
 # blockq: the channel decode GPU tests, then the decode rows with keys per row and per channel (128-token blocks) at 2
 #   and 3 bits (the block-query prepass), again at 2 bits with q·s folded per tile (OSCAR_BLOCK_QUERY=0), and
 #   generate() at 100K batch 1 and 8 (calibrate's key bits 2.7), keys per channel then per row (OSCAR rows only)
+# tests-1: the GPU tests outside the kernel files, eight at a time (pytest-xdist), then the compiled-step tests in
+#   order (≈ 3.5 min in a fresh machine's call); tests-2: the quantize/pack and decode-kernel GPU tests, twelve at a time
+#   (≈ 4 min): the two calls together are the whole GPU suite
+# needle: no tests; `verify --needle`'s loop with the demo model's real weights (benchmarks/bench_needle.py --weights):
+#   the 1K/2K/4K grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100), BATCH (20) prompts per
+#   batch, for ARTIFACTS ("default=artifacts/demo"), starting no run after BUDGET (420) s. The weights travel in parts:
+#   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
+#   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
+#   part, .cache/needle, artifacts and .whl (pydantic's wheels)
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -41,6 +50,36 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_A
 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
 mode=${1:-quick}
+if [ -n "${WEIGHTS_PART:-}" ]; then  # kept in /tmp while this machine stays warm (see needle)
+  mkdir -p /tmp/w && cp "$WEIGHTS_PART" /tmp/w/ && ls -l /tmp/w
+fi
+if [ "$mode" = needle ]; then
+  model=.cache/needle/model
+  cat /tmp/w/part?? | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+    > "$model/model.safetensors" || exit 1
+  [ "$(sha256sum "$model/model.safetensors" | cut -c1-64)" = "$(cat "$model/sha256")" ] || { echo "weights: sha256 differs"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/bench_needle.py --model-dir "$model" --weights \
+    --texts .cache/needle/texts --lengths 1024,2048,4096 --depths 0.1,0.3,0.5,0.7,0.9 --trials "${TRIALS:-20}" \
+    --seeds ${SEEDS:-100} --batch "${BATCH:-20}" --time-budget "${BUDGET:-420}" --baselines none \
+    --artifacts ${ARTIFACTS:-default=artifacts/demo} 2>&1 | grep -v "^Loading" | tee "$OUT/needle.log"
+  exit 0
+fi
+if [ "$mode" = tests-1 ]; then
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/runtime --ignore tests/runtime/test_real_model.py \
+    --ignore tests/runtime/test_compiled_step.py --ignore tests/runtime/test_decode_kernels.py \
+    --ignore tests/runtime/test_quantize_channel_kernel.py --ignore tests/runtime/test_quantize_pack_kernel.py \
+    2>&1 | tee "$OUT/test_gpu_1.log" | tail -5
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_compiled_step.py --tb=short 2>&1 \
+    | tee "$OUT/test_gpu_compiled.log" | tail -8
+  exit 0
+fi
+if [ "$mode" = tests-2 ]; then
+  timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 tests/runtime/test_decode_kernels.py \
+    tests/runtime/test_quantize_channel_kernel.py tests/runtime/test_quantize_pack_kernel.py 2>&1 \
+    | tee "$OUT/test_gpu_2.log" | tail -5
+  exit 0
+fi
 if [ "$mode" = peers ]; then
   ls .whl/peers/*.whl >/dev/null 2>&1 && python3 -m pip install --quiet --no-deps .whl/peers/*.whl
   ( time python3 -c "import torch, optimum.quanto.library.extensions as e; print(e.get_extension('quanto_cuda').lib)" ) \

@@ -289,6 +289,11 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
             Variant("artifact codec, K per channel 128, V clip off", extra_bits_k=n3 - row / 2, k_chan=128,
                     k_bits=art["k_bits"], v_clip=0.0),
             Variant("K per channel 64, V clip off", k_chan=64, v_clip=0.0)]
+    # the default codec (keys per channel 64, 3-bit keys in the artifact's layers, values unclipped) with more on V
+    default = dict(k_chan=64, k_bits=art["k_bits"], v_clip=0.0)
+    out += [Variant("default codec, V bf16", extra_bits_k=n3, extra_bits_v=13.5, **default, v_exact=True),
+            Variant("default codec, V 3 bits everywhere", extra_bits_k=n3, extra_bits_v=1.0, **default, v_bits=3),
+            Variant("default codec, V groups of 32", extra_bits_k=n3, extra_bits_v=1 - row, **default, v_group=32)]
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):

