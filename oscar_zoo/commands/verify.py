@@ -14,7 +14,7 @@ from ..calibration.data import check_dataset_options
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError, SettingError, VerificationFailed
 from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings
-from ..evaluation.needle import DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleProtocol, NeedleSettings
+from ..evaluation.needle import DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleProtocol, NeedleSettings, check_batch
 from ..evaluation.pipeline import VerifyRequest, verify_artifacts
 from ..evaluation.registry import BASELINES, DEFAULT_BASELINES, SHORT, check_baselines
 from ..evaluation.report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
@@ -80,8 +80,9 @@ def verify_command(
              "one prompt, as model.generate(prompt, past_key_values=cache) runs it (the prompt attends to its own "
              "exact K/V).")] = None,
     needle_batch: Annotated[int | None, typer.Option(help="Prompts of one length run together as the rows of one "
-                                                          "batch (default 1). The same prompts and answers up to "
-                                                          "round-off; faster on a GPU.")] = None,
+                                                          "batch (default 1): the same prompts, the same answers "
+                                                          "up to round-off, faster. Not with the hf-hqq "
+                                                          "baselines.")] = None,
     as_exported: Annotated[bool, typer.Option("--as-exported", help="Verify the form `oscar-zoo export` deploys "
                                                                     "to the reference runtime: per-head rotations "
                                                                     "averaged per layer, means dropped, the median "
@@ -115,6 +116,8 @@ def verify_command(
 
     needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
                                        min_needle_accuracy, seed, needle_protocol, needle_batch) if needle else None
+    if needle_settings is not None:
+        check_batch(needle_settings.batch, chosen)
     settings = VerifySettings(context=context, sequences=sequences, baselines=chosen, backend=backend,
                               positions_from=score_from, generate_tokens=generate,
                               thresholds=Thresholds(max_ppl_increase=max_ppl_increase, max_kl=max_kl,
@@ -151,8 +154,6 @@ def _parse_list(option: str, value: str, kind):
 
 def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed, protocol, batch) -> NeedleSettings:
     trials = (1 if quick else 2) if trials is None else trials
-    if batch is not None and batch <= 0:
-        raise InputError(f"--needle-batch must be positive, got {batch}")
     min_accuracy = DEFAULT_MIN_NEEDLE_ACCURACY if min_accuracy is None else min_accuracy
     if trials <= 0:
         raise InputError(f"--needle-trials must be positive, got {trials}")
@@ -167,7 +168,7 @@ def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed, protoco
         raise InputError(f"--needle-depths must lie in [0, 1], got {depths}")
     return NeedleSettings(lengths=parsed_lengths, depths=parsed_depths, trials=trials, seed=seed,
                           min_relative_accuracy=min_accuracy,
-                          protocol=(protocol or NeedleProtocol.FOLLOW_UP).value, batch=batch or 1)
+                          protocol=(protocol or NeedleProtocol.FOLLOW_UP).value, batch=1 if batch is None else batch)
 
 
 def _needle_plot_path(plot: Path) -> Path:

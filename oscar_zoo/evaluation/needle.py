@@ -112,6 +112,14 @@ class NeedleSettings:
             raise InputError(f"needle batch must be positive, got {self.batch}")
 
 
+def check_batch(batch: int, baselines: tuple[str, ...]) -> None:
+    """InputError unless `batch` prompts per batch can run these baselines: HQQ's quantization groups (transformers'
+    documented defaults, axis 0) span the rows of a batch, so one prompt's answer would depend on the others'."""
+    if batch > 1 and any(b.startswith("hf-hqq") for b in baselines):
+        raise InputError("--needle-batch above 1 cannot run the hf-hqq baselines: HQQ's quantization groups span the "
+                         "rows of a batch", "leave --needle-batch at 1, or the hf-hqq baselines out")
+
+
 def _forward(model, ids: Tensor, cache) -> Tensor:
     """Last-position logits of `ids` [B, n] run after what `cache` holds."""
     return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(): cache}).logits[:, -1]
@@ -122,6 +130,7 @@ def _answer(model, cache, question: Tensor, new_tokens: int) -> list[list[int]]:
     steps; each row's generated token ids (read from the device once, at the end)."""
     logits = _forward(model, question, cache)
     out = []
+    out = [logits.argmax(-1, keepdim=True)[:, :0]]  # [B, 0]: no tokens asked, an empty answer per row
     for step in range(new_tokens):
         out.append(logits.argmax(-1, keepdim=True))  # [B, 1]
         if step + 1 < new_tokens:
@@ -171,11 +180,13 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
         if limit is not None and length + settings.new_tokens > limit:
             raise InputError(f"needle length {length} + {settings.new_tokens} answer tokens exceeds the model's "
                              f"{limit} positions", f"use --needle-lengths up to {limit - settings.new_tokens}")
+    check_batch(settings.batch, baselines)
     reference, *others = build_methods(Setup.of(manifest, rotations, model, info), baselines)
     methods = [m for m in others if m.cache_path is not None]
     names = [reference.name] + [m.name for m in methods]
     right = {n: [[0] * len(settings.depths) for _ in settings.lengths] for n in names}
     answers: dict[str, list[str]] = {n: [] for n in names}
+    keys: list[str] = []
     rng = random.Random(settings.seed)
     total, done = len(settings.lengths) * len(settings.depths) * settings.trials, 0
     progress("needle retrieval", 0, total, rate="")
@@ -190,6 +201,7 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                 for s in range(0, len(cells), settings.batch):
                     batch = cells[s : s + settings.batch]
                     prompts = [p for _, p in batch]
+                    keys += [p.key for p in prompts]
                     for m, (cache, ids) in zip(everyone, _asked(model, prompts, everyone, settings.protocol, device)):
                         answers[m.name] += tok.batch_decode(_answer(model, cache, ids, settings.new_tokens))
                     for n in names:
@@ -204,11 +216,11 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
     results = [NeedleMethod(name=n, label=labels[n][0], kind=labels[n][1],
                             accuracy=[[c / settings.trials for c in row] for row in right[n]],
                             overall=sum(map(sum, right[n])) / total, answers=answers[n]) for n in names]
-    return needle_report(results, settings, q.sink, q.recent, time.perf_counter() - t0)
+    return needle_report(results, settings, q.sink, q.recent, time.perf_counter() - t0, keys)
 
 
 def needle_report(results: list[NeedleMethod], settings: NeedleSettings, sink: int, recent: int,
-                  wall: float) -> NeedleReport:
+                  wall: float, keys: list[str]) -> NeedleReport:
     """The report, with the pass rule: the artifact's overall accuracy ≥ min_relative_accuracy × BF16's."""
     bf16 = next(r for r in results if r.kind == "reference")
     artifact = next(r for r in results if r.kind == "artifact")
@@ -220,4 +232,4 @@ def needle_report(results: list[NeedleMethod], settings: NeedleSettings, sink: i
                         seed=settings.seed, needle=NEEDLE.strip(), question=QUESTION.strip(), sink=sink, recent=recent,
                         methods=results, min_relative_accuracy=settings.min_relative_accuracy,
                         passed=not failures, failures=failures, wall_seconds=round(wall, 2),
-                        protocol=settings.protocol, batch=settings.batch)
+                        protocol=settings.protocol, batch=settings.batch, keys=keys)

@@ -99,6 +99,7 @@ class NeedleReport(_Frozen):
     wall_seconds: float
     protocol: NeedleProtocol = NeedleProtocol.FOLLOW_UP  # reports written before the option existed used "follow-up"
     batch: int = 1  # prompts per batch (`--needle-batch`); reports written before the option existed ran one at a time
+    keys: list[str] = []  # every prompt's passkey, in `answers`' order (empty in reports written before it was kept)
 
     def method(self, name: str) -> NeedleMethod:
         return next(m for m in self.methods if m.name == name)

@@ -56,10 +56,24 @@ def test_answer_check_is_exact():
     assert not answer_is_right(" the passkey is 48213", "48213")
 
 
-def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monkeypatch):
+def test_a_batch_refuses_hqq_whose_groups_span_rows():
+    from oscar_zoo.errors import InputError
+    from oscar_zoo.evaluation.needle import check_batch
+
+    check_batch(1, ("hf-hqq-int2",))
+    check_batch(4, ("naive", "hf-quanto-int2"))  # quanto's groups of 64 lie within one row
+    with pytest.raises(InputError, match="hf-hqq"):
+        check_batch(2, ("naive", "hf-hqq-int4"))
+    with pytest.raises(InputError, match="batch must be positive"):
+        NeedleSettings(lengths=(300,), batch=0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monkeypatch, batch):
     """Identity rotations and BF16 history (no quantization error): through the runtime path (second chunk over the
     tiers, decode steps) every answer equals BF16's, token for token, on a random-weight bfloat16 model (the tiers
-    hold bfloat16, so the model must too for token-for-token equality)."""
+    hold bfloat16, so the model must too for token-for-token equality) — with the default follow-up protocol's
+    context filed into each cache as rows of one batch too (4 prompts per length: a batch of 3 and one of 1)."""
     loaded = loaded_bf16
     L, D = loaded.info.num_layers, loaded.info.head_dim
     sink, recent = 16, 32
@@ -69,11 +83,11 @@ def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monke
         return OscarCache(eye, eye, quantize=False, sink=sink, recent=recent, num_layers=L)
 
     monkeypatch.setattr(RotatedInt2, "make_cache", exact_cache)
-    settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5)
+    settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5, batch=batch)
     report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), _filler(tokenizer, heldout_file),
                         settings, baselines=())
     bf16, oscar = report.method("bf16"), report.method("oscar")
-    assert len(bf16.answers) == 8 and len(set(bf16.answers)) > 1
+    assert len(bf16.answers) == 8 and len(set(bf16.answers[:4])) > 1 and len(set(bf16.answers[4:])) > 1
     assert oscar.answers == bf16.answers and oscar.accuracy == bf16.accuracy
 
 
@@ -103,13 +117,14 @@ def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_fil
     filler = _filler(tokenizer, heldout_file)
     report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), filler, settings, baselines=())
     assert report.protocol == "prompt" and report.batch == batch
-    rng, want = random.Random(settings.seed), {"bf16": [], "oscar": []}
+    rng, want, keys = random.Random(settings.seed), {"bf16": [], "oscar": []}, []
     previous = model.config._attn_implementation
     try:
         enable_oscar(model, compile=False)
         for length in settings.lengths:
             for depth in [d for d in settings.depths for _ in range(settings.trials)]:
                 p = build_prompt(tokenizer, filler, length, depth, rng)
+                keys.append(p.key)
                 ids = torch.tensor([p.context + p.question])
                 for name, cache in (("bf16", None), ("oscar", int2_cache())):
                     kw = {} if cache is None else {cache_argument(): cache}
@@ -119,16 +134,20 @@ def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_fil
     finally:
         model.set_attn_implementation(previous)
     bf16, oscar = report.method("bf16"), report.method("oscar")
+    assert report.keys == keys  # every prompt's passkey, in the answers' order
+    assert all(len({tuple(t) for t in want[n][i : i + 4]}) > 1 for n in want for i in (0, 4))  # rows tell apart
     assert bf16.answers == [tokenizer.decode(t) for t in want["bf16"]]
     assert oscar.answers == [tokenizer.decode(t) for t in want["oscar"]]
     assert [t[0] for t in want["oscar"]] == [t[0] for t in want["bf16"]]
 
 
-def test_real_smollm2_retrieves_and_a_broken_artifact_fails(smollm2, heldout_file):
-    """SmolLM2-135M at 1,024 tokens, needle at depths 0.3 and 0.7 (inside the INT2 history): BF16 answers both; an
-    artifact whose clips flatten every key and value (r = 0.05) answers none, and fails the gate."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_real_smollm2_retrieves_and_a_broken_artifact_fails(smollm2, heldout_file, batch):
+    """SmolLM2-135M at 1,024 tokens, needle at depths 0.3 and 0.7 (inside the INT2 history): BF16 answers both — also
+    as one batch of two, so each answer is scored against its own prompt's passkey; an artifact whose clips flatten
+    every key and value (r = 0.05) answers none, and fails the gate."""
     L, D = smollm2.info.num_layers, smollm2.info.head_dim
-    settings = NeedleSettings(lengths=(1024,), depths=(0.3, 0.7), trials=1)
+    settings = NeedleSettings(lengths=(1024,), depths=(0.3, 0.7), trials=1, batch=batch)
     broken = _rotations(L, D, clip=0.05)
     report = run_needle(smollm2, _manifest(64, 256), broken, _filler(smollm2.tokenizer, heldout_file), settings,
                         baselines=())
