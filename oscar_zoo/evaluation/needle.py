@@ -129,7 +129,6 @@ def _answer(model, cache, question: Tensor, new_tokens: int) -> list[list[int]]:
     """`question` [B, n] (the question, or the whole prompt) as one chunk after what `cache` holds, then greedy decode
     steps; each row's generated token ids (read from the device once, at the end)."""
     logits = _forward(model, question, cache)
-    out = []
     out = [logits.argmax(-1, keepdim=True)[:, :0]]  # [B, 0]: no tokens asked, an empty answer per row
     for step in range(new_tokens):
         out.append(logits.argmax(-1, keepdim=True))  # [B, 1]
