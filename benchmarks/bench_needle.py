@@ -31,6 +31,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from needle_mechanism import wilson
 from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration.data import EVALUATION_PLAYS
 from oscar_zoo.evaluation.needle import (
@@ -42,17 +43,6 @@ from oscar_zoo.evaluation.needle import (
     run_needle,
 )
 from oscar_zoo.models import arch_info
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson score interval of k successes in n."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def summarize(runs: list[dict], lengths: list[int]) -> list[str]:
