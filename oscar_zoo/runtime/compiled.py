@@ -95,10 +95,11 @@ def _(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float 
     return query.new_empty(B, n, H_q, D)
 
 
-# model types whose compiled step the H200 runs checked against the eager step (tests/runtime/test_compiled_step.py);
-# Gemma2 (logit softcap: the decode reads the tiers densely) gave wrong logits compiled and replays its eager layers;
-# Qwen3-MoE's step is never captured (graph.UNCAPTURED_TYPES)
-COMPILED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
+# model types whose compiled step is checked against the eager step (tests/runtime/test_compiled_step.py; Qwen3-MoE
+# with its experts as graph.STATIC_EXPERTS, which dynamo traces whole). Gemma2 replays its eager layers: compiled, it
+# gave wrong logits on the H200 before the graph-break fix (RESULTS.md "The batch > 1 fault found") and has not run
+# there since; on CPU its compiled layers match the eager step (5e-7 of the largest logit, measured)
+COMPILED_TYPES = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

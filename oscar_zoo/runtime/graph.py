@@ -26,9 +26,12 @@ from .compiled import CompiledLayers
 
 _STATIC_INPUTS = ("input_ids", "position_ids", "cache_position")  # tensors copied into the graph's inputs per step
 _EAGER_FLAGS = ("output_attentions", "output_hidden_states")  # outputs a replay does not give back
-# model types whose decode step a CUDA graph cannot hold: Qwen3-MoE's expert routing copies between host and device
-# (measured on an H200: the capture fails); their steps run eagerly
-UNCAPTURED_TYPES = frozenset({"qwen3_moe"})
+# model types with routed experts. transformers' default experts read the routing on the host (Qwen3-MoE's "eager"
+# experts loop over `nonzero()`: on an H200 the capture failed; "grouped_mm" in float32 loops over `offsets.tolist()`),
+# so a static step runs them as "batched_mm": each token's routed experts' weights gathered by index on the device, the
+# same shapes every step — what a CUDA graph holds and dynamo traces whole. Prefill keeps the model's own experts.
+ROUTED_TYPES = frozenset({"qwen3_moe"})
+STATIC_EXPERTS = "batched_mm"
 
 
 class DecodeGraphs:
@@ -75,13 +78,18 @@ class DecodeGraphs:
         self.replays += 1
         return step.output(cache)
 
+    @contextlib.contextmanager
     def _layers(self, cache, kwargs: dict):
         """The decoder layers a static step runs: compiled (the OSCAR work as a custom op) for the model types of
-        `compiled.COMPILED_TYPES` (up to `CompiledLayers.MAX_SHAPES` batch shapes), else eager."""
+        `compiled.COMPILED_TYPES` (up to `CompiledLayers.MAX_SHAPES` batch shapes), else eager; routed experts as
+        STATIC_EXPERTS."""
         layers = self.compiled
-        if layers is None or not layers.usable() or not layers.admit(tuple(kwargs["input_ids"].shape)):
-            return contextlib.nullcontext()
-        return layers.step(cache)
+        with static_experts(self.model):
+            if layers is None or not layers.usable() or not layers.admit(tuple(kwargs["input_ids"].shape)):
+                yield
+            else:
+                with layers.step(cache):
+                    yield
 
     def reset(self) -> None:
         """Drop every captured graph and its memory pool (the next static step warms up and captures again)."""
@@ -92,8 +100,6 @@ class DecodeGraphs:
 
     def _step_kind(self, kwargs: dict) -> tuple | None:
         """(input shape, the non-tensor arguments) when the call is one token per sequence on a GPU, else None."""
-        if getattr(self.model.config, "model_type", None) in UNCAPTURED_TYPES:
-            return None
         ids = kwargs.get("input_ids")
         if not (isinstance(ids, Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1):
             return None
@@ -119,6 +125,20 @@ class DecodeGraphs:
         step.graph = graph
         self.captures += 1
         return step
+
+
+@contextlib.contextmanager
+def static_experts(model: torch.nn.Module):
+    """Run `model`'s routed experts (ROUTED_TYPES) as STATIC_EXPERTS inside the block; restores the model's own."""
+    if getattr(model.config, "model_type", None) not in ROUTED_TYPES:
+        yield
+        return
+    own = model.get_experts_implementation()
+    model.set_experts_implementation(STATIC_EXPERTS)
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(own)
 
 
 class _Step:
