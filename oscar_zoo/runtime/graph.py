@@ -27,9 +27,11 @@ from .compiled import CompiledLayers
 _STATIC_INPUTS = ("input_ids", "position_ids", "cache_position")  # tensors copied into the graph's inputs per step
 _EAGER_FLAGS = ("output_attentions", "output_hidden_states")  # outputs a replay does not give back
 # model types with routed experts. transformers' default experts read the routing on the host (Qwen3-MoE's "eager"
-# experts loop over `nonzero()`: on an H200 the capture failed; "grouped_mm" in float32 loops over `offsets.tolist()`),
-# so a static step runs them as "batched_mm": each token's routed experts' weights gathered by index on the device, the
-# same shapes every step — what a CUDA graph holds and dynamo traces whole. Prefill keeps the model's own experts.
+# experts loop over `nonzero()`: on an H200 the capture failed; "grouped_mm" falls back to a loop over
+# `offsets.tolist()` where its kernel does not apply, e.g. compiled in float32), so a static step runs them as
+# "batched_mm": each token's routed experts' weights gathered by index on the device, the same shapes every step —
+# what a CUDA graph holds and dynamo traces whole. Prefill keeps the model's own experts. A transformers without
+# experts implementations (4.x) leaves these models' steps eager.
 ROUTED_TYPES = frozenset({"qwen3_moe"})
 STATIC_EXPERTS = "batched_mm"
 
@@ -100,6 +102,9 @@ class DecodeGraphs:
 
     def _step_kind(self, kwargs: dict) -> tuple | None:
         """(input shape, the non-tensor arguments) when the call is one token per sequence on a GPU, else None."""
+        if getattr(self.model.config, "model_type", None) in ROUTED_TYPES and not hasattr(
+                self.model, "set_experts_implementation"):
+            return None
         ids = kwargs.get("input_ids")
         if not (isinstance(ids, Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1):
             return None
