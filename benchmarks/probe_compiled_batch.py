@@ -5,6 +5,9 @@ TORCH_LOGS=graph_breaks,recompiles to see dynamo's breaks (how the batch > 1 fau
 fault found").
 
     PYTHONPATH=. python3 benchmarks/probe_compiled_batch.py [--archs qwen3] [--batches 1 3 8] [--layers 12]
+
+Any architecture of tests/runtime/test_compiled_step.py runs (2 layers, SmolLM2's attention shape); `--force-compile`
+compiles one that `compiled.COMPILED_TYPES` leaves on eager layers (Gemma2), to check it before admitting it.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ import argparse
 
 import torch
 
-from oscar_zoo.runtime import ops
+from oscar_zoo.runtime import compiled, ops
 from oscar_zoo.runtime.attention import enable_oscar
+from oscar_zoo.runtime.graph import static_experts
+from tests.runtime.test_compiled_step import ARCH_TYPES, _arch
 from tests.runtime.test_static_step import _cache, _llama, _qwen3
 
 
 def _model(arch: str, device: str, layers: int | None) -> torch.nn.Module:
+    if arch not in ("qwen3", "llama"):
+        return enable_oscar(_arch(arch, device))
     model = _qwen3(device) if arch == "qwen3" else _llama(device=device)
     if layers is not None:  # the same shapes, more layers (a fresh random model)
         cfg = model.config.to_dict()
@@ -42,7 +49,7 @@ def _run(model, B: int, mode: str) -> torch.Tensor:
         if mode == "graph":
             out.append(model._oscar_graphs(**kw).logits[:, -1])
         elif mode == "compiled":
-            with model._oscar_graphs.compiled.step(cache):
+            with static_experts(model), model._oscar_graphs.compiled.step(cache):
                 out.append(model(**kw).logits[:, -1])
         else:
             out.append(model(**kw).logits[:, -1])
@@ -51,12 +58,16 @@ def _run(model, B: int, mode: str) -> torch.Tensor:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", nargs="+", default=["qwen3", "llama"], choices=["qwen3", "llama"])
+    p.add_argument("--archs", nargs="+", default=["qwen3", "llama"], choices=ARCH_TYPES,
+                   help="qwen3 / llama: the tests' Qwen3-8B and SmolLM2 shapes (--layers applies); others: _arch's")
+    p.add_argument("--force-compile", action="store_true", help="compile --archs even outside COMPILED_TYPES")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 3, 8])
     p.add_argument("--device", default="cuda")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the test models' 4 / 2)")
     p.add_argument("--pdl", nargs="+", type=int, default=[1, 0], choices=[0, 1])
     args = p.parse_args()
+    if args.force_compile:
+        compiled.COMPILED_TYPES = compiled.COMPILED_TYPES | set(args.archs)
     rows = []
     for arch in args.archs:
         model = _model(arch, args.device, args.layers)
