@@ -34,8 +34,8 @@
 #   and 3 bits (the block-query prepass), again at 2 bits with q·s folded per tile (OSCAR_BLOCK_QUERY=0), and
 #   generate() at 100K batch 1 and 8 (calibrate's key bits 2.7), keys per channel then per row (OSCAR rows only)
 # tests-1: the GPU tests outside the kernel files, eight at a time (pytest-xdist), then the compiled-step tests in
-#   order (≈ 3.5 min in a fresh machine's call), then the Gemma2 compiled-layers probe; tests-2: the quantize/pack and decode-kernel GPU tests, twelve at a time
-#   (≈ 4 min): the two calls together are the whole GPU suite
+#   order (≈ 3.5 min in a fresh machine's call), then the Gemma2 compiled-layers probe; tests-2: the quantize/pack
+#   and decode-kernel GPU tests, twelve at a time (≈ 4 min): the two calls together are the whole GPU suite
 # needle: no tests; `verify --needle`'s loop with the demo model's real weights (benchmarks/bench_needle.py --weights):
 #   the 1K/2K/4K grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100), BATCH (20) prompts per
 #   batch, for ARTIFACTS ("default=artifacts/demo"), starting no run after BUDGET (420) s. The weights travel in parts:
