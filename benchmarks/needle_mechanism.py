@@ -295,7 +295,8 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
     out += [Variant("default codec, V bf16", extra_bits_k=n3, extra_bits_v=13.5, **default, v_exact=True),
             Variant("default codec, V 3 bits everywhere", extra_bits_k=n3, extra_bits_v=1.0, **default, v_bits=3),
             Variant("default codec, V groups of 32", extra_bits_k=n3, extra_bits_v=1 - row, **default, v_group=32),
-            Variant("default codec, K bf16", extra_bits_k=13.5, **default, k_exact=True)]
+            Variant("default codec, K bf16", extra_bits_k=13.5, v_clip=0.0, k_exact=True),  # (k_chan would code K)
+            Variant("default codec, K 3 bits everywhere", extra_bits_k=1.0, **(default | {"k_bits": 3}))]
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):
@@ -370,6 +371,8 @@ def main() -> None:
                     index += 1
                     if chosen is not None and index not in chosen:
                         continue
+                    if chosen is not None:
+                        print(f"prompt {index}: length {L}, depth {depth}, key {pr.key}", flush=True)
                     tail = tok(QUESTION + " " + pr.key + ".", add_special_tokens=False).input_ids
                     if tail[: len(pr.question)] != pr.question:
                         raise SystemExit("question tokens change when the answer follows")
