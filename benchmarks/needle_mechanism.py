@@ -296,7 +296,13 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
             Variant("default codec, V 3 bits everywhere", extra_bits_k=n3, extra_bits_v=1.0, **default, v_bits=3),
             Variant("default codec, V groups of 32", extra_bits_k=n3, extra_bits_v=1 - row, **default, v_group=32),
             Variant("default codec, K bf16", extra_bits_k=13.5, v_clip=0.0, k_exact=True),  # (k_chan would code K)
-            Variant("default codec, K 3 bits everywhere", extra_bits_k=1.0, **(default | {"k_bits": 3}))]
+            Variant("default codec, K 3 bits everywhere", extra_bits_k=1.0, **(default | {"k_bits": 3})),
+            Variant("default codec, K 4 bits everywhere", extra_bits_k=2.0, **(default | {"k_bits": 4})),
+            Variant("default codec, K 4 bits in its 3-bit layers", extra_bits_k=2 * n3,
+                    **(default | {"k_bits": {i: 4 for i in three}})),
+            Variant("default codec, K blocks of 32", extra_bits_k=n3 + 1 - row, **(default | {"k_chan": 32})),
+            Variant("default codec, K 3 bits everywhere, blocks of 32", extra_bits_k=2 - row,
+                    **(default | {"k_chan": 32, "k_bits": 3}))]
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):
