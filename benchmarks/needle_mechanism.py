@@ -99,9 +99,13 @@ def per_channel(x: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
     block: KIVI's key layout), `reference.fake_quant` unclipped at `bits`; the last partial block per row."""
     H, T, D = x.shape
     n = T // tokens * tokens
+
+    def code(t):  # the runtime's widths through its reference, others (4 bits) through `uniform`
+        return ref.fake_quant(t, 0.0, 0, bits) if bits in layout.KEY_BITS else uniform(t.float(), bits)
+
     body = x[:, :n].reshape(H, n // tokens, tokens, D).transpose(2, 3).contiguous()  # [H, blocks, D, tokens]
-    body = ref.fake_quant(body, 0.0, 0, bits).transpose(2, 3).reshape(H, n, D)
-    return torch.cat([body, ref.fake_quant(x[:, n:], 0.0, 0, bits)], 1) if n < T else body
+    body = code(body).transpose(2, 3).reshape(H, n, D)
+    return torch.cat([body, code(x[:, n:])], 1) if n < T else body
 
 
 def int2(x: torch.Tensor, clip, group: int = 0) -> torch.Tensor:
