@@ -108,6 +108,47 @@ def per_channel(x: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
     return torch.cat([body, code(x[:, n:])], 1) if n < T else body
 
 
+def waterfill(w: torch.Tensor, mean_bits: float, max_bits: int = 8) -> torch.Tensor:
+    """Integer bits per channel [H, D] minimising Σ_c w_c·4^(−b_c) (each channel's error at b_c bits, weighted) with
+    round(mean_bits·D) bits per head: greedily one bit at a time to the channel whose error it lowers most."""
+    H, D = w.shape
+    bits = torch.zeros(H, D, dtype=torch.long)
+    err = w.double().cpu().clone()
+    for _ in range(round(mean_bits * D)):
+        c = err.argmax(-1)  # [H]
+        rows = torch.arange(H)
+        bits[rows, c] += 1
+        err[rows, c] = torch.where(bits[rows, c] >= max_bits, -1.0, err[rows, c] / 4)
+    return bits
+
+
+def eigen_keys(k: torch.Tensor, layer: int, rot, mean_bits: float, tokens: int) -> torch.Tensor:
+    """k [H, T, D] coded in the eigenbasis U of the keys' rotation (M = U·H·P without the Hadamard mixing), per channel
+    over blocks of `tokens`, with bits per channel water-filled by the query energy there times the keys' variance
+    (C_Q's eigenvalue × this history's variance: an oracle-ish stand-in for what calibration would measure); 0-bit
+    channels keep only their block means. Returns the reconstruction in the model's basis."""
+    H, T, D = k.shape
+    U = eigenbasis(rot.k_rotation[layer]).float()
+    lam = rot.k_eigenvalues[layer].float()
+    U, lam = U.expand(H, -1, -1), lam.expand(H, -1).clamp(min=0)
+    y = torch.einsum("htd,hde->hte", k.float(), U)
+    bits = waterfill(lam * y.var(1), mean_bits).to(k.device)
+    n = T // tokens * tokens
+    blocks = y[:, :n].reshape(H, n // tokens, tokens, D)
+    out = blocks.clone()
+    for b in bits.unique().tolist():
+        sel = bits == b  # [H, D]
+        for h in range(H):
+            cols = sel[h].nonzero()[:, 0]
+            if len(cols) == 0:
+                continue
+            x = blocks[h][..., cols].transpose(1, 2)  # [blocks, cols, tokens]
+            q = x.mean(-1, keepdim=True).half().float().expand_as(x) if b == 0 else uniform(x, b)
+            out[h][..., cols] = q.transpose(1, 2)
+    yq = torch.cat([out.reshape(H, n, D), y[:, n:]], 1)  # (the last partial block waits exact, as in the runtime)
+    return torch.einsum("hte,hde->htd", yq, U)
+
+
 def int2(x: torch.Tensor, clip, group: int = 0) -> torch.Tensor:
     return ref.fake_quant(x, clip, group)
 
@@ -160,6 +201,8 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
         kq = uniform(ref.clip_rows(kr, kc), kb)
     if o.get("k_chan"):  # per channel over token blocks (unclipped), at the layer's key bits
         kq = per_channel(kr, kb or 2, o["k_chan"])
+    if o.get("k_eig"):  # keys in C_Q's eigenbasis, water-filled bits per channel (eigen_keys)
+        kq = torch.einsum("htd,hde->hte", eigen_keys(k, layer, rot, o["k_eig"], o.get("k_eig_block", 64)), Mk)
     vb = o.get("v_bits")
     if isinstance(vb, dict):  # per-layer value bits
         vb = vb.get(layer)
@@ -307,6 +350,9 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
             Variant("default codec, K blocks of 32", extra_bits_k=n3 + 1 - row, **(default | {"k_chan": 32})),
             Variant("default codec, K 3 bits everywhere, blocks of 32", extra_bits_k=2 - row,
                     **(default | {"k_chan": 32, "k_bits": 3}))]
+    # keys in the eigenbasis with water-filled bits per channel, at the default codec's mean key bits and fewer
+    out += [Variant(f"K eigenbasis, water-filled {b} bits, V default", extra_bits_k=b - 2, k_eig=b, v_clip=0.0)
+            for b in (2.7, 2.0)]
     # observed tokens: a BF16 copy (16 bits) and a 32-bit position per kept token and head, beside the INT2 codes
     tok = 16 + 32 / D
     for frac in (0.01, 0.02):
