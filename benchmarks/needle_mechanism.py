@@ -83,25 +83,31 @@ AttentionInterface.register("needle_debiased", debiased_attention)
 # ------------------------------------------------------------------------------------------- codecs on rows [T, D]
 
 
-def uniform(x: torch.Tensor, bits: int, lo=None, hi=None) -> torch.Tensor:
-    """Asymmetric min-max with 2^bits levels per row (float16 scale/zero as the codec stores them)."""
+def uniform(x: torch.Tensor, bits: int, lo=None, hi=None, meta8: bool = False) -> torch.Tensor:
+    """Asymmetric min-max with 2^bits levels per row (float16 scale/zero as the codec stores them; `meta8`: 8-bit
+    metadata instead, the scale as float8 e4m3 and the zero point an int8 number of steps)."""
     levels = 2**bits - 1
     lo = x.amin(-1, keepdim=True) if lo is None else lo
     hi = x.amax(-1, keepdim=True) if hi is None else hi
     scale = ((hi - lo).clamp(min=1e-8) / levels).half().float()
     zero = (-lo / scale).half().float()
+    if meta8:
+        scale = scale.to(torch.float8_e4m3fn).float().clamp(min=2**-9)
+        zero = torch.round(-lo / scale).clamp(-128, 127)
     q = torch.floor(x / scale + zero + 0.5).clamp(0, levels)
     return (q - zero) * scale
 
 
-def per_channel(x: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
+def per_channel(x: torch.Tensor, bits: int, tokens: int, meta8: bool = False) -> torch.Tensor:
     """x [H, T, D] coded per channel over blocks of `tokens` consecutive tokens (a scale/zero pair per channel and
     block: KIVI's key layout), `reference.fake_quant` unclipped at `bits`; the last partial block per row."""
     H, T, D = x.shape
     n = T // tokens * tokens
 
     def code(t):  # the runtime's widths through its reference, others (4 bits) through `uniform`
-        return ref.fake_quant(t, 0.0, 0, bits) if bits in layout.KEY_BITS else uniform(t.float(), bits)
+        if meta8 or bits not in layout.KEY_BITS:
+            return uniform(t.float(), bits, meta8=meta8)
+        return ref.fake_quant(t, 0.0, 0, bits)
 
     body = x[:, :n].reshape(H, n // tokens, tokens, D).transpose(2, 3).contiguous()  # [H, blocks, D, tokens]
     body = code(body).transpose(2, 3).reshape(H, n, D)
@@ -200,7 +206,7 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
     if kb:  # uniform k_bits per row after the clip
         kq = uniform(ref.clip_rows(kr, kc), kb)
     if o.get("k_chan"):  # per channel over token blocks (unclipped), at the layer's key bits
-        kq = per_channel(kr, kb or 2, o["k_chan"])
+        kq = per_channel(kr, kb or 2, o["k_chan"], o.get("meta8", False))
     if o.get("k_eig"):  # keys in C_Q's eigenbasis, water-filled bits per channel (eigen_keys)
         kq = torch.einsum("htd,hde->hte", eigen_keys(k, layer, rot, o["k_eig"], o.get("k_eig_block", 64)), Mk)
     vb = o.get("v_bits")
@@ -208,6 +214,8 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
         vb = vb.get(layer)
     if vb:  # uniform v_bits per row after the clip
         vq = uniform(ref.clip_rows(vr, vc), vb)
+    if o.get("meta8") and not (o.get("v_exact") or vb):  # values per token, unclipped, 8-bit metadata
+        vq = uniform(vr, 2, meta8=True)
     if o.get("v_chan"):  # values per channel over token blocks too
         vq = per_channel(vr, vb or 2, o["v_chan"])
     if o.get("k_channel_eq"):  # static per-channel scale (the rows' RMS per channel), then per-row INT2
@@ -350,6 +358,10 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
             Variant("default codec, K blocks of 32", extra_bits_k=n3 + 1 - row, **(default | {"k_chan": 32})),
             Variant("default codec, K 3 bits everywhere, blocks of 32", extra_bits_k=2 - row,
                     **(default | {"k_chan": 32, "k_bits": 3}))]
+    # 3-bit keys over 32-token blocks with 8-bit scale/zero for keys and values: the bits of 32-token blocks at 16-bit
+    # metadata less the half that 8 bits save (K 3 + 0.5, V 2 + 0.25: 2.875 in the history)
+    out += [Variant("K 3 bits everywhere, blocks of 32, 8-bit metadata", extra_bits_k=1.0, extra_bits_v=-row / 2,
+                    k_chan=32, k_bits=3, v_clip=0.0, meta8=True)]
     # keys in the eigenbasis with water-filled bits per channel, at the default codec's mean key bits and fewer
     out += [Variant(f"K eigenbasis, water-filled {b} bits, V default", extra_bits_k=b - 2, k_eig=b, v_clip=0.0)
             for b in (2.7, 2.0)]
