@@ -208,7 +208,7 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
     if o.get("k_chan"):  # per channel over token blocks (unclipped), at the layer's key bits
         kq = per_channel(kr, kb or 2, o["k_chan"], o.get("meta8", False))
     if o.get("k_eig"):  # keys in C_Q's eigenbasis, water-filled bits per channel (eigen_keys)
-        kq = torch.einsum("htd,hde->hte", eigen_keys(k, layer, rot, o["k_eig"], o.get("k_eig_block", 64)), Mk)
+        kq = torch.einsum("htd,hde->hte", eigen_keys(k, layer, rot, o["k_eig"], 64), Mk)
     vb = o.get("v_bits")
     if isinstance(vb, dict):  # per-layer value bits
         vb = vb.get(layer)
