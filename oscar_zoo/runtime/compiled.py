@@ -96,9 +96,8 @@ def _(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float 
 
 
 # model types whose compiled step is checked against the eager step (tests/runtime/test_compiled_step.py; Qwen3-MoE
-# with its experts as graph.STATIC_EXPERTS, which dynamo traces whole). Gemma2 replays its eager layers: compiled, it
-# gave wrong logits on the H200 before the graph-break fix (RESULTS.md "The batch > 1 fault found") and has not run
-# there since; on CPU its compiled layers match the eager step (5e-7 of the largest logit, measured)
+# with its experts as graph.STATIC_EXPERTS, which dynamo traces whole). Gemma2 is not among them: a logit softcap keeps
+# its decode steps eager and uncaptured (graph.py), so its layers are never compiled
 COMPILED_TYPES = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
 
 

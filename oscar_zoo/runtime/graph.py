@@ -11,7 +11,9 @@ and every later one is a replay. A history reallocation
 
 `install(model)` routes transformers' `generate()` through this: OscarCache is a compileable cache, so on a GPU
 generate() asks `model.get_compiled_call()` for its decode forward, and gets a `DecodeGraphs` (other caches get the
-model's own compiled call). Prefill, CPU runs and steps that are not static stay eager, through the same code.
+model's own compiled call). Prefill, CPU runs and steps that are not static stay eager, through the same code, and so
+does every step of a model with an attention logit softcap (Gemma2: its decode reads the tiers densely, with the
+lengths the host knows).
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class DecodeGraphs:
         if getattr(self.model.config, "model_type", None) in ROUTED_TYPES and not hasattr(
                 self.model, "set_experts_implementation"):
             return None
+        if getattr(self.model.config, "attn_logit_softcapping", None) is not None:
+            return None  # a logit softcap (Gemma2): its decode reads the tiers densely at the host's lengths, which a
+            # captured step would freeze (attention.py), so these steps stay eager
         ids = kwargs.get("input_ids")
         if not (isinstance(ids, Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1):
             return None

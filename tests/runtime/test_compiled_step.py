@@ -24,6 +24,7 @@ ARCH_TYPES = ("gemma", "gemma2", "llama", "mistral", "qwen2", "qwen3", "qwen3_mo
 # machine has no pydantic, which models.py imports: the list is checked on CPU below)
 ARCH_EXTRA = {"gemma2": {"final_logit_softcapping": None}, "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2,
                                                                       "moe_intermediate_size": 96}}
+SOFTCAP_TYPES = ("gemma2",)  # an attention logit softcap: decode steps stay eager, never captured (graph.py)
 
 
 @pytest.fixture(autouse=True)
@@ -286,6 +287,10 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
             for t in range(330, 390):
                 out.append(forward(input_ids=ids[:, t : t + 1], use_cache=True, **{cache_kw: cache}).logits[:, -1])
         runs.append(torch.stack(out, 1).float())
+    if model_type in SOFTCAP_TYPES:  # no step captured (graph.py): each one runs the eager step, bit for bit
+        assert model._oscar_graphs.replays == 0
+        assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
+        return
     assert model._oscar_graphs.replays >= 50
     # no graph break: with one (torch 2.11 could not trace `bool(list)` in `compiled.stepping`) each layer's attention
     # compiled as a frame of its own, per layer index, and past dynamo's recompile limit (8) ran eagerly
@@ -293,5 +298,5 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
     tol = 1e-2 if dtype == torch.float32 else 5e-2
     for run in runs[1:]:
         assert (run - runs[0]).abs().max() <= tol * runs[0].abs().max()
-    if model_type not in compiled.COMPILED_TYPES:  # eager layers replayed (Gemma2)
+    if model_type not in compiled.COMPILED_TYPES:  # eager layers replayed
         assert torch.equal(runs[2], runs[1])
