@@ -80,6 +80,7 @@ def main():
     ap.add_argument("--trials", type=int, help="prompts per (length, depth) (default: verify's)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="one grid per seed and artifact")
     ap.add_argument("--batch", type=int, default=1, help="prompts of one length per batch (verify --needle-batch)")
+    ap.add_argument("--protocol", default="follow-up", help="verify --needle-protocol: follow-up or prompt")
     ap.add_argument("--time-budget", type=float, default=math.inf, help="start no further run after this many s")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,7 +95,8 @@ def main():
     texts = [(Path(args.texts) / f"{play}_gut.txt").read_text(encoding="utf-8") for play in EVALUATION_PLAYS]
     filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids  # as verify's (evaluation/pipeline.py _filler)
     settings = NeedleSettings(lengths=(), depths=QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS,  # as verify's
-                              trials=1 if args.quick else 2, min_relative_accuracy=0.0, batch=args.batch)
+                              trials=1 if args.quick else 2, min_relative_accuracy=0.0, batch=args.batch,
+                              protocol=args.protocol)
     settings.lengths = default_lengths(config.max_position_embeddings - settings.new_tokens, args.quick)
     if args.lengths:
         settings.lengths = tuple(int(x) for x in args.lengths.split(","))

@@ -37,7 +37,7 @@
 #   order (≈ 3.5 min in a fresh machine's call), then the Gemma2 compiled-layers probe; tests-2: the quantize/pack
 #   and decode-kernel GPU tests, twelve at a time (≈ 4 min): the two calls together are the whole GPU suite
 # needle: no tests; `verify --needle`'s loop with the demo model's real weights (benchmarks/bench_needle.py --weights):
-#   the 1K/2K/4K grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100), BATCH (20) prompts per
+#   the LENGTHS (1024,2048,4096) grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100), BATCH (20) prompts per
 #   batch, for ARTIFACTS ("default=artifacts/demo"), starting no run after BUDGET (420) s. The weights travel in parts:
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
@@ -60,7 +60,7 @@ if [ "$mode" = needle ]; then
   [ "$(sha256sum "$model/model.safetensors" | cut -c1-64)" = "$(cat "$model/sha256")" ] || { echo "weights: sha256 differs"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/bench_needle.py --model-dir "$model" --weights \
-    --texts .cache/needle/texts --lengths 1024,2048,4096 --depths 0.1,0.3,0.5,0.7,0.9 --trials "${TRIALS:-20}" \
+    --texts .cache/needle/texts --lengths "${LENGTHS:-1024,2048,4096}" --depths 0.1,0.3,0.5,0.7,0.9 --trials "${TRIALS:-20}" \
     --seeds ${SEEDS:-100} --batch "${BATCH:-20}" --time-budget "${BUDGET:-420}" --baselines none \
     --artifacts ${ARTIFACTS:-default=artifacts/demo} 2>&1 | grep -v "^Loading" | tee "$OUT/needle.log"
   if [ -n "${MECH:-}" ]; then  # then the harness on the GPU: MECH="--lengths 4096 --trials 8 --seed 100 --only …"
