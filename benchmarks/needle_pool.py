@@ -1,7 +1,8 @@
-"""Pool `verify --needle --json` reports: per method and length, BF16's and the method's accuracy over every prompt of
-the given reports, the paired difference with a 95 % interval (Newcombe's method 10, from Wilson intervals), and the
-prompts only BF16 / only the method answers with a two-sided sign test on them. `--against NAME=REPORT` pairs the
-artifact of each report with another report's artifact on the same prompts (same seed and grid: the keys must match).
+"""Pool `verify --needle --json` reports (or benchmarks/bench_needle.py's per-run JSON): per method and length, BF16's
+and the method's accuracy over every prompt of the given reports, the paired difference with a 95 % interval
+(Newcombe's method 10, from Wilson intervals), and the prompts only BF16 / only the method answers with a two-sided sign
+test on them. `--against NAME=REPORT` pairs the artifact of each report with another report's artifact on the same
+prompts (same seed and grid: the keys must match).
 
     PYTHONPATH=. python benchmarks/needle_pool.py seed200.json seed201.json seed202.json
     PYTHONPATH=. python benchmarks/needle_pool.py default201.json --against b32k3=b32k3_201.json
@@ -40,8 +41,12 @@ def sign_test(a: int, b: int) -> float:
 
 
 def outcomes(path: str) -> tuple[list[int], list[str], dict[str, list[bool]]]:
-    """(each prompt's length, its passkey, per method whether it answered) of one report, in its prompts' order."""
-    needle = json.load(open(path))["needle"]
+    """(each prompt's length, its passkey, per method whether it answered) of one report, in its prompts' order: a
+    `verify --json` report, or a run of benchmarks/bench_needle.py (its `prompts` and `right`)."""
+    report = json.load(open(path))
+    if "needle" not in report:
+        return [n for n, _ in report["prompts"]], [k for _, k in report["prompts"]], report["right"]
+    needle = report["needle"]
     keys = needle["keys"]
     if not keys:
         raise SystemExit(f"{path}: a report without its prompts' keys (written before `needle.keys` existed)")
