@@ -34,11 +34,11 @@
 #   and 3 bits (the block-query prepass), again at 2 bits with q·s folded per tile (OSCAR_BLOCK_QUERY=0), and
 #   generate() at 100K batch 1 and 8 (calibrate's key bits 2.7), keys per channel then per row (OSCAR rows only)
 # tests-1: the GPU tests outside the kernel files, eight at a time (pytest-xdist), then the compiled-step tests in
-#   order (≈ 3.5 min in a fresh machine's call), then the Gemma2 compiled-layers probe; tests-2: the quantize/pack
+#   order (≈ 3.5 min in a fresh machine's call); tests-2: the quantize/pack
 #   and decode-kernel GPU tests, twelve at a time (≈ 4 min): the two calls together are the whole GPU suite
 # needle: no tests; `verify --needle`'s loop with the demo model's real weights (benchmarks/bench_needle.py --weights):
-#   the LENGTHS (1024,2048,4096) grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100), BATCH (20) prompts per
-#   batch, for ARTIFACTS ("default=artifacts/demo"), starting no run after BUDGET (420) s. The weights travel in parts:
+#   the LENGTHS (1024,2048,4096) grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100),
+#   BATCH (20) prompts per batch, for ARTIFACTS ("default=artifacts/demo"), starting no run after BUDGET (420) s. The weights travel in parts:
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
 #   part, .cache/needle, artifacts and .whl (pydantic's wheels); MECH (arguments) then runs needle_mechanism.py there
@@ -76,9 +76,6 @@ if [ "$mode" = tests-1 ]; then
     2>&1 | tee "$OUT/test_gpu_1.log" | tail -5
   timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_compiled_step.py --tb=short 2>&1 \
     | tee "$OUT/test_gpu_compiled.log" | tail -8
-  # Gemma2's compiled layers (outside COMPILED_TYPES) against its eager step: whether it joins them
-  PYTHONPATH=. timeout 120 python3 benchmarks/probe_compiled_batch.py --archs gemma2 --force-compile --batches 1 3 \
-    --pdl 1 2>&1 | tee "$OUT/probe_gemma2.log" | tail -6
   exit 0
 fi
 if [ "$mode" = tests-2 ]; then

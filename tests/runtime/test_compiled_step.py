@@ -269,11 +269,12 @@ def _arch(model_type: str, device: str = "cuda") -> torch.nn.Module:
                          + [("qwen3", torch.bfloat16), ("llama", torch.bfloat16)])
 def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, dtype):
     """Every architecture models.py supports: 60 teacher-forced decode steps (7 demotions) at batch 1 through
-    DecodeGraphs, captured and replayed, compiled and not. The compiled step (COMPILED_TYPES; the others replay their
-    eager layers, bit for bit the uncompiled capture) gives the eager path's logits within 1 % of their largest
-    (float32; 5 % in bfloat16, whose logits alone round at 0.4 %; test above: why not bit for bit), and so does the
-    uncompiled capture (Qwen3-MoE's static step runs other experts than its eager one, graph.STATIC_EXPERTS; the
-    generate() test below holds the others' capture to bit for bit)."""
+    DecodeGraphs, captured and replayed, compiled and not. The compiled step gives the eager path's logits within 1 %
+    of their largest (float32; 5 % in bfloat16, whose logits alone round at 0.4 %; test above: why not bit for bit),
+    and so does the uncompiled capture (Qwen3-MoE's static step runs other experts than its eager one,
+    graph.STATIC_EXPERTS; the generate() test below holds the others' capture to bit for bit). A model with a logit
+    softcap (Gemma2) is never captured: its steps are the eager step, bit for bit (on the H200 its captured step was
+    11 % of the largest logit off)."""
     model = enable_oscar(_arch(model_type).to(dtype))
     ids = torch.randint(0, 512, (1, 390), generator=torch.Generator().manual_seed(2)).cuda()
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -296,7 +297,6 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
     # compiled as a frame of its own, per layer index, and past dynamo's recompile limit (8) ran eagerly
     assert sum(counters["graph_break"].values()) == breaks
     tol = 1e-2 if dtype == torch.float32 else 5e-2
+    assert model_type in compiled.COMPILED_TYPES  # every captured architecture runs compiled layers
     for run in runs[1:]:
         assert (run - runs[0]).abs().max() <= tol * runs[0].abs().max()
-    if model_type not in compiled.COMPILED_TYPES:  # eager layers replayed
-        assert torch.equal(runs[2], runs[1])
