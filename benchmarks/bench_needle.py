@@ -31,7 +31,6 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from needle_mechanism import wilson
 from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration.data import EVALUATION_PLAYS
 from oscar_zoo.evaluation.needle import (
@@ -42,6 +41,7 @@ from oscar_zoo.evaluation.needle import (
     default_lengths,
     run_needle,
 )
+from oscar_zoo.evaluation.stats import wilson
 from oscar_zoo.models import arch_info
 
 

@@ -27,19 +27,9 @@ from transformers import AttentionInterface, DynamicCache
 from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration.data import EVALUATION_PLAYS, bundled_files, load_texts
 from oscar_zoo.evaluation.needle import QUESTION, build_prompt
+from oscar_zoo.evaluation.stats import wilson
 from oscar_zoo.models import load_model
 from oscar_zoo.runtime import layout, reference as ref
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
-
 
 # ------------------------------------------------------------------------------------------- debiased attention
 # BIAS[layer]: [H_kv, T] coefficients c_t (0 outside the INT2 history); the logit of key t is scaling·q·k̂_t minus

@@ -6,8 +6,6 @@ prompts (same seed and grid: the keys must match).
 
     PYTHONPATH=. python benchmarks/needle_pool.py seed200.json seed201.json seed202.json
     PYTHONPATH=. python benchmarks/needle_pool.py default201.json --against b32k3=b32k3_201.json
-
-(Run from the repository root; the script's folder is on the path, so `needle_mechanism.wilson` imports.)
 """
 
 from __future__ import annotations
@@ -15,29 +13,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 
-from needle_mechanism import wilson
 from oscar_zoo.evaluation.needle import answer_is_right
-
-
-def newcombe(both: int, ref_only: int, it_only: int, neither: int) -> tuple[float, float, float]:
-    """The paired difference p_it − p_ref and its 95 % interval (Newcombe 1998, method 10)."""
-    n = both + ref_only + it_only + neither
-    p1, p2 = (both + ref_only) / n, (both + it_only) / n
-    (l1, u1), (l2, u2) = wilson(both + ref_only, n), wilson(both + it_only, n)
-    den = (both + ref_only) * (it_only + neither) * (both + it_only) * (ref_only + neither)
-    phi = (both * neither - ref_only * it_only) / math.sqrt(den) if den else 0.0
-    d = p2 - p1
-    lo = math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
-    hi = math.sqrt(max(0.0, (u2 - p2) ** 2 - 2 * phi * (u2 - p2) * (p1 - l1) + (p1 - l1) ** 2))
-    return d, d - lo, d + hi
-
-
-def sign_test(a: int, b: int) -> float:
-    """Two-sided exact sign test of a against b discordant pairs."""
-    n = a + b
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(a, b) + 1)) / 2**n) if n else 1.0
+from oscar_zoo.evaluation.stats import paired_difference
 
 
 def outcomes(path: str) -> tuple[list[int], list[str], dict[str, list[bool]]]:
@@ -62,7 +40,7 @@ def main() -> None:
     p.add_argument("reports", nargs="+")
     p.add_argument("--against", default=None, help="NAME=REPORT,…: one per report, the same prompts, another artifact")
     a = p.parse_args()
-    cells = collections.defaultdict(collections.Counter)  # (method, length) -> Counter of (reference ok, it ok)
+    cells = collections.defaultdict(lambda: ([], []))  # (method, length) -> (reference's outcomes, the method's)
     others = [spec.split("=", 1) for spec in a.against.split(",")] if a.against else None
     if others and len(others) != len(a.reports):
         raise SystemExit("--against needs one NAME=REPORT per report")
@@ -77,17 +55,14 @@ def main() -> None:
             pairs += [(f"{name} vs {n}", r, o_right["oscar"]) for n, r in right.items() if n != "bf16"]
         for name, ref, it in pairs:
             for length, r, o in zip(lengths, ref, it):
-                cells[(name, length)][(r, o)] += 1
+                cells[(name, length)][0].append(r)
+                cells[(name, length)][1].append(o)
     print("| method | length | prompts | reference % | it % | difference [95 %] | reference only / it only (sign p) |")
     print("|---|---|---|---|---|---|---|")
-    for (name, length), c in sorted(cells.items()):
-        both, ref_only, it_only, neither = c[(True, True)], c[(True, False)], c[(False, True)], c[(False, False)]
-        n = both + ref_only + it_only + neither
-        d, lo, hi = newcombe(both, ref_only, it_only, neither)
-        print(f"| {name} | {length} | {n} | {100 * (both + ref_only) / n:.1f} | {100 * (both + it_only) / n:.1f} | "
-              f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {ref_only} / {it_only} "
-              f"(p = {sign_test(ref_only, it_only):.3f}) |")
-
+    for (name, length), (ref, it) in sorted(cells.items()):
+        d = paired_difference(ref, it)
+        print(f"| {name} | {length} | {d.n} | {100 * d.ref:.1f} | {100 * d.it:.1f} | {100 * d.diff:+.1f} "
+              f"[{100 * d.lo:+.1f}, {100 * d.hi:+.1f}] | {d.ref_only} / {d.it_only} (p = {d.p_sign:.3f}) |")
 
 if __name__ == "__main__":
     main()

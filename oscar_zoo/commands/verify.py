@@ -14,7 +14,14 @@ from ..calibration.data import check_dataset_options
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError, SettingError, VerificationFailed
 from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings
-from ..evaluation.needle import DEFAULT_DEPTHS, QUICK_DEPTHS, NeedleProtocol, NeedleSettings, check_batch
+from ..evaluation.needle import (
+    DEFAULT_DEPTHS,
+    QUICK_DEPTHS,
+    NeedleProtocol,
+    NeedleSettings,
+    check_batch,
+    paired_against_reference,
+)
 from ..evaluation.pipeline import VerifyRequest, verify_artifacts
 from ..evaluation.registry import BASELINES, DEFAULT_BASELINES, SHORT, check_baselines
 from ..evaluation.report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
@@ -261,6 +268,10 @@ def _print_kl_by_distance(report: VerifyReport) -> None:
     console.print(table)
 
 
+_PATHS = {NeedleProtocol.FOLLOW_UP: "context prefilled, question as a second chunk reading the tiers",
+          NeedleProtocol.PROMPT: "context and question as one prompt, later answer tokens reading the tiers"}
+
+
 def _print_needle(needle: NeedleReport) -> None:
     table = Table(title=f"needle retrieval through the runtime ({needle.protocol} protocol) · accuracy per length "
                         f"(rows) × depth (columns) · {needle.trials} trial(s) per cell")
@@ -278,8 +289,14 @@ def _print_needle(needle: NeedleReport) -> None:
     console.print(table)
     bf16, art = needle.method("bf16").overall, next(m for m in needle.methods if m.kind == "artifact").overall
     console.print(f"needle: OSCAR {100 * art:.1f}% vs BF16 {100 * bf16:.1f}% (pass: ≥ {needle.min_relative_accuracy:g}"
-                  f" × BF16) · context prefilled, question as a second chunk reading the tiers, answer decoded "
-                  f"greedily · {needle.wall_seconds:.0f} s", highlight=False)
+                  f" × BF16) · {_PATHS[needle.protocol]}, answer decoded greedily · {needle.wall_seconds:.0f} s",
+                  highlight=False)
+    short = {m.name: _short(m) for m in needle.methods}
+    ref = next(short[m.name] for m in needle.methods if m.kind == "reference")
+    for name, length, d in paired_against_reference(needle):  # same prompts: the difference is paired
+        console.print(f"  {short[name]} at {length:,}: {100 * d.it:.1f}% vs {ref} {100 * d.ref:.1f}% over {d.n} "
+                      f"prompts, difference {100 * d.diff:+.1f} [95 %: {100 * d.lo:+.1f}, {100 * d.hi:+.1f}] · only "
+                      f"{ref} {d.ref_only}, only {short[name]} {d.it_only}", highlight=False)
 
 
 def _generation(m) -> str:

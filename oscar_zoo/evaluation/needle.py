@@ -34,6 +34,7 @@ from .attention import cache_argument
 from .baselines import DTYPE_NAMES
 from .registry import Setup, build_methods
 from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleProtocol, NeedleReport
+from .stats import PairedDifference, paired_difference
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
 QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"
@@ -216,6 +217,29 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                             accuracy=[[c / settings.trials for c in row] for row in right[n]],
                             overall=sum(map(sum, right[n])) / total, answers=answers[n]) for n in names]
     return needle_report(results, settings, q.sink, q.recent, time.perf_counter() - t0, keys)
+
+
+def paired_against_reference(needle: NeedleReport) -> list[tuple[str, int, PairedDifference]]:
+    """Per method other than the reference and per length: its accuracy against BF16's on the same prompts, the
+    difference with its 95 % interval (paired: stats.paired_difference) and the prompts only one of the two answers.
+    Empty for a report without its prompts' keys (written before `needle.keys` was kept)."""
+    if not needle.keys:
+        return []
+    per_length = len(needle.depths) * needle.trials
+
+    def right(m: NeedleMethod) -> list[bool]:
+        return [answer_is_right(a, k) for a, k in zip(m.answers, needle.keys)]
+
+    ref = right(next(m for m in needle.methods if m.kind == "reference"))
+    out = []
+    for m in needle.methods:
+        if m.kind == "reference":
+            continue
+        it = right(m)
+        for i, length in enumerate(needle.lengths):
+            cell = slice(i * per_length, (i + 1) * per_length)
+            out.append((m.name, length, paired_difference(ref[cell], it[cell])))
+    return out
 
 
 def needle_report(results: list[NeedleMethod], settings: NeedleSettings, sink: int, recent: int,

@@ -173,7 +173,13 @@ def test_cli_needle_table_json_heatmap_and_bad_options(run_cli, good_artifacts, 
     from oscar_zoo.evaluation.report import NeedleReport
 
     _print_needle(NeedleReport.model_validate(needle))
-    assert "needle: OSCAR" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "needle: OSCAR" in printed and "second chunk" in printed
+    for short, m in (("OSCAR", needle["methods"][1]), ("naive INT2", needle["methods"][2])):  # paired with BF16
+        it, ref = (100 * answer_is_right(x["answers"][0], needle["keys"][0]) for x in (m, needle["methods"][0]))
+        assert f"{short} at 300: {it:.1f}% vs BF16 {ref:.1f}% over 1 prompts" in printed, printed
+    _print_needle(NeedleReport.model_validate({**needle, "protocol": "prompt"}))  # says which path it measured
+    assert "context and question as one prompt" in capsys.readouterr().out
     for bad in (("--needle-depths", "0.5,1.5"), ("--needle-lengths", "12"), ("--needle-trials", "0"),
                 ("--min-needle-accuracy", "2"), ("--needle-lengths", "a,b"), ("--needle-batch", "0")):
         code, out, err = run_cli(*base, *bad)
