@@ -64,5 +64,6 @@ def main() -> None:
         print(f"| {name} | {length} | {d.n} | {100 * d.ref:.1f} | {100 * d.it:.1f} | {100 * d.diff:+.1f} "
               f"[{100 * d.lo:+.1f}, {100 * d.hi:+.1f}] | {d.ref_only} / {d.it_only} (p = {d.p_sign:.3f}) |")
 
+
 if __name__ == "__main__":
     main()

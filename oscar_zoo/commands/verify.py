@@ -287,15 +287,15 @@ def _print_needle(needle: NeedleReport) -> None:
                           *(f"{100 * a:.0f}%" for a in m.accuracy[i]), f"{100 * row_all:.0f}%",
                           style="bold" if m.kind == "artifact" else None, end_section=i == len(needle.lengths) - 1)
     console.print(table)
-    bf16, art = needle.method("bf16").overall, next(m for m in needle.methods if m.kind == "artifact").overall
-    console.print(f"needle: OSCAR {100 * art:.1f}% vs BF16 {100 * bf16:.1f}% (pass: ≥ {needle.min_relative_accuracy:g}"
-                  f" × BF16) · {_PATHS[needle.protocol]}, answer decoded greedily · {needle.wall_seconds:.0f} s",
-                  highlight=False)
     short = {m.name: _short(m) for m in needle.methods}
-    ref = next(short[m.name] for m in needle.methods if m.kind == "reference")
+    ref = next(short[m.name] for m in needle.methods if m.kind == "reference")  # BF16, or FP32 where that ran
+    bf16, art = needle.method("bf16").overall, next(m for m in needle.methods if m.kind == "artifact").overall
+    console.print(f"needle: OSCAR {100 * art:.1f}% vs {ref} {100 * bf16:.1f}% (pass: ≥ "
+                  f"{needle.min_relative_accuracy:g} × {ref}) · {_PATHS[needle.protocol]}, answer decoded greedily · "
+                  f"{needle.wall_seconds:.0f} s", highlight=False)
     for name, length, d in paired_against_reference(needle):  # same prompts: the difference is paired
         console.print(f"  {short[name]} at {length:,}: {100 * d.it:.1f}% vs {ref} {100 * d.ref:.1f}% over {d.n} "
-                      f"prompts, difference {100 * d.diff:+.1f} [95 %: {100 * d.lo:+.1f}, {100 * d.hi:+.1f}] · only "
+                      f"prompts, {100 * d.diff:+.1f} points [95 %: {100 * d.lo:+.1f}, {100 * d.hi:+.1f}] · only "
                       f"{ref} {d.ref_only}, only {short[name]} {d.it_only}", highlight=False)
 
 

@@ -64,7 +64,11 @@ def paired_difference(ref: list[bool], it: list[bool], z: float = Z95) -> Paired
     p1, p2 = (both + ref_only) / n, (both + it_only) / n
     (l1, u1), (l2, u2) = wilson(both + ref_only, n, z), wilson(both + it_only, n, z)
     den = (both + ref_only) * (it_only + neither) * (both + it_only) * (ref_only + neither)
-    phi = (both * neither - ref_only * it_only) / math.sqrt(den) if den else 0.0
+    # φ with Newcombe's continuity correction: a positive AD − BC shrinks by N/2 (to no less than 0), a negative one
+    # stays; without it the interval is too narrow at small n (at 6 prompts per length it covered ≈ 81 %, not 95 %)
+    cross = both * neither - ref_only * it_only
+    cross = cross - n / 2 if cross > n / 2 else min(cross, 0)
+    phi = cross / math.sqrt(den) if den else 0.0
     d = p2 - p1
     lo = math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
     hi = math.sqrt(max(0.0, (u2 - p2) ** 2 - 2 * phi * (u2 - p2) * (p1 - l1) + (p1 - l1) ** 2))
