@@ -1,8 +1,8 @@
 """Pool `verify --needle --json` reports (or benchmarks/bench_needle.py's per-run JSON): per method and length, BF16's
 and the method's accuracy over every prompt of the given reports, the paired difference with a 95 % interval
 (Newcombe's method 10, from Wilson intervals), and the prompts only BF16 / only the method answers with a two-sided sign
-test on them. `--against NAME=REPORT` pairs the artifact of each report with another report's artifact on the same
-prompts (same seed and grid: the keys must match).
+test on them. `--against NAME=REPORT` pairs each method of each report (its artifact, and any baselines) with another
+report's artifact on the same prompts (same seed and grid: the keys must match).
 
     PYTHONPATH=. python benchmarks/needle_pool.py seed200.json seed201.json seed202.json
     PYTHONPATH=. python benchmarks/needle_pool.py default201.json --against b32k3=b32k3_201.json
