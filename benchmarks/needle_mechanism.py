@@ -25,6 +25,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration.data import EVALUATION_PLAYS, bundled_files, load_texts
+from oscar_zoo.evaluation.attention import cache_argument
 from oscar_zoo.evaluation.needle import QUESTION, build_prompt
 from oscar_zoo.evaluation.stats import wilson
 from oscar_zoo.models import load_model
@@ -53,8 +54,7 @@ def debiased_attention(module, query, key, value, attention_mask, scaling, dropo
         c = c.repeat_interleave(g, 0)[None, :, None, : k.shape[2]]  # [1, H_q, 1, T]
         logits = logits - scaling**2 * q.pow(2).sum(-1, keepdim=True) * c
     # one unpadded sequence: the causal mask with the chunk's offset, whatever mask transformers passes (5.25 passes
-    # none here; on the GPU machine's 5.17 the harness, which added the given mask as a float, scored 0 % for every
-    # variant, BF16 included: a boolean mask added as 0/1 masks nothing)
+    # none here, other versions a boolean or an additive one)
     T, n = k.shape[2], q.shape[2]
     causal = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)
     logits = logits.masked_fill(~causal, float("-inf"))
@@ -67,6 +67,9 @@ def debiased_attention(module, query, key, value, attention_mask, scaling, dropo
 
 
 AttentionInterface.register("needle_debiased", debiased_attention)
+# the model's cache keyword: `cache` in transformers 5.25, `past_key_values` in 5.17 (the GPU machine's), which took
+# `cache=` silently as an unused keyword, so every chunk ran without its context and every variant scored 0 %
+CACHE = cache_argument()
 
 
 # ------------------------------------------------------------------------------------------- codecs on rows [T, D]
@@ -438,12 +441,12 @@ def main() -> None:
                     ctx = torch.tensor([pr.context], device=dev)
                     base = DynamicCache()
                     BIAS.clear()
-                    model(input_ids=ctx, cache=base, use_cache=True, logits_to_keep=1)
+                    model(input_ids=ctx, use_cache=True, **{CACHE: base}, logits_to_keep=1)
                     kv = [(lay.keys.clone(), lay.values.clone()) for lay in base.layers]
                     T = ctx.shape[1]
                     lo, hi = sink, T - recent
                     RECORD = True  # the question's queries over the BF16 context (what prefill of the prompt sees)
-                    model(input_ids=torch.tensor([pr.question], device=dev), cache=base, use_cache=True,
+                    model(input_ids=torch.tensor([pr.question], device=dev), use_cache=True, **{CACHE: base},
                           logits_to_keep=1)
                     RECORD = False
                     for var in vs:
@@ -462,7 +465,7 @@ def main() -> None:
                                 full[:, lo:hi] = BIAS[li]
                                 BIAS[li] = full
                             cache.update(k2, v2, li)
-                        logits = model(input_ids=chunk, cache=cache, use_cache=True).logits[0]
+                        logits = model(input_ids=chunk, use_cache=True, **{CACHE: cache}).logits[0]
                         pred = logits.argmax(-1).tolist()
                         start = len(pr.question) - 1  # the logit of the question's last token predicts answer[0]
                         got = pred[start : start + n_digits + 1]
