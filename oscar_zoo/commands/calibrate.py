@@ -20,6 +20,7 @@ from ..calibration.pipeline import CalibrationResult
 from ..calibration.run import CalibrationInterrupted, run_calibration
 from ..calibration.settings import (
     DEFAULT_KEY_BITS,
+    DEFAULT_TOKENS,
     AccumulateOn,
     CalibrationRequest,
     CalibrationSettings,
@@ -42,7 +43,9 @@ def calibrate_command(
     dataset: Dataset = None,
     text_field: TextField = None,
     split: Split = None,
-    tokens: Annotated[int, typer.Option(help="Calibration tokens (rounded down to whole sequences).")] = 16384,
+    tokens: Annotated[int, typer.Option(help="Calibration tokens (rounded down to whole sequences; fewer lose "
+                                        "long-context retrieval: benchmarks/QUALITY.md \"Calibration tokens\").")] \
+        = DEFAULT_TOKENS,
     seq_len: Annotated[int, typer.Option(help=f"Tokens per calibration sequence (≥ {MIN_SEQ_LEN}).")] = 512,
     heldout: Annotated[int, typer.Option(help="Held-out sequences for the clip search.")] = 2,
     chat_template: Annotated[bool, typer.Option(help="Wrap text blocks in the tokenizer's chat template.")] = False,
