@@ -178,7 +178,8 @@ def test_bad_inputs_give_one_line_errors_and_leave_nothing(run_cli, tiny_model_d
         (["calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--tokens", "10000000"], 2, "sequences"),
         # calibrate's default sample (131,072 tokens: 256 sequences of 512) from a 20,000-character text: the count
         # it needs and the way out, one line
-        (["calibrate", tiny_model_dir, "--dataset", text_file, *SMALL[4:]], 2, "(256 calibration + 1 held-out)"),
+        (["calibrate", tiny_model_dir, "--dataset", text_file, "--heldout", "1", "--device", "cpu"], 2,
+         "(256 calibration + 1 held-out)"),
         (["calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--group-size", "48"], 2, "group_size"),
         (["calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--granularity", "per-token"], 2, "granularity"),
         (["inspect", tmp_path / "nothing-here"], 2, "does not exist"),

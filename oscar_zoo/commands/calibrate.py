@@ -36,6 +36,8 @@ from ..models import DEMO, model_id_of
 from ..runtime import layout
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
 
+TOKENS_HELP = ("Calibration tokens (rounded down to whole sequences; fewer lose long-context retrieval: "
+               'benchmarks/QUALITY.md "Calibration tokens").')
 
 def calibrate_command(
     model: ModelArg = DEMO,
@@ -43,9 +45,7 @@ def calibrate_command(
     dataset: Dataset = None,
     text_field: TextField = None,
     split: Split = None,
-    tokens: Annotated[int, typer.Option(help="Calibration tokens (rounded down to whole sequences; fewer lose "
-                                        "long-context retrieval: benchmarks/QUALITY.md \"Calibration tokens\").")] \
-        = DEFAULT_TOKENS,
+    tokens: Annotated[int, typer.Option(help=TOKENS_HELP)] = DEFAULT_TOKENS,
     seq_len: Annotated[int, typer.Option(help=f"Tokens per calibration sequence (≥ {MIN_SEQ_LEN}).")] = 512,
     heldout: Annotated[int, typer.Option(help="Held-out sequences for the clip search.")] = 2,
     chat_template: Annotated[bool, typer.Option(help="Wrap text blocks in the tokenizer's chat template.")] = False,
