@@ -39,6 +39,7 @@ from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, Te
 TOKENS_HELP = ("Calibration tokens (rounded down to whole sequences; fewer lose long-context retrieval: "
                'benchmarks/QUALITY.md "Calibration tokens").')
 
+
 def calibrate_command(
     model: ModelArg = DEMO,
     revision: Revision = None,
