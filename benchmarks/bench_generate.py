@@ -31,7 +31,15 @@ import time
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, QuantizedCache, Qwen3Config, StaticCache
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma2Config,
+    LlamaConfig,
+    QuantizedCache,
+    Qwen3Config,
+    StaticCache,
+)
 from transformers.cache_utils import Cache
 
 from oscar_zoo.runtime import cache as cache_mod, layout
@@ -60,7 +68,9 @@ GRAPH_KINDS = ("oscar", "bf16graph")  # caches with a static (capturable) decode
 
 def model_config(name: str, layers: int | None = None):
     """"qwen3-8b": Qwen3-8B shapes (36 layers, 32 q / 8 kv heads, d=128); "smollm2": SmolLM2-135M's shapes (30 layers,
-    9 q / 3 kv heads, d=64; the context limit raised so long rows run); "demo": a small SmolLM2-sized Llama slice."""
+    9 q / 3 kv heads, d=64; the context limit raised so long rows run); "gemma2-2b": Gemma2-2B's shapes (26 layers,
+    8 q / 4 kv heads, d=256, attention logit softcap 50, every other layer a 4,096-token sliding window: contexts up
+    to 4,096 only); "demo": a small SmolLM2-sized Llama slice."""
     if name == "qwen3-8b":
         return Qwen3Config(
             vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers or 36,
@@ -73,20 +83,28 @@ def model_config(name: str, layers: int | None = None):
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=262144,
             rope_theta=100000.0, tie_word_embeddings=True,
         )  # fmt: skip
+    if name == "gemma2-2b":
+        return Gemma2Config(
+            vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=layers or 26,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+            query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
+        )  # fmt: skip
     if name == "demo":
         return LlamaConfig(
             vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 2,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=65536,
         )  # fmt: skip
-    raise ValueError(f"unknown model {name!r}: use qwen3-8b, smollm2 or demo")
+    raise ValueError(f"unknown model {name!r}: use qwen3-8b, smollm2, gemma2-2b or demo")
 
 
 def build_model(name: str, layers: int | None, device: torch.device, dtype=torch.bfloat16) -> torch.nn.Module:
-    """Random weights initialised directly on `device` (no CPU copy), eval mode, sdpa attention."""
+    """Random weights initialised directly on `device` (no CPU copy), eval mode, sdpa attention (eager for a logit
+    softcap, which transformers' sdpa refuses)."""
     cfg = model_config(name, layers)
     torch.manual_seed(0)
+    attn = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     return model.eval()
 
 
@@ -140,7 +158,8 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
 
 
 def use_attention(model, kind: str) -> None:
-    """OscarCache needs attn_implementation "oscar"; the BF16 caches run transformers' own "sdpa"."""
+    """OscarCache needs attn_implementation "oscar"; the BF16 caches run transformers' own "sdpa" ("eager" for a
+    logit softcap, which its sdpa refuses)."""
     compile_layers = getattr(model, "_bench_compile", True)  # --compile: graph rows replay inductor-compiled layers
     if kind == "oscar":
         enable_oscar(model, compile=compile_layers)
@@ -153,7 +172,7 @@ def use_attention(model, kind: str) -> None:
         model.set_attn_implementation("bf16graph")
         install(model, compile=compile_layers)
     else:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation("eager" if getattr(model.config, "attn_logit_softcapping", None) else "sdpa")
 
 
 def kv_bytes(cache: Cache) -> int:
@@ -466,7 +485,7 @@ def max_batch(bytes_per_token_per_layer: float, T: int, L: int, budget: float) -
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="qwen3-8b (GPU default) or demo (CPU default)")
+    ap.add_argument("--model", default=None, help="qwen3-8b (GPU default), smollm2, gemma2-2b or demo (CPU default)")
     ap.add_argument("--layers", type=int, default=None, help="shrink the model to N layers")
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 100_000, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

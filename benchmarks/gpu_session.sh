@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|profile|channel-tests|channel-bench|channel-generate|blockq]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|profile|channel-tests|channel-bench|channel-generate|blockq]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -42,6 +42,11 @@
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
 #   part, .cache/needle, artifacts and .whl (pydantic's wheels); MECH (arguments) then runs needle_mechanism.py there
+# softcap-a: the decode-kernel and dequantize GPU tests, the headline decode rows, then time to first token (OSCAR and
+#   bf16graph: the later chunks' past dequantized straight into the chunk's dtype)
+# softcap-b: the compiled-step, static-step and attention GPU tests (Gemma2's softcap in the decode kernel, captured),
+#   then generate() on Gemma2-2B shapes at 4,000 tokens, batch 1 and 8: OSCAR captured and compiled, OSCAR eager (how
+#   Gemma2 decoded before), and transformers' DynamicCache
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -171,6 +176,24 @@ if [ "$mode" = compile-bench ]; then
     python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-100000 32768} --batches ${BATCHES:-1} --budget-contexts \
       --phases --key-bits 2.7 $flag 2>&1 | tee "$OUT/bench_generate$flag.log" | grep -E "^\||compiled|eager layers|kernels "
   done
+  exit 0
+fi
+if [ "$mode" = softcap-a ]; then
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 tests/runtime/test_decode_kernels.py \
+    tests/runtime/test_dequant_kernel.py 2>&1 | tee "$OUT/test_gpu_a.log" | tail -5
+  timeout 150 python3 benchmarks/bench_decode.py --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
+  timeout 260 python3 benchmarks/bench_prefill.py --kinds oscar bf16graph 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
+  exit 0
+fi
+if [ "$mode" = softcap-b ]; then
+  timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_compiled_step.py \
+    tests/runtime/test_static_step.py tests/runtime/test_attention.py --tb=short 2>&1 | tee "$OUT/test_gpu_b.log" | tail -8
+  for flag in --graph --no-graph; do
+    timeout 90 python3 benchmarks/bench_generate.py --model gemma2-2b --contexts 4000 --batches 1 8 --kinds oscar \
+      --budget-contexts --phases $flag 2>&1 | tee "$OUT/bench_gemma2$flag.log" | grep -E "^ctx"
+  done
+  timeout 60 python3 benchmarks/bench_generate.py --model gemma2-2b --contexts 4000 --batches 1 8 --kinds dynamic \
+    --budget-contexts --phases --no-graph 2>&1 | tee "$OUT/bench_gemma2_dynamic.log" | grep -E "^ctx"
   exit 0
 fi
 if [ "$mode" = prefill ]; then

@@ -123,36 +123,44 @@ def oscar_attention(
     # logits of a query by the same q·μ_K·M_K (softmax ignores it), and the output of centred values lacks exactly
     # μ_V·M_V (the weights sum to 1): `_unrotate` (or, on the decode path, the merge) adds it back, in M_V space, before
     # M_Vᵀ or o_proj.
-    if n == 1 and layer.quantize and softcap is None:
+    if n == 1 and layer.quantize:
         # three launches: q·M_K (fp32, each query head by its KV head's M_K), the tiered decode + merge (the merge
-        # adds μ_V·M_V back and rounds to the model's dtype when nothing follows), and o·M_Vᵀ unless o_proj does it
+        # adds μ_V·M_V back and rounds to the model's dtype when nothing follows), and o·M_Vᵀ unless o_proj does it.
+        # A logit softcap runs inside the decode kernel, after each query's q·μ_K·M_K (centred keys) is added back
         rot = layer.rotation
         q_rot = rotate_op.rotate_rows(query[:, :, 0], rot.k, None, out_dtype=torch.float32)  # [B, H_q, D]
         out_dtype = query.dtype if Mvt_q is None else torch.float32
         o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale, v_mean=mu_v, out_dtype=out_dtype,
-                                           key_block=layer.key_block)
+                                           key_block=layer.key_block, softcap=softcap,
+                                           logit_bias=_key_mean_logits(q_rot, layer, softcap, scale))
         if Mvt_q is not None:
             o = rotate_op.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
         return o.unsqueeze(1), None  # [B, 1, H_q, D]
     q_rot = reference.rotate(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
-    if n == 1:  # BF16 history (test switch) or softcap: the tiers densely, the new token included
+    if n == 1:  # BF16 history (test switch): the tiers densely, the new token included
         k, v = layer.dense_kv(query.dtype)
         o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap)
     else:  # a chunk: earlier tokens through their tiers (if any), then its own exact K/V
-        k, v = key, value
-        if pending.past is not None:
-            past_k, past_v = pending.past  # fp32, dequantized history included
-            # in the dtype SDPA takes them (q's) before the concatenation: the same values, no fp32 copy of the whole;
-            # with a softcap the logits are fp32 math over fp32 keys
-            dt = query.dtype if softcap is None else past_k.dtype
-            k = torch.cat([past_k.to(dt), key.to(dt)], dim=2)
-            v = torch.cat([past_v.to(dt), value.to(dt)], dim=2)
+        k, v = (key, value) if pending.past is None else pending.past  # earlier tokens (their tiers) and the chunk
+        if k.dtype != query.dtype:  # (a model whose queries and keys differ in dtype)
+            k, v = k.to(query.dtype), v.to(query.dtype)
         o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap, q_offset=pending.past_len)
         if layer.staged is not None:  # the chunk's last queries choose the history tokens pinned in BF16
             window, keys = q_rot[:, :, -layout.PIN_WINDOW :], _uncentred_keys(k, layer, softcap)
             layer.pin_tokens(lambda cand: reference.pin_scores(window, _uncentred_keys(cand, layer, softcap), keys,
                                                                scale, softcap=softcap))
     return _unrotate(o, Mvt_q, query.dtype, mu_v), None
+
+
+def _key_mean_logits(q_rot: Tensor, layer, softcap: float | None, scale: float) -> Tensor | None:
+    """What centring took off each logit of a query, q·μ_K·M_K·scale [B, H_q] (fp32), when a softcap needs it back
+    (`_uncentred_keys`); None otherwise."""
+    k_mean = layer.rotation.k_mean
+    if softcap is None or k_mean is None:
+        return None
+    H_q = q_rot.shape[1]
+    k_mean = k_mean if k_mean.shape[0] == 1 else k_mean.repeat_interleave(H_q // k_mean.shape[0], dim=0)
+    return (q_rot * k_mean.float()).sum(-1) * scale
 
 
 def _uncentred_keys(k: Tensor, layer, softcap: float | None) -> Tensor:

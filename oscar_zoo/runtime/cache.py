@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import compiled, layout, reference, rotate_op
+from . import compiled, layout, ops, reference, rotate_op
 from .artifact import read_artifact
 from .history import _STORAGE_IDS, HISTORY_CHUNK, QuantizedHistory
 from .pinning import PinnedTokens
@@ -33,7 +33,8 @@ CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cac
 @dataclass
 class Pending:
     """What `update` hands to the attention function of the same layer: the rotated chunk it returned, and, for a
-    multi-token chunk after earlier tokens, those tokens as their tiers presented them before the chunk."""
+    multi-token chunk after earlier tokens, those tokens as their tiers presented them before the chunk followed by the
+    chunk's own K/V, [B, H, past_len + n, D] each in the chunk's dtype (`OscarLayer.dense_kv`)."""
 
     key: Tensor
     past: tuple[Tensor, Tensor] | None
@@ -163,7 +164,9 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
             self.advance_host()
         else:
             k_rot, v_rot = self._rotate(key_states, value_states)
-            past = self.dense_kv() if n > 1 and past_len > 0 else None  # fp32; attention casts to q's dtype
+            # a later chunk: every earlier token and the chunk's own K/V in one buffer of the chunk's dtype (what its
+            # attention reads), written before the chunk is filed (filing demotes recent rows into the INT2 history)
+            past = self.dense_kv(k_rot.dtype, (k_rot, v_rot)) if n > 1 and past_len > 0 else None
             self._append(k_rot.to(layout.TIER_DTYPE), v_rot.to(layout.TIER_DTYPE), multi=n > 1)
         self.pending = Pending(k_rot, past, past_len)
         return k_rot, v_rot
@@ -286,17 +289,37 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
             self.n_recent = total
         self._sync_lengths()
 
-    def dense_kv(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    def dense_kv(self, dtype: torch.dtype = torch.float32, extra: tuple[Tensor, Tensor] | None = None
+                 ) -> tuple[Tensor, Tensor]:
         """All cached tokens as the tiers present them (rotated, and centred when the cache has means), rows still
         waiting to be pinned as the INT2 history would hold them, K, V [B, H, T, D] in `dtype`; in position order but
-        for the pinned tokens, which follow the sink."""
-        hist_k, hist_v = self.history()
+        for the pinned tokens, which follow the sink. `extra` (a chunk's own K, V [B, H, n, D]) follows them in the
+        same buffers. Each tier is written once into its slice: the history dequantized straight into `dtype`
+        (`ops.dequantize_into`: float32 values rounded once), no float32 copy of the whole and no concatenation."""
         n_sink = self.n_sink + self.n_pinned
-        staged_k, staged_v = self._staged_as_history() if self.staged is not None else (hist_k[:, :, :0],
-                                                                                        hist_v[:, :, :0])
-        k = [self.sink_k[:, :, :n_sink], hist_k, staged_k, self.recent_k[:, :, : self.n_recent]]
-        v = [self.sink_v[:, :, :n_sink], hist_v, staged_v, self.recent_v[:, :, : self.n_recent]]
-        return torch.cat([t.to(dtype) for t in k], dim=2), torch.cat([t.to(dtype) for t in v], dim=2)
+        staged = self._staged_as_history() if self.staged is not None else None
+        hist = slice(0, self.n_hist)
+        if not self.quantize:  # (the BF16-history test switch)
+            hist = (self.hist_k[:, :, hist], self.hist_v[:, :, hist])
+        parts = [(self.sink_k[:, :, :n_sink], self.sink_v[:, :, :n_sink]), hist, staged,
+                 (self.recent_k[:, :, : self.n_recent], self.recent_v[:, :, : self.n_recent]), extra]
+        parts = [p for p in parts if p is not None]
+        T = sum(self.n_hist if p is hist else p[0].shape[2] for p in parts)
+        B, H, _, D = self.sink_k.shape
+        k, v = (torch.empty(B, H, T, D, dtype=dtype, device=self.sink_k.device) for _ in range(2))
+        at = 0
+        for part in parts:
+            n = self.n_hist if part is hist else part[0].shape[2]
+            rows = slice(at, at + n)
+            if part is not hist or not self.quantize:
+                k[:, :, rows], v[:, :, rows] = part
+            else:
+                blocks = self.n_hist // self.key_block if self.key_block else self.n_hist
+                ops.dequantize_into(k[:, :, rows], self.hist_k[:, :, hist], self.sz_k[:, :, :blocks],
+                                    self.rotation.k_bits, self.key_block)
+                ops.dequantize_into(v[:, :, rows], self.hist_v[:, :, hist], self.sz_v[:, :, hist])
+            at += n
+        return k, v
 
     def tier_args(self) -> tuple[Tensor, ...]:
         """The tier tensors in `ops.tiered_decode_attention` order, after q and before sm_scale."""

@@ -96,9 +96,9 @@ def _(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float 
 
 
 # model types whose compiled step is checked against the eager step (tests/runtime/test_compiled_step.py; Qwen3-MoE
-# with its experts as graph.STATIC_EXPERTS, which dynamo traces whole). Gemma2 is not among them: a logit softcap keeps
-# its decode steps eager and uncaptured (graph.py), so its layers are never compiled
-COMPILED_TYPES = frozenset({"gemma", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+# with its experts as graph.STATIC_EXPERTS, which dynamo traces whole; Gemma2 with its logit softcap inside the decode
+# kernel)
+COMPILED_TYPES = frozenset({"gemma", "gemma2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

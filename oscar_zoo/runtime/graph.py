@@ -12,8 +12,8 @@ and every later one is a replay. A history reallocation
 `install(model)` routes transformers' `generate()` through this: OscarCache is a compileable cache, so on a GPU
 generate() asks `model.get_compiled_call()` for its decode forward, and gets a `DecodeGraphs` (other caches get the
 model's own compiled call). Prefill, CPU runs and steps that are not static stay eager, through the same code, and so
-does every step of a model with an attention logit softcap (Gemma2: its decode reads the tiers densely, with the
-lengths the host knows).
+do the steps of a model with sliding-window layers once the context would pass the window (the eager step refuses
+it: OSCAR covers full-attention layers; a replay would attend past the window without a word).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class DecodeGraphs:
         if not hasattr(cache, "static_step_key"):
             return self.fallback(*args, **kwargs)
         key = None if args else cache.static_step_key()
-        kind = None if key is None else self._step_kind(kwargs)
+        kind = None if key is None else self._step_kind(kwargs, cache)
         if kind is None:
             return self.model(*args, **kwargs)
         demote, versions = key
@@ -102,18 +102,19 @@ class DecodeGraphs:
         self.pool = None
         self.versions = None
 
-    def _step_kind(self, kwargs: dict) -> tuple | None:
-        """(input shape, the non-tensor arguments) when the call is one token per sequence on a GPU, else None."""
+    def _step_kind(self, kwargs: dict, cache) -> tuple | None:
+        """(input shape, the non-tensor arguments) when the call is one token per sequence on a GPU within the model's
+        sliding window (if any), else None."""
         if getattr(self.model.config, "model_type", None) in ROUTED_TYPES and not hasattr(
                 self.model, "set_experts_implementation"):
             return None
-        if getattr(self.model.config, "attn_logit_softcapping", None) is not None:
-            return None  # a logit softcap (Gemma2): its decode reads the tiers densely at the host's lengths, which a
-            # captured step would freeze (attention.py), so these steps stay eager
         ids = kwargs.get("input_ids")
         if not (isinstance(ids, Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1):
             return None
         if any(kwargs.get(flag) for flag in _EAGER_FLAGS):
+            return None
+        window = getattr(self.model.config, "sliding_window", None)  # None where no layer slides (Qwen's switch off)
+        if isinstance(window, int) and cache.get_seq_length() + 1 > window:
             return None
         others = []
         for name, value in kwargs.items():

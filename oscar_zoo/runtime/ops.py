@@ -86,9 +86,9 @@ def _use_kernel(t: Tensor) -> bool:
 
 
 def _kernels():
-    from .kernels import block_query, decode, merge, quantize_channel, quantize_pack, rotate
+    from .kernels import block_query, decode, dequant, merge, quantize_channel, quantize_pack, rotate
 
-    return quantize_pack, decode, merge, rotate, quantize_channel, block_query
+    return quantize_pack, decode, merge, rotate, quantize_channel, block_query, dequant
 
 
 def _dot_dtype():
@@ -221,12 +221,13 @@ def _strides(t: Tensor, n: int) -> tuple[int, ...]:
 
 
 def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0,
-                   key_block=0):
+                   key_block=0, softcap=None, logit_bias=None):
     """The one decode launch: `s_sink` splits over sink = (k, v, len), `s_hist` over hist = (codes_k, sz_k, codes_v,
     sz_v, len), `s_recent` over recent = (k, v, len), into o [B, H_q, S, D] / lse [B, H_q, S] (S = the sum).
     An absent tier gets 0 splits and placeholders. codes_k's width says its keys' bits (`codes_key_bits`).
     `key_block` > 0: the history keys are per channel over blocks of that many tokens (sz_k [B, H_kv, T_cap /
-    key_block, D, 2], read as float16 per block; tiles of at most key_block tokens: a tile lies in one block)."""
+    key_block, D, 2], read as float16 per block; tiles of at most key_block tokens: a tile lies in one block).
+    `softcap`: every logit becomes softcap·tanh((logit + logit_bias)/softcap), `logit_bias` [B, H_q] or None (0)."""
     decode = _kernels()[1]
     B, H_q, D = q.shape
     dev = q.device
@@ -258,18 +259,22 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
         qb, qf = _block_query(q, szk, hlen, key_block, key_bits, sm_scale * LOG2E, H_kv)
     else:
         qb = qf = _dummy(dev, torch.float32)
+    if softcap is None:
+        lb = _dummy(dev, torch.float32)
+    else:  # the kernel's scores are in log2 units
+        lb = torch.zeros(B, H_q, device=dev) if logit_bias is None else logit_bias.float() * LOG2E
     grid = (B * H_kv, s_sink + s_hist + s_recent)
     # the kernel's arguments in its order: pointers, sizes, strides (positional), then its constexprs
-    pointers = (q, *sink, ck, szk, cv, szv, hlen, *recent, o, lse, qb, qf)
+    pointers = (q, *sink, ck, szk, cv, szv, hlen, *recent, o, lse, qb, qf, lb)
     sizes = (H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E, qb.shape[2] if block_q else 0)
-    strides = (*q.stride()[:2], *_strides(sink[0], 3), *_strides(sink[1], 3), *_strides(ck, 3), *_strides(szk, 3),
-               *_strides(cv, 4), *_strides(szv, 3), *_strides(recent[0], 3), *_strides(recent[1], 3),
+    strides = (*q.stride()[:2], *_strides(lb, 1), *_strides(sink[0], 3), *_strides(sink[1], 3), *_strides(ck, 3),
+               *_strides(szk, 3), *_strides(cv, 4), *_strides(szv, 3), *_strides(recent[0], 3), *_strides(recent[1], 3),
                *o.stride()[:3], *lse.stride()[:2])  # fmt: skip
     block_n = min(_block_n(dev, D, G), key_block) if key_block else _block_n(dev, D, G)  # a tile in one key block
     constexprs = dict(D=D, G=G, GP=_group_block(group), BLOCK_N=block_n, BLOCK_NB=_block_n(dev, None),
                       DOT_DTYPE=_dot_dtype(), USE_ASM=q.is_cuda and INT2_ASM_UNPACK, STAGES=cfg.stages,
                       SLACK=cfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, KEY_BLOCK=key_block,
-                      BLOCK_Q=block_q)  # fmt: skip
+                      BLOCK_Q=block_q, SOFTCAP=0.0 if softcap is None else float(softcap) * LOG2E)  # fmt: skip
     decode._decode_kernel[grid](*pointers, *sizes, *strides, **constexprs, num_warps=_warps(group, D),
                                 maxnreg=cfg.maxnreg, launch_pdl=pdl)
 
@@ -441,6 +446,8 @@ def tiered_decode_attention(
     v_mean: Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     key_block: int = 0,
+    softcap: float | None = None,
+    logit_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`; the history's keys 2- or 3-bit
     by codes_k's width, `layout.packed_dim`), exact softmax over their union. q [B, H_q, D] already rotated by M_K.
@@ -450,7 +457,10 @@ def tiered_decode_attention(
     head, `reference.add_value_mean`) is added in float32, and o is rounded once to `out_dtype`.
     `key_block` > 0: the history keys are coded per channel over blocks of that many tokens (docs/format.md §6d),
     scale_zero_k [B, H_kv, T_cap / key_block, D, 2], values per row (scale_zero_v [B, H_kv, T_cap, 1, 2]); the kernel
-    folds each block's channel scales into q once per tile (`kernels/decode.py`)."""
+    folds each block's channel scales into q once per tile (`kernels/decode.py`).
+    `softcap` (Gemma2's attention logit softcap): every logit x = q·k·sm_scale becomes softcap·tanh((x + b)/softcap),
+    b = `logit_bias` [B, H_q] per query (the centred codec's q·μ_K·M_K·sm_scale, which the cap does not ignore; None:
+    0), inside the decode kernel: the step stays two launches and capturable."""
     H_kv, G, hist_len_i, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
                                                   key_block)  # fmt: skip
     sink_len_i, recent_len_i = validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
@@ -459,10 +469,17 @@ def tiered_decode_attention(
     if v_mean is not None:
         check(isinstance(v_mean, Tensor) and v_mean.shape in ((H_q, D), (1, D)) and v_mean.device == q.device,
               lambda: f"v_mean must be [{H_q}, {D}] or [1, {D}] on {q.device}, got {tuple(v_mean.shape)}")  # fmt: skip
+    check(softcap is None or (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0),
+          lambda: f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    if logit_bias is not None:
+        check(softcap is not None, lambda: "logit_bias is only read with a softcap (without one it cancels)")
+        check(isinstance(logit_bias, Tensor) and logit_bias.shape == (B, H_q) and logit_bias.device == q.device,
+              lambda: f"logit_bias must be [{B}, {H_q}] on {q.device}, got {tuple(logit_bias.shape)}")
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         o, lse = reference.tiered_decode_attention_ref(
             q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
-            recent_k, recent_v, recent_len, sm_scale, key_bits=key_bits, key_block=key_block,
+            recent_k, recent_v, recent_len, sm_scale, key_bits=key_bits, key_block=key_block, softcap=softcap,
+            logit_bias=logit_bias,
         )  # fmt: skip
         return reference.add_value_mean(o.unsqueeze(2), v_mean)[:, :, 0].to(out_dtype), lse
     s_hist = _int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None)
@@ -473,12 +490,37 @@ def tiered_decode_attention(
     _launch_decode(q, o_part, lse_part, sm_scale, sink=(sink_k, sink_v, sink_len_i),
                    hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len_i),
                    recent=(recent_k, recent_v, recent_len_i), s_sink=s_sink, s_hist=s_hist, s_recent=s_recent,
-                   key_block=key_block)
+                   key_block=key_block, softcap=softcap, logit_bias=logit_bias)
     out = _alloc((B * H_q, D), out_dtype, q.device)
     out_lse = _alloc((B * H_q,), torch.float32, q.device)
     mean = v_mean.float().contiguous() if v_mean is not None else None
     _launch_merge(o_part.view(B * H_q, S, D), lse_part.view(B * H_q, S), out, out_lse, mean, H_q)
     return out.view(B, H_q, D), out_lse.view(B, H_q)
+
+
+def dequantize_into(out: Tensor, codes: Tensor, scale_zero: Tensor, bits: int = layout.BITS,
+                    key_block: int = 0) -> None:
+    """Write packed history rows, dequantized, into `out` [B, H, T, D] (a view whose dims are contiguous; any float
+    dtype): codes [B, H, T, packed_dim(D, bits)] (any strides), scale_zero [B, H, T, D/G, 2] per row or, `key_block` >
+    0, [B, H, T/key_block, D, 2] per channel over token blocks. The values are `reference.dequantize_unpack`'s (or
+    `dequantize_unpack_channel`'s) float32 ones rounded once to out's dtype; one launch (`kernels/dequant.py`), no
+    float32 copy."""
+    B, H, T, D = out.shape
+    check(out.stride(-1) == 1 and codes.shape[:3] == (B, H, T) and codes.shape[-1] == layout.packed_dim(D, bits),
+          lambda: f"dequantize_into: out {tuple(out.shape)} (dims contiguous), codes {tuple(codes.shape)}")
+    if T == 0:
+        return
+    if not (_use_kernel(codes) and _kernel_head_dim_ok(D)):
+        dq = reference.dequantize_unpack_channel if key_block else reference.dequantize_unpack
+        out.copy_(dq(codes, scale_zero, bits))
+        return
+    scale_zero = _last_contiguous(scale_zero, 1)
+    G = D if key_block else D // scale_zero.shape[-2]
+    block_t = 16 if _interpret() else max(16, 4096 // D)
+    _kernels()[6]._dequant_kernel[(B * H, -(-T // block_t))](
+        codes, scale_zero, out, T, H, *codes.stride(), *scale_zero.stride()[:4], *out.stride()[:3],
+        D=D, G=G, BITS=bits, KEY_BLOCK=key_block, BLOCK_T=block_t, num_warps=4,
+    )  # fmt: skip
 
 
 def __getattr__(name: str):

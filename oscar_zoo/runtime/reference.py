@@ -362,14 +362,20 @@ def _expand_kv(t: Tensor, n_q_heads: int) -> Tensor:
     return t.repeat_interleave(n_q_heads // t.shape[1], dim=1)
 
 
-def attention_partial_ref(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
-    """One decode step over one tier: q [B, H_q, D], k/v [B, H_kv, T, D], first lengths[b] tokens valid.
+def attention_partial_ref(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sm_scale: float,
+                          softcap: float | None = None, logit_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One decode step over one tier: q [B, H_q, D], k/v [B, H_kv, T, D], first lengths[b] tokens valid. `softcap`:
+    each logit x becomes softcap·tanh((x + logit_bias)/softcap), logit_bias [B, H_q] (None: 0).
 
     Returns the normalised partial output o fp32 [B, H_q, D] and lse fp32 [B, H_q] (natural log of Σ exp(logits));
     an empty tier gives o = 0 and lse = −inf."""
     H_q, T = q.shape[1], k.shape[2]
     kx, vx = _expand_kv(k.float(), H_q), _expand_kv(v.float(), H_q)
     logits = torch.einsum("bhd,bhtd->bht", q.float(), kx) * sm_scale
+    if softcap is not None:
+        if logit_bias is not None:
+            logits = logits + logit_bias.float()[..., None]
+        logits = torch.tanh(logits / softcap) * softcap
     valid = torch.arange(T, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [B, T]
     logits = logits.masked_fill(~valid[:, None, :], -math.inf)
     lse = torch.logsumexp(logits, dim=-1)
@@ -401,23 +407,23 @@ def tiered_decode_attention_ref(
     sm_scale: float,
     key_bits: int = layout.BITS,
     key_block: int = 0,
+    softcap: float | None = None,
+    logit_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over the three tiers laid out as in `layout` (history dequantized densely), merged by lse.
 
     q [B, H_q, D] is already rotated by M_K; the output is in M_V space (un-rotate with M_Vᵀ). `codes_k` holds
     `key_bits`-bit codes ([..., packed_dim(D, key_bits)]). `key_block` > 0: the history keys are coded per channel over
     blocks of that many tokens (§6d), scale_zero_k [B, H_kv, T_cap / key_block, D, 2] (`dequantize_unpack_channel`).
+    `softcap`, `logit_bias`: a logit softcap after a per-query shift (`attention_partial_ref`).
     Returns o [B, H_q, D] and lse [B, H_q], fp32."""
     if key_block > 0:
         hist_k = dequantize_unpack_channel(codes_k, scale_zero_k, key_bits)
     else:
         hist_k = dequantize_unpack(codes_k, scale_zero_k, key_bits)
     hist_v = dequantize_unpack(codes_v, scale_zero_v)
-    parts = [
-        attention_partial_ref(q, sink_k, sink_v, sink_len, sm_scale),
-        attention_partial_ref(q, hist_k, hist_v, hist_len, sm_scale),
-        attention_partial_ref(q, recent_k, recent_v, recent_len, sm_scale),
-    ]
+    parts = [attention_partial_ref(q, k, v, n, sm_scale, softcap, logit_bias)
+             for k, v, n in ((sink_k, sink_v, sink_len), (hist_k, hist_v, hist_len), (recent_k, recent_v, recent_len))]
     o = torch.stack([p[0] for p in parts], dim=-2)
     lse = torch.stack([p[1] for p in parts], dim=-1)
     return merge_partials_ref(o, lse)

@@ -102,7 +102,7 @@ def test_quantized_decode_matches_dense_reference(decode_calls):
 
 def test_second_chunk_attends_tiers_and_its_own_exact_kv():
     """A 150-token chunk after a 400-token prefill sees the earlier tokens through their tiers (INT2 history
-    dequantized) and its own K/V unquantized, causally."""
+    dequantized, in the chunk's dtype) and its own K/V unquantized, causally."""
     B, n1, n2 = 1, 400, 150
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
     cache = OscarCache(Mk, Mv, 0.96, 0.92)
@@ -113,8 +113,8 @@ def test_second_chunk_attends_tiers_and_its_own_exact_kv():
     out, _ = oscar_attention(STUB, q, key, value, None, scaling=SCALE, oscar_cache=cache)
 
     rk1, rv1 = reference.rotate(k[:, :, :n1], Mk[0]), reference.rotate(v[:, :, :n1], Mv[0])
-    k_hat = torch.cat([reference.fake_quant_tiers(rk1.float(), torch.full((H_KV,), 0.96)), key.float()], 2)
-    v_hat = torch.cat([reference.fake_quant_tiers(rv1.float(), torch.full((H_KV,), 0.92)), value.float()], 2)
+    k_hat = torch.cat([reference.fake_quant_tiers(rk1.float(), torch.full((H_KV,), 0.96)).to(key.dtype), key], 2)
+    v_hat = torch.cat([reference.fake_quant_tiers(rv1.float(), torch.full((H_KV,), 0.92)).to(value.dtype), value], 2)
     expected = _dense_ref(q, k_hat, v_hat, Mk[0], Mv[0], q_offset=n1)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
     assert cache.layers[0].n_recent == layout.RECENT and cache.get_seq_length() == n1 + n2

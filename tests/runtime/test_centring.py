@@ -57,11 +57,12 @@ def _expected64(q, k_rows, v_rows, Mk, Mv, q_offset, scale=SCALE, softcap=None):
     return (o @ Mv.double().repeat_interleave(G, 0).transpose(-1, -2)).transpose(1, 2)
 
 
-def _read_back(stored: torch.Tensor, clip, mean_rot64: torch.Tensor, recent: int) -> torch.Tensor:
+def _read_back(stored: torch.Tensor, clip, mean_rot64: torch.Tensor, recent: int, dtype=torch.float32) -> torch.Tensor:
     """Stored centred rows [B, H, T, D] as attention reads them, in the uncentred frame: the history's INT2 round trip
-    (`reference.fake_quant`, the codec's one definition) or the exact row, plus μ·M (float64)."""
+    (`reference.fake_quant`, the codec's one definition) or the exact row, in `dtype` (a later prefill chunk reads
+    them in its own: `OscarLayer.dense_kv`), plus μ·M (float64)."""
     deq = reference.fake_quant_tiers(stored.float(), clip, sink=layout.SINK, recent=recent)
-    return deq.double() + mean_rot64[None, :, None]
+    return deq.to(dtype).double() + mean_rot64[None, :, None]
 
 
 # ------------------------------------------------------------------------------------------------------ reference
@@ -155,11 +156,15 @@ def test_centred_decode_equals_the_uncentred_frame_in_float64(decode_calls):
     assert err <= 2 * err_bf16, (err, err_bf16)
 
 
-@pytest.mark.parametrize("softcap", [None, 5.0])
-def test_centred_prefill_chunk_and_softcap_equal_the_uncentred_frame(softcap):
-    """A 150-token chunk after a 400-token prefill (earlier tokens through their tiers, its own K/V exact), and a
-    decode step on the dense path, with a logit softcap too (tanh is not shift-invariant: the keys get μ_K·M_K back
-    there), equal float64 attention in the uncentred frame."""
+@pytest.mark.parametrize(("softcap", "interpret"), [(None, False), (5.0, False), (5.0, True)])
+def test_centred_prefill_chunk_and_softcap_equal_the_uncentred_frame(softcap, interpret, monkeypatch):
+    """A 150-token chunk after a 400-token prefill (earlier tokens through their tiers, its own K/V exact), and, with a
+    logit softcap, a decode step (tanh is not shift-invariant: each logit gets q·μ_K·M_K back before the cap, inside
+    the decode kernel: under the Triton interpreter, or its reference fallback), equal float64 attention in the
+    uncentred frame."""
+    if interpret:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     B, n1, n2 = 1, 400, 150
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
     k, v, k_mean, v_mean = _offset_kv(B, n1 + n2 + 1, seed=3)
@@ -174,12 +179,14 @@ def test_centred_prefill_chunk_and_softcap_equal_the_uncentred_frame(softcap):
     stored_k1 = reference.rotate_centred(k[:, :, :n1], Mk[0], mu_k)
     stored_v1 = reference.rotate_centred(v[:, :, :n1], Mv[0], mu_v)
     clips_k, clips_v = torch.full((H_KV,), 0.96), torch.full((H_KV,), 0.92)
-    k_rows = torch.cat([_read_back(stored_k1, clips_k, mk64, layout.RECENT), key.double() + mk64[None, :, None]], 2)
-    v_rows = torch.cat([_read_back(stored_v1, clips_v, mv64, layout.RECENT), value.double() + mv64[None, :, None]], 2)
+    k_rows = torch.cat([_read_back(stored_k1, clips_k, mk64, layout.RECENT, key.dtype),
+                        key.double() + mk64[None, :, None]], 2)
+    v_rows = torch.cat([_read_back(stored_v1, clips_v, mv64, layout.RECENT, value.dtype),
+                        value.double() + mv64[None, :, None]], 2)
     expected = _expected64(q, k_rows, v_rows, Mk[0], Mv[0], q_offset=n1, softcap=softcap)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
 
-    if softcap is not None:  # a decode step with softcap: the dense path over the tiers
+    if softcap is not None:  # a decode step with softcap: the cap inside the decode, after q·μ_K·M_K comes back
         key, value = cache.update(k[:, :, -1:], v[:, :, -1:], 0)
         q1 = torch.randn(B, H_Q, 1, D, generator=torch.Generator().manual_seed(5)) * 3
         out, _ = oscar_attention(STUB, q1, key, value, None, scaling=SCALE, softcap=softcap, oscar_cache=cache)

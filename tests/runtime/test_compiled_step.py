@@ -24,7 +24,6 @@ ARCH_TYPES = ("gemma", "gemma2", "llama", "mistral", "qwen2", "qwen3", "qwen3_mo
 # machine has no pydantic, which models.py imports: the list is checked on CPU below)
 ARCH_EXTRA = {"gemma2": {"final_logit_softcapping": None}, "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2,
                                                                       "moe_intermediate_size": 96}}
-SOFTCAP_TYPES = ("gemma2",)  # an attention logit softcap: decode steps stay eager, never captured (graph.py)
 
 
 @pytest.fixture(autouse=True)
@@ -251,13 +250,14 @@ def test_the_gpu_architecture_list_is_every_supported_architecture():
     assert ARCH_TYPES == tuple(sorted(ARCHITECTURES))
 
 
-def _arch(model_type: str, device: str = "cuda") -> torch.nn.Module:
-    """A random 2-layer model of `model_type` with SmolLM2's attention shape (9 q / 3 kv heads, head_dim 64), float32.
-    Loaded with "sdpa" attention ("eager" for Gemma2, whose attention softcap transformers 5.25 refuses on sdpa);
-    enable_oscar replaces either."""
+def _arch(model_type: str, device: str = "cuda", **config) -> torch.nn.Module:
+    """A random 2-layer model of `model_type` with SmolLM2's attention shape (9 q / 3 kv heads, head_dim 64), float32
+    (`config`: other settings). Loaded with "sdpa" attention ("eager" for Gemma2, whose attention softcap transformers
+    5.25 refuses on sdpa); enable_oscar replaces either."""
     cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=144, intermediate_size=288,
                                num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=D,
-                               max_position_embeddings=2048, initializer_range=0.1, **ARCH_EXTRA.get(model_type, {}))
+                               max_position_embeddings=2048, initializer_range=0.1,
+                               **{**ARCH_EXTRA.get(model_type, {}), **config})
     torch.manual_seed(0)
     attn = "eager" if model_type == "gemma2" else "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(device=device, dtype=torch.float32)
@@ -272,9 +272,9 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
     DecodeGraphs, captured and replayed, compiled and not. The compiled step gives the eager path's logits within 1 %
     of their largest (float32; 5 % in bfloat16, whose logits alone round at 0.4 %; test above: why not bit for bit),
     and so does the uncompiled capture (Qwen3-MoE's static step runs other experts than its eager one,
-    graph.STATIC_EXPERTS; the generate() test below holds the others' capture to bit for bit). A model with a logit
-    softcap (Gemma2) is never captured: its steps are the eager step, bit for bit (on the H200 its captured step was
-    11 % of the largest logit off)."""
+    graph.STATIC_EXPERTS; the generate() test below holds the others' capture to bit for bit). Gemma2's logit softcap
+    runs inside the decode kernel (before this, its decode read the tiers densely at the host's lengths, and a captured
+    step was 11 % of the largest logit off on the H200)."""
     model = enable_oscar(_arch(model_type).to(dtype))
     ids = torch.randint(0, 512, (1, 390), generator=torch.Generator().manual_seed(2)).cuda()
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -288,10 +288,6 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
             for t in range(330, 390):
                 out.append(forward(input_ids=ids[:, t : t + 1], use_cache=True, **{cache_kw: cache}).logits[:, -1])
         runs.append(torch.stack(out, 1).float())
-    if model_type in SOFTCAP_TYPES:  # no step captured (graph.py): each one runs the eager step, bit for bit
-        assert model._oscar_graphs.replays == 0
-        assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
-        return
     assert model._oscar_graphs.replays >= 50
     # no graph break: with one (torch 2.11 could not trace `bool(list)` in `compiled.stepping`) each layer's attention
     # compiled as a frame of its own, per layer index, and past dynamo's recompile limit (8) ran eagerly
@@ -300,3 +296,39 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
     assert model_type in compiled.COMPILED_TYPES  # every captured architecture runs compiled layers
     for run in runs[1:]:
         assert (run - runs[0]).abs().max() <= tol * runs[0].abs().max()
+
+
+@pytest.mark.gpu
+def test_gemma2_softcap_steps_replay_as_eager_and_a_sliding_window_is_not_passed():
+    """Gemma2 with a logit softcap of 2 (random weights' logits are small: at Gemma2's 50 the cap would hardly bend
+    them) and centred tiers (each logit gets q·μ_K·M_K back before the cap): generate() of 200 tokens after a
+    400-token prompt replays captured steps (compiled layers and not) that give the eager run's tokens and logits,
+    the uncompiled capture bit for bit. With a sliding window of 480 tokens, generate() past it raises the eager
+    path's error from the graph path too (a replay would attend past the window without a word)."""
+    model = enable_oscar(_arch("gemma2", attn_logit_softcapping=2.0))
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 512, (2, 400), generator=torch.Generator().manual_seed(4)).cuda()
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, output_logits=True, return_dict_in_generate=True)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    runs = {}
+    for mode in ("eager", "graph", "compiled"):
+        enable_oscar(model, compile=mode == "compiled")
+        follow = [_Follow(runs["eager"][0][:, ids.shape[1]:], ids.shape[1])] if mode == "compiled" else []
+        out = model.generate(ids, max_new_tokens=200, disable_compile=mode == "eager",
+                             logits_processor=LogitsProcessorList(follow), **kw,
+                             **{cache_kw: _cache(2, centred=True)})  # fmt: skip
+        runs[mode] = (out.sequences, torch.stack(out.logits, 1).float())
+        if mode != "eager":
+            assert model._oscar_graphs.replays >= 190
+    assert torch.equal(runs["graph"][0], runs["eager"][0]) and torch.equal(runs["graph"][1], runs["eager"][1])
+    scale = runs["eager"][1].abs().max()
+    assert torch.equal(runs["compiled"][0], runs["eager"][0])
+    assert (runs["compiled"][1] - runs["eager"][1]).abs().max() <= 1e-2 * scale
+
+    model = enable_oscar(_arch("gemma2", sliding_window=480))
+    model.generation_config.eos_token_id = None
+    for mode in ("eager", "graph"):
+        enable_oscar(model, compile=False)
+        with pytest.raises(NotImplementedError, match="sliding-window layer"):
+            model.generate(ids, max_new_tokens=120, disable_compile=mode == "eager", **kw,
+                           **{cache_kw: _cache(2)})  # fmt: skip

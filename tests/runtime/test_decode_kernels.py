@@ -659,3 +659,96 @@ def test_channel_keys_long_contexts_cuda(key_bits, key_block):
     q = _channel_query(2, H_kv * group, D, "cuda", key_bits)
     o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=D**-0.5, key_block=key_block)
     _check_channel(o, lse, q, clean, D**-0.5, key_block, torch.device("cuda"))
+
+
+# Attention logit softcap (Gemma2): x ↦ cap·tanh((x + b)/cap) inside the decode kernel, b a per-query shift (the
+# centred codec's q·μ_K·M_K·scale). Reference: float64 over the dequantized tiers.
+
+
+def _capped_attention(q, c, sm_scale, softcap, bias, key_block, dtype=torch.float64, capped=("sink", "hist", "recent"),
+                      drop=None):
+    """Attention over a cache's three tiers in `dtype` (float64, or bfloat16 for the 2×-bf16 rule), every logit of the
+    tiers in `capped` softcapped after `bias` [B, H_q] (softcap None: plain); `drop` = (tier, index) removes one token.
+    Returns float64 o [B, H_q, D]."""
+    H_q = q.shape[1]
+    ks, vs, valid, caps = [], [], [], []
+    for t in ("sink", "hist", "recent"):
+        if t == "hist":
+            dq = reference.dequantize_unpack_channel if key_block else reference.dequantize_unpack
+            k = dq(c["codes_k"], c["scale_zero_k"], _key_bits(c))
+            v = reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"])
+        else:
+            k, v = c[f"{t}_k"].float(), c[f"{t}_v"].float()
+        ok = torch.arange(k.shape[2])[None, :] < c[f"{t}_len"].long()[:, None]
+        if drop is not None and drop[0] == t:
+            ok[:, drop[1]] = False
+        ks.append(k), vs.append(v), valid.append(ok), caps.append(torch.full((k.shape[2],), t in capped))
+    k, v, ok, cap = torch.cat(ks, 2).to(dtype), torch.cat(vs, 2).to(dtype), torch.cat(valid, 1), torch.cat(caps)
+    kx, vx = k.repeat_interleave(H_q // k.shape[1], 1), v.repeat_interleave(H_q // k.shape[1], 1)
+    logits = torch.einsum("bhd,bhtd->bht", q.cpu().to(dtype), kx) * sm_scale
+    if softcap is not None:
+        logits = torch.where(cap, torch.tanh((logits + bias.to(dtype)[..., None]) / softcap) * softcap, logits)
+    p = torch.softmax(logits.masked_fill(~ok[:, None, :], -math.inf), -1)
+    return torch.einsum("bht,bhtd->bhd", p, vx).double()
+
+
+@pytest.mark.parametrize("D, group, key_bits, key_block", [
+    (128, 4, 2, 0), (64, 1, 2, 0), (128, 8, 3, 0), (128, 4, 2, 64), (64, 4, 3, 32), (256, 2, 3, 32), (128, 2, 2, 0),
+], ids=["128-g4-int8", "64-g1-bf16", "128-g8-k3-int8", "128-g4-kb64-blockq", "64-g4-k3-kb32-fold", "256-g2-k3-kb32",
+        "128-g2-bf16"])  # fmt: skip
+def test_softcap_in_the_kernel(device, D, group, key_bits, key_block):
+    """`ops.tiered_decode_attention(..., softcap=, logit_bias=)` against float64 by the 2×-bf16 rule (plus 2e-3 of
+    max |o| for the GPU's rounding of q·s with keys per channel), on every score path: the integer dots (rows, and the
+    block-query prepass of keys per channel), the bfloat16 dots (groups of 1–2, Gemma2's), q·s folded per tile, 2- and
+    3-bit keys, D = 64 to 256. The tolerance sees each way to get it wrong: no cap, no shift (or its sign flipped), the
+    BF16 tiers or the history left uncapped, a token dropped at the history's last tile."""
+    H_kv, softcap, seed = 2, 2.0, D + group + key_bits + key_block
+    lengths = [(64, 96, 5), (20, 0, 0), (64, 40, 131)]
+    if key_block:
+        clean, dirty = _channel_cache(lengths, H_kv, D, device, seed, key_block, key_bits)
+        q = _channel_query(3, H_kv * group, D, device, seed)
+    else:
+        clean, dirty = _cache(None, H_kv, D, device, seed, lengths=lengths, key_bits=key_bits)
+        q = _query(3, H_kv * group, D, device, seed)
+    sm_scale = 2.0 * D**-0.5  # logits of a few units: the cap bends them
+    bias = (torch.rand(3, H_kv * group, generator=torch.Generator().manual_seed(seed)) * 3 - 1.5).to(device)
+    o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=sm_scale, key_block=key_block, softcap=softcap,
+                                         logit_bias=bias)
+    o = o.cpu().double()
+    bias = bias.cpu()
+    ref = _capped_attention(q, clean, sm_scale, softcap, bias, key_block)
+    bf = _capped_attention(q, clean, sm_scale, softcap, bias, key_block, dtype=torch.bfloat16)
+    tol = 2 * (bf - ref).abs().max() + 1e-5 + (2e-3 * ref.abs().max() if key_block and device.type == "cuda" else 0)
+    assert torch.isfinite(o).all() and torch.isfinite(lse.cpu()[:, :]).all()
+    err = (o - ref).abs().max()
+    assert err <= tol, f"o error {err:.3g} vs tolerance {tol:.3g}"
+    wrong = {
+        "no cap": _capped_attention(q, clean, sm_scale, None, bias, key_block),
+        "no shift": _capped_attention(q, clean, sm_scale, softcap, bias * 0, key_block),
+        "shift negated": _capped_attention(q, clean, sm_scale, softcap, -bias, key_block),
+        "BF16 tiers uncapped": _capped_attention(q, clean, sm_scale, softcap, bias, key_block, capped=("hist",)),
+        "history uncapped": _capped_attention(q, clean, sm_scale, softcap, bias, key_block,
+                                              capped=("sink", "recent")),
+        "last history token dropped": _capped_attention(q, clean, sm_scale, softcap, bias, key_block,
+                                                        drop=("hist", 95)),
+    }
+    for name, o_wrong in wrong.items():
+        assert (o_wrong - ref).abs().max() > tol, f"'{name}' hides under the tolerance {tol:.3g}"
+
+
+def test_softcap_reference_twin_and_bad_values():
+    """The CPU fallback (`reference.tiered_decode_attention_ref`) applies the same cap and shift as float64, and bad
+    softcaps or shifts are refused."""
+    H_kv, group, D = 2, 2, 64
+    clean, _ = _cache(None, H_kv, D, "cpu", 5, lengths=[(64, 48, 7)])
+    q = _query(1, H_kv * group, D, "cpu", 5)
+    bias = torch.tensor([[0.5, -1.0, 1.5, 0.0]])
+    o, _ = reference.tiered_decode_attention_ref(q, **clean, sm_scale=0.25, softcap=1.5, logit_bias=bias)
+    ref = _capped_attention(q, clean, 0.25, 1.5, bias, 0)
+    assert (o.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert (_capped_attention(q, clean, 0.25, None, bias, 0) - ref).abs().max() > 1e-2
+    for kwargs, msg in (({"softcap": 0.0}, "softcap must be"), ({"softcap": float("inf")}, "softcap must be"),
+                        ({"logit_bias": bias}, "only read with a softcap"),
+                        ({"softcap": 1.0, "logit_bias": bias[:, :2]}, "logit_bias must be")):
+        with pytest.raises(ValueError, match=msg):
+            ops.tiered_decode_attention(q, **clean, sm_scale=0.25, **kwargs)

@@ -175,7 +175,7 @@ def test_decode_graphs_capture_anew_for_a_deep_copy(monkeypatch):
         step.graph = Recorded(cache)
         return step
 
-    monkeypatch.setattr(graphs, "_step_kind", lambda kwargs: (tuple(kwargs["input_ids"].shape), ()))
+    monkeypatch.setattr(graphs, "_step_kind", lambda kwargs, cache: (tuple(kwargs["input_ids"].shape), ()))
     monkeypatch.setattr(graphs, "_capture", capture)
     base = _cache(2)
     with torch.no_grad():

@@ -57,6 +57,10 @@ KEY_BLOCK. Two builds (V is unchanged: per-token words, G = D):
   the dots as on the bfloat16 path (3-bit codes included), the constant per tile and head in fp32 of the rounded a_k,
   then times qk_scale.
 KEY_BLOCK = 0 compiles to the row layout's code.
+
+A logit softcap (SOFTCAP > 0, Gemma2's): every score of every tier, in the log2 units the softmax uses, becomes
+C·tanh((score + b)/C), C = cap·log2(e), b the query head's shift (centred keys lost q·μ_K·M_K, which tanh does not
+ignore), before the mask and the online softmax; SOFTCAP = 0 compiles to the code without it.
 """
 
 from __future__ import annotations
@@ -101,6 +105,16 @@ def _softmax_step(sT, m_i, SLACK: tl.constexpr):
 
 
 @triton.jit
+def _softcap(sT, lbias, C: tl.constexpr):
+    """A logit softcap in the kernel's log2 units: C·tanh((sT + lbias)/C) [BLOCK_N, GP], C = cap·log2(e) (the
+    natural cap·tanh(x/cap) times log2 e), lbias [GP] a per-head logit shift applied before the cap (the centred keys'
+    q·μ_K·M_K, which tanh does not ignore). tanh(y) = 1 − 2/(e^(2y) + 1), as exp2: ±1 where e^(2y) over- or
+    underflows."""
+    y = (sT + lbias[None, :]) * (2.0 * LOG2E / C)
+    return C * (1.0 - 2.0 / (tl.exp2(y) + 1.0))
+
+
+@triton.jit
 def _int8_scores(kb, pl, q_parts, Q_LO: tl.constexpr, USE_ASM: tl.constexpr, K3: tl.constexpr, N: tl.constexpr,
                  GP: tl.constexpr):
     """Integer score dots of a tile: int8 codes 0..3 (0..7: 3-bit keys) against q's int8 high and low parts (int32
@@ -129,22 +143,24 @@ def _int2_tile(
     n0, end, offs_n, cols,
     rows,  # (k_rows, v_rows, szk_row, szv_row): this KV head's codes and scale/zero pairs
     strides,  # (stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt): per token (V's codes also per dim)
-    qk,  # (q0..q3, ql0..ql3, q_bias, q_w, qsum, qk_scale): q's quarters as the score dots take them (`_attend`)
+    qk,  # (q0..q3, ql0..ql3, q_bias, q_w, qsum, qk_scale, lbias): q's quarters as the score dots take them, and the
+    # softcap's per-head logit shift (`_attend`)
     state,  # (m_i, l_t, psum_t, pz_t, acc0..acc3): the running online-softmax state
     chan,  # (qb_row, qf_row, pq, pq_ok): keys per channel on the integer path, this KV head's block operands
     INT8_K: tl.constexpr, PAIR: tl.constexpr, Q_LO: tl.constexpr, D4: tl.constexpr, G: tl.constexpr,
     NG: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SLACK: tl.constexpr, MASKED: tl.constexpr,
-    KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0,
+    KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked.
     KEY_BITS = 3: K's rows also hold the third bits' plane (D/8 bytes from byte D/4, module docstring).
     KEY_BLOCK > 0: K's scale/zero per channel of block n0 // KEY_BLOCK: on the integer path (INT8_K) the block's int8
     q·s parts and (w, bias) from `block_query.py` (chan), else folded here (szk_row: float16 pairs; q0..q3: fp32
-    q_k / f_k)."""
+    q_k / f_k).
+    SOFTCAP > 0: the scores are capped (`_softcap`, C = SOFTCAP, after lbias) before the mask and the softmax."""
     k_rows, v_rows, szk_row, szv_row = rows
     stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt = strides
-    q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale = qk
+    q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale, lbias = qk
     m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = state
     tok = n0 + offs_n
     tok_ok = tok < end
@@ -234,6 +250,8 @@ def _int2_tile(
         sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 2, D4, G, DOT_DTYPE, pl, K3), q2, sT)
         sT = tl.dot(_dequant_quarter(kb, szk_row, k_off, k_ok, k_cols, 3, D4, G, DOT_DTYPE, pl, K3), q3, sT)
         sT = sT * qk_scale
+    if SOFTCAP > 0:
+        sT = _softcap(sT, lbias, SOFTCAP)
     if MASKED:
         sT = tl.where(tok_ok[:, None], sT, float("-inf"))
 
@@ -279,7 +297,7 @@ def _int2_tile(
 
 @triton.jit
 def _attend(
-    q_in,  # (q_ptr, stride_qb, stride_qh)
+    q_in,  # (q_ptr, stride_qb, stride_qh, lb_ptr, stride_lbb): q, and the softcap's logit shift per (batch, query head)
     kv_in,  # (k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd): the tier
     sz_in,  # (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt): INT2
     len_in,  # (len_ptr, split, S): the tier's lengths [B], and which of its S splits this program reads
@@ -289,14 +307,15 @@ def _attend(
     b, h, GROUP, qk_scale,
     INT2: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr, SLACK: tl.constexpr,
-    KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0, BLOCK_Q: tl.constexpr = False,
+    KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0, BLOCK_Q: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Online softmax over one split of one tier for KV head h and its GROUP query heads; writes (o, lse) of
     `out_split`. Scores are computed transposed, [BLOCK_N tokens, GP query heads] = K·qᵀ, so the tokens fill the MMA
     rows; P·V is Vᵀ·p (oᵀ, dims on the rows) over INT2 codes, pᵀ·V over BF16 rows. KEY_BITS: K's codes are 2- or
     3-bit (INT2 tiers only). KEY_BLOCK > 0: K's scale/zero per channel over blocks of KEY_BLOCK tokens (G = D);
-    BLOCK_Q: the host ran `block_query.py` (the integer path's shapes), whose operands replace the scales."""
-    q_ptr, stride_qb, stride_qh = q_in
+    BLOCK_Q: the host ran `block_query.py` (the integer path's shapes), whose operands replace the scales.
+    SOFTCAP > 0 (log2 units): every score becomes SOFTCAP·tanh((score + shift)/SOFTCAP) before the softmax."""
+    q_ptr, stride_qb, stride_qh, lb_ptr, stride_lbb = q_in
     k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd = kv_in
     szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt = sz_in
     len_ptr, split, S = len_in
@@ -326,6 +345,10 @@ def _attend(
     g_ok = g < GROUP
     qhead = h * GROUP + g
     offs_n = tl.arange(0, BLOCK_N)
+    if SOFTCAP > 0:
+        lbias = tl.load(lb_ptr + b64 * stride_lbb + qhead, mask=g_ok, other=0.0)
+    else:
+        lbias = tl.zeros([GP], tl.float32)  # unused
     if KEY_BITS == 3:
         # rows of 3D/8 bytes (24 at D = 64): `ops` passes K strides that are multiples of 8 bytes, and so written the
         # compiler knows it (8-byte vector loads of the codes and the plane instead of byte loads)
@@ -429,14 +452,16 @@ def _attend(
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         rows = (k_rows, v_rows, szk_row, szv_row)
         strides = (stride_kt, stride_vt, stride_vd, stride_szkt, stride_szvt)
-        qk = (q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale)
+        qk = (q0, q1, q2, q3, ql0, ql1, ql2, ql3, q_bias, q_w, qsum, qk_scale, lbias)
         state = (m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3)
         for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
             state = _int2_tile(n0, end, offs_n, cols, rows, strides, qk, state, chan,
-                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False, KEY_BITS, KEY_BLOCK)
+                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, False, KEY_BITS, KEY_BLOCK,
+                               SOFTCAP)
         if full_end < end:
             state = _int2_tile(full_end, end, offs_n, cols, rows, strides, qk, state, chan,
-                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True, KEY_BITS, KEY_BLOCK)
+                               INT8_K, PAIR, Q_LO, D4, G, NG, DOT_DTYPE, USE_ASM, SLACK, True, KEY_BITS, KEY_BLOCK,
+                               SOFTCAP)
         m_i, l_t, psum_t, pz_t, acc0, acc1, acc2, acc3 = state
     else:  # a BF16 split is one tile (`ops` sizes them so): masked, not pipelined
         for n0 in tl.range(start, end, BLOCK_N, num_stages=1):
@@ -444,8 +469,10 @@ def _attend(
             tok_ok = tok < end
             tok64 = tok.to(tl.int64)
             kt = tl.load(k_rows + tok64[:, None] * stride_kt + dims[None, :], mask=tok_ok[:, None], other=0.0)
-            sT = tl.dot(kt.to(tl.float32).to(DOT_DTYPE), q)
-            sT = tl.where(tok_ok[:, None], sT * qk_scale, float("-inf"))
+            sT = tl.dot(kt.to(tl.float32).to(DOT_DTYPE), q) * qk_scale
+            if SOFTCAP > 0:
+                sT = _softcap(sT, lbias, SOFTCAP)
+            sT = tl.where(tok_ok[:, None], sT, float("-inf"))
             p, alpha, m_i, moved = _softmax_step(sT, m_i, 0.0)
             l_t = l_t * alpha[None, :] + p
             vt = tl.load(v_rows + tok64[:, None] * stride_vt + dims[None, :], mask=tok_ok[:, None], other=0.0)
@@ -485,9 +512,11 @@ def _decode_kernel(
     rk_ptr, rv_ptr, rlen_ptr,  # recent K/V [B, H_kv, RECENT_CAP, D] bf16
     o_ptr, lse_ptr,  # partials [B, H_q, S, D] f32, [B, H_q, S] f32
     qb_ptr, qf_ptr,  # keys per channel, BLOCK_Q: the blocks' int8 q·s parts and (w, bias) (`block_query.py`)
+    lb_ptr,  # SOFTCAP > 0: the logit shift per (batch, query head) [B, H_q] f32, log2 units, added before the cap
     H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale, NB,  # sizes: heads, splits per tier; scale·log2(e); blocks
     # per (batch, KV head) in qb/qf
-    stride_qb, stride_qh,  # strides: q, sink K/V, history codes and scales, recent K/V, o, lse
+    stride_qb, stride_qh, stride_lbb,  # strides: q, the logit shift, sink K/V, history codes and scales, recent K/V,
+    # o, lse
     stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
     stride_ckb, stride_ckh, stride_ckt, stride_szkb, stride_szkh, stride_szkt,
     stride_cvb, stride_cvh, stride_cvt, stride_cvd, stride_szvb, stride_szvh, stride_szvt,
@@ -496,7 +525,7 @@ def _decode_kernel(
     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,  # constexprs
     BLOCK_NB: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr,
     SLACK: tl.constexpr, PDL: tl.constexpr, KEY_BITS: tl.constexpr, KEY_BLOCK: tl.constexpr = 0,
-    BLOCK_Q: tl.constexpr = False,
+    BLOCK_Q: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     if PDL:
         # programmatic dependent launch: wait for the kernel before (it may have written q or the cache), then let
@@ -507,7 +536,7 @@ def _decode_kernel(
     b = pid // H_kv
     h = pid % H_kv
     s = tl.program_id(1)
-    q_in = (q_ptr, stride_qb, stride_qh)
+    q_in = (q_ptr, stride_qb, stride_qh, lb_ptr, stride_lbb)
     out_in = (o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s)
     chan_in = (qb_ptr, qf_ptr, pid.to(tl.int64) * NB)
     if (s < S_SINK) | (s >= S_SINK + S_HIST):
@@ -523,10 +552,11 @@ def _decode_kernel(
         bf16_len = (tl.where(in_sink, slen_ptr, rlen_ptr), tl.where(in_sink, s, s - S_SINK - S_HIST),
                     tl.where(in_sink, S_SINK, S_RECENT))
         _attend(q_in, bf16_kv, (q_ptr, q_ptr, 0, 0, 0, 0, 0, 0), bf16_len, out_in, chan_in, b, h, GROUP, qk_scale,
-                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0, 2)  # (no scales: placeholders)
+                False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0, 2,
+                SOFTCAP=SOFTCAP)  # (no scales: placeholders)
     else:
         _attend(q_in,
                 (ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd),
                 (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt),
                 (hlen_ptr, s - S_SINK, S_HIST), out_in, chan_in, b, h, GROUP, qk_scale,
-                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS, KEY_BLOCK, BLOCK_Q)
+                True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS, KEY_BLOCK, BLOCK_Q, SOFTCAP)
