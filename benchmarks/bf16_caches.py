@@ -122,22 +122,23 @@ class GraphBF16Cache(Cache):
             layer.n += 1
 
 
-def bf16_split_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def bf16_split_attention(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
     """Attention of "bf16graph": decode steps through ops.decode_bf16_partial + merge over the exact length; a
-    prefill chunk (fill=model) through SDPA over the buffer's exact-length view."""
+    prefill chunk (fill=model) through SDPA over the buffer's exact-length view. A logit softcap (Gemma2) is applied
+    in the decode kernel as OSCAR's is."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if compiled.stepping() and torch.compiler.is_compiling():  # a compiled decode step: write + attend is one op
-        return bf16_decode(query, key, value, scale), None
+        return bf16_decode(query, key, value, scale, softcap), None
     layer = GraphBF16Layer.LAYERS[module.layer_idx]
     if query.shape[2] != 1:
-        out = dense_attention(query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], scale)
+        out = dense_attention(query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], scale, softcap)
         return out.transpose(1, 2).contiguous(), None
     zero = torch.zeros_like(layer.length)
     B, H_kv, T_cap = layer.keys.shape[:3]
     # the INT2 split rule
     splits = ops._int2_splits(B, H_kv, query.shape[1] // H_kv, query.shape[-1], T_cap, query.device, None)
     o, lse = ops.decode_bf16_partial(query[:, :, 0], layer.empty, layer.empty, zero, layer.keys, layer.values,
-                                     layer.length, scale, num_splits=splits)  # fmt: skip
+                                     layer.length, scale, num_splits=splits, softcap=softcap)  # fmt: skip
     o, _ = ops.merge_partials(o, lse)  # [B, H_q, D] fp32
     return o.to(query.dtype).unsqueeze(1), None
 
@@ -155,18 +156,18 @@ def check_bf16graph(model, cache: GraphBF16Cache) -> float:
 
 
 @torch.library.custom_op("oscar_bench::bf16_decode", mutates_args=())
-def bf16_decode(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+def bf16_decode(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None) -> Tensor:
     """The running compiled step's layer: write this token's key/value at the device length and attend (what the
     eager step does in `GraphBF16Layer.update` + `bf16_split_attention`); [B, 1, H_q, D]."""
     module = compiled._ACTIVE[-1].module
     query, key, value = compiled._eager_layout(query), compiled._eager_layout(key), compiled._eager_layout(value)
     GraphBF16Layer.LAYERS[module.layer_idx].update(key, value)
-    out, _ = bf16_split_attention(module, query, key, value, None, scaling)
+    out, _ = bf16_split_attention(module, query, key, value, None, scaling, softcap)
     return out.contiguous()
 
 
 @bf16_decode.register_fake
-def _(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+def _(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None) -> Tensor:
     B, H_q, n, D = query.shape
     return query.new_empty(B, n, H_q, D)
 

@@ -365,16 +365,18 @@ def decode_bf16_partial(
     recent_len: Tensor,
     sm_scale: float,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Split-K attention over the BF16 sink and recent tiers in one launch: partial o fp32 [B, H_q, S, D] and lse
     [B, H_q, S], the sink's splits first. The recent tier is split per tile of tokens, or into `num_splits` parts
-    (several tiles each: fewer partials to merge when the tier is long)."""
+    (several tiles each: fewer partials to merge when the tier is long). `softcap`: logits capped as in
+    `tiered_decode_attention` (no shift)."""
     sink_len, recent_len = validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
     B, H_q, D = q.shape
     if not (_use_kernel(q) and _kernel_head_dim_ok(D)):
         parts = [
-            reference.attention_partial_ref(q, sink_k, sink_v, sink_len, sm_scale),
-            reference.attention_partial_ref(q, recent_k, recent_v, recent_len, sm_scale),
+            reference.attention_partial_ref(q, sink_k, sink_v, sink_len, sm_scale, softcap),
+            reference.attention_partial_ref(q, recent_k, recent_v, recent_len, sm_scale, softcap),
         ]
         return torch.stack([p[0] for p in parts], 2), torch.stack([p[1] for p in parts], 2)
     s_sink, s_recent = _bf16_splits(sink_k.shape[2], q.device), _bf16_splits(recent_k.shape[2], q.device)
@@ -384,7 +386,7 @@ def decode_bf16_partial(
     o = _alloc((B, H_q, s_sink + s_recent, D), torch.float32, q.device)
     lse = _alloc((B, H_q, s_sink + s_recent), torch.float32, q.device)
     _launch_decode(q, o, lse, sm_scale, sink=(sink_k, sink_v, sink_len), recent=(recent_k, recent_v, recent_len),
-                   s_sink=s_sink, s_recent=s_recent)  # fmt: skip
+                   s_sink=s_sink, s_recent=s_recent, softcap=softcap)  # fmt: skip
     return o, lse
 
 

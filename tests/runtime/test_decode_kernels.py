@@ -268,6 +268,15 @@ def test_bf16_partial_matches_reference(device):
     o, lse = ops.decode_bf16_partial(q, *[dirty[k] for k in names], sm_scale=D**-0.5)
     _check_rule(*reference.merge_partials_ref(o.cpu(), lse.cpu()), q, clean, D**-0.5, tiers=("sink", "recent"),
                 boundary=("recent", 16))  # fmt: skip
+    # with a logit softcap (the benchmarks' BF16 graph of Gemma2): float64 with the cap over the two tiers
+    o, lse = ops.decode_bf16_partial(q, *[dirty[k] for k in names], sm_scale=4 * D**-0.5, softcap=1.5)
+    o = reference.merge_partials_ref(o.cpu(), lse.cpu())[0].double()
+    clean = {**clean, "hist_len": torch.zeros_like(clean["hist_len"])}
+    ref = _capped_attention(q, clean, 4 * D**-0.5, 1.5, torch.zeros(2, H_kv * group), 0)
+    bf = _capped_attention(q, clean, 4 * D**-0.5, 1.5, torch.zeros(2, H_kv * group), 0, dtype=torch.bfloat16)
+    tol = 2 * (bf - ref).abs().max() + 1e-5
+    assert (o - ref).abs().max() <= tol
+    assert (_capped_attention(q, clean, 4 * D**-0.5, None, None, 0) - ref).abs().max() > tol
 
 
 def test_bad_inputs_raise():
