@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|profile|channel-tests|channel-bench|channel-generate|blockq]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|channel-tests|channel-bench|channel-generate|blockq]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -47,6 +47,8 @@
 # softcap-b: the compiled-step, static-step and attention GPU tests (Gemma2's softcap in the decode kernel, captured),
 #   then generate() on Gemma2-2B shapes at 4,000 tokens, batch 1 and 8: OSCAR captured and compiled, OSCAR eager (how
 #   Gemma2 decoded before), the BF16 graph (its decode kernel capped alike) and DynamicCache (also alone: gemma2-bench)
+# rotate-prefill: the rotation GPU tests (a prompt chunk's rotations as a split bfloat16 GEMM), time to first token at
+#   32K and 100K (OSCAR, bf16graph), then gemma2-bench
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -188,6 +190,13 @@ fi
 if [ "$mode" = softcap-b ]; then
   timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_compiled_step.py \
     tests/runtime/test_static_step.py tests/runtime/test_attention.py --tb=short 2>&1 | tee "$OUT/test_gpu_b.log" | tail -8
+  GEMMA2_BENCH=1
+fi
+if [ "$mode" = rotate-prefill ]; then
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_rotate_kernel.py 2>&1 \
+    | tee "$OUT/test_gpu_rotate.log" | tail -3
+  timeout 150 python3 benchmarks/bench_prefill.py --kinds oscar bf16graph --contexts 32768 100000 --extra 2>&1 \
+    | tee "$OUT/bench_prefill.log" | grep -E "^\|"
   GEMMA2_BENCH=1
 fi
 if [ "$mode" = gemma2-bench ] || [ -n "${GEMMA2_BENCH:-}" ]; then
