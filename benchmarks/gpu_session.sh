@@ -47,8 +47,9 @@
 # softcap-b: the compiled-step, static-step and attention GPU tests (Gemma2's softcap in the decode kernel, captured),
 #   then generate() on Gemma2-2B shapes at 4,000 tokens, batch 1 and 8: OSCAR captured and compiled, OSCAR eager (how
 #   Gemma2 decoded before), the BF16 graph (its decode kernel capped alike) and DynamicCache (also alone: gemma2-bench)
-# rotate-prefill: the split-GEMM rotation GPU tests (a prompt chunk's rotations), time to first token at 32K and 100K
-#   (OSCAR, bf16graph), then gemma2-bench's graph rows (BATCHES, default 1) and its eager rows at batch 1
+# rotate-prefill: with commit 372f8a0 re-applied (a prompt chunk's rotations as a split bfloat16 GEMM, reverted
+#   unmeasured), its GPU test, time to first token at 32K and 100K (OSCAR, bf16graph), then gemma2-bench's graph rows
+#   (BATCHES, default 1) and its eager rows at batch 1
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
