@@ -298,27 +298,25 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
         (`ops.dequantize_into`: float32 values rounded once), no float32 copy of the whole and no concatenation."""
         n_sink = self.n_sink + self.n_pinned
         staged = self._staged_as_history() if self.staged is not None else None
-        hist = slice(0, self.n_hist)
-        if not self.quantize:  # (the BF16-history test switch)
-            hist = (self.hist_k[:, :, hist], self.hist_v[:, :, hist])
-        parts = [(self.sink_k[:, :, :n_sink], self.sink_v[:, :, :n_sink]), hist, staged,
-                 (self.recent_k[:, :, : self.n_recent], self.recent_v[:, :, : self.n_recent]), extra]
-        parts = [p for p in parts if p is not None]
-        T = sum(self.n_hist if p is hist else p[0].shape[2] for p in parts)
+        rows = [(self.sink_k[:, :, :n_sink], self.sink_v[:, :, :n_sink]), staged,
+                (self.recent_k[:, :, : self.n_recent], self.recent_v[:, :, : self.n_recent]), extra]
         B, H, _, D = self.sink_k.shape
+        T = self.n_hist + sum(r[0].shape[2] for r in rows if r is not None)
         k, v = (torch.empty(B, H, T, D, dtype=dtype, device=self.sink_k.device) for _ in range(2))
-        at = 0
-        for part in parts:
-            n = self.n_hist if part is hist else part[0].shape[2]
-            rows = slice(at, at + n)
-            if part is not hist or not self.quantize:
-                k[:, :, rows], v[:, :, rows] = part
-            else:
-                blocks = self.n_hist // self.key_block if self.key_block else self.n_hist
-                ops.dequantize_into(k[:, :, rows], self.hist_k[:, :, hist], self.sz_k[:, :, :blocks],
-                                    self.rotation.k_bits, self.key_block)
-                ops.dequantize_into(v[:, :, rows], self.hist_v[:, :, hist], self.sz_v[:, :, hist])
-            at += n
+        hist, at = slice(0, self.n_hist), n_sink + self.n_hist
+        if self.quantize:
+            blocks = self.n_hist // self.key_block if self.key_block else self.n_hist
+            ops.dequantize_into(k[:, :, n_sink:at], self.hist_k[:, :, hist], self.sz_k[:, :, :blocks],
+                                self.rotation.k_bits, self.key_block)
+            ops.dequantize_into(v[:, :, n_sink:at], self.hist_v[:, :, hist], self.sz_v[:, :, hist])
+        else:  # (the BF16-history test switch)
+            k[:, :, n_sink:at], v[:, :, n_sink:at] = self.hist_k[:, :, hist], self.hist_v[:, :, hist]
+        k[:, :, :n_sink], v[:, :, :n_sink] = rows[0]
+        for part in rows[1:]:  # after the history: staged rows, the recent tier, `extra`
+            if part is not None:
+                n = part[0].shape[2]
+                k[:, :, at : at + n], v[:, :, at : at + n] = part
+                at += n
         return k, v
 
     def tier_args(self) -> tuple[Tensor, ...]:

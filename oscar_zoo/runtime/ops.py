@@ -211,9 +211,9 @@ def _kernel_head_dim_ok(D: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A placeholder for a tier a launch does not read (its split count is 0)."""
-    return torch.zeros(16, dtype=dtype, device=device)
+def _dummy(device: torch.device, dtype: torch.dtype, n: int = 16) -> Tensor:
+    """A placeholder for a tier a launch does not read (its split count is 0): n zeros, made once, never written."""
+    return torch.zeros(n, dtype=dtype, device=device)
 
 
 def _strides(t: Tensor, n: int) -> tuple[int, ...]:
@@ -262,7 +262,7 @@ def _launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sin
     if softcap is None:
         lb = _dummy(dev, torch.float32)
     else:  # the kernel's scores are in log2 units
-        lb = torch.zeros(B, H_q, device=dev) if logit_bias is None else logit_bias.float() * LOG2E
+        lb = _dummy(dev, torch.float32, H_q).expand(B, H_q) if logit_bias is None else logit_bias.float() * LOG2E
     grid = (B * H_kv, s_sink + s_hist + s_recent)
     # the kernel's arguments in its order: pointers, sizes, strides (positional), then its constexprs
     pointers = (q, *sink, ck, szk, cv, szv, hlen, *recent, o, lse, qb, qf, lb)

@@ -65,25 +65,31 @@ def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths
     return clean, {k: v.to(device) for k, v in dirty.items()}
 
 
-def _attention(q, c, sm_scale, dtype, tiers=("sink", "hist", "recent"), drop=None):
+def _attention(q, c, sm_scale, dtype, tiers=("sink", "hist", "recent"), drop=None, softcap=None, bias=None,
+               key_block=0, capped=("sink", "hist", "recent")):
     """Attention over the union of `tiers` in `dtype`: float64 (the reference) or bfloat16 (a plain bf16 PyTorch run,
     the history dequantized then rounded, every operation in bf16). `drop` = (tier, index) removes that token from
-    every sequence that has it. Returns float64 o [B, H_q, D] and lse [B, H_q] (−inf and 0 where empty)."""
+    every sequence that has it. `softcap`: every logit of the tiers in `capped` becomes
+    softcap·tanh((x + bias)/softcap), bias [B, H_q]. `key_block` > 0: the history keys are coded per channel over
+    blocks of that many tokens. Returns float64 o [B, H_q, D] and lse [B, H_q] (−inf and 0 where empty)."""
     H_q = q.shape[1]
-    ks, vs, valid = [], [], []
+    ks, vs, valid, caps = [], [], [], []
     for t in tiers:
         if t == "hist":
-            k = reference.dequantize_unpack(c["codes_k"], c["scale_zero_k"], _key_bits(c))
+            dq = reference.dequantize_unpack_channel if key_block else reference.dequantize_unpack
+            k = dq(c["codes_k"], c["scale_zero_k"], _key_bits(c))
             v = reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"])
         else:
             k, v = c[f"{t}_k"].float(), c[f"{t}_v"].float()
         ok = torch.arange(k.shape[2])[None, :] < c[f"{t}_len"].long()[:, None]
         if drop is not None and drop[0] == t:
             ok[:, drop[1]] = False
-        ks.append(k), vs.append(v), valid.append(ok)
-    k, v, ok = torch.cat(ks, 2).to(dtype), torch.cat(vs, 2).to(dtype), torch.cat(valid, 1)
+        ks.append(k), vs.append(v), valid.append(ok), caps.append(torch.full((k.shape[2],), t in capped))
+    k, v, ok, cap = torch.cat(ks, 2).to(dtype), torch.cat(vs, 2).to(dtype), torch.cat(valid, 1), torch.cat(caps)
     kx, vx = k.repeat_interleave(H_q // k.shape[1], 1), v.repeat_interleave(H_q // k.shape[1], 1)
     logits = torch.einsum("bhd,bhtd->bht", q.cpu().to(dtype), kx) * sm_scale
+    if softcap is not None:
+        logits = torch.where(cap, torch.tanh((logits + bias.to(dtype)[..., None]) / softcap) * softcap, logits)
     logits = logits.masked_fill(~ok[:, None, :], -math.inf)
     lse = torch.logsumexp(logits, -1)
     p = torch.softmax(logits, -1).nan_to_num(0.0)
@@ -271,12 +277,11 @@ def test_bf16_partial_matches_reference(device):
     # with a logit softcap (the benchmarks' BF16 graph of Gemma2): float64 with the cap over the two tiers
     o, lse = ops.decode_bf16_partial(q, *[dirty[k] for k in names], sm_scale=4 * D**-0.5, softcap=1.5)
     o = reference.merge_partials_ref(o.cpu(), lse.cpu())[0].double()
-    clean = {**clean, "hist_len": torch.zeros_like(clean["hist_len"])}
-    ref = _capped_attention(q, clean, 4 * D**-0.5, 1.5, torch.zeros(2, H_kv * group), 0)
-    bf = _capped_attention(q, clean, 4 * D**-0.5, 1.5, torch.zeros(2, H_kv * group), 0, dtype=torch.bfloat16)
+    cap = dict(tiers=("sink", "recent"), softcap=1.5, bias=torch.zeros(2, H_kv * group))
+    ref, bf = (_attention(q, clean, 4 * D**-0.5, dt, **cap)[0] for dt in (torch.float64, torch.bfloat16))
     tol = 2 * (bf - ref).abs().max() + 1e-5
     assert (o - ref).abs().max() <= tol
-    assert (_capped_attention(q, clean, 4 * D**-0.5, None, None, 0) - ref).abs().max() > tol
+    assert (_attention(q, clean, 4 * D**-0.5, torch.float64, tiers=("sink", "recent"))[0] - ref).abs().max() > tol
 
 
 def test_bad_inputs_raise():
@@ -671,34 +676,7 @@ def test_channel_keys_long_contexts_cuda(key_bits, key_block):
 
 
 # Attention logit softcap (Gemma2): x ↦ cap·tanh((x + b)/cap) inside the decode kernel, b a per-query shift (the
-# centred codec's q·μ_K·M_K·scale). Reference: float64 over the dequantized tiers.
-
-
-def _capped_attention(q, c, sm_scale, softcap, bias, key_block, dtype=torch.float64, capped=("sink", "hist", "recent"),
-                      drop=None):
-    """Attention over a cache's three tiers in `dtype` (float64, or bfloat16 for the 2×-bf16 rule), every logit of the
-    tiers in `capped` softcapped after `bias` [B, H_q] (softcap None: plain); `drop` = (tier, index) removes one token.
-    Returns float64 o [B, H_q, D]."""
-    H_q = q.shape[1]
-    ks, vs, valid, caps = [], [], [], []
-    for t in ("sink", "hist", "recent"):
-        if t == "hist":
-            dq = reference.dequantize_unpack_channel if key_block else reference.dequantize_unpack
-            k = dq(c["codes_k"], c["scale_zero_k"], _key_bits(c))
-            v = reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"])
-        else:
-            k, v = c[f"{t}_k"].float(), c[f"{t}_v"].float()
-        ok = torch.arange(k.shape[2])[None, :] < c[f"{t}_len"].long()[:, None]
-        if drop is not None and drop[0] == t:
-            ok[:, drop[1]] = False
-        ks.append(k), vs.append(v), valid.append(ok), caps.append(torch.full((k.shape[2],), t in capped))
-    k, v, ok, cap = torch.cat(ks, 2).to(dtype), torch.cat(vs, 2).to(dtype), torch.cat(valid, 1), torch.cat(caps)
-    kx, vx = k.repeat_interleave(H_q // k.shape[1], 1), v.repeat_interleave(H_q // k.shape[1], 1)
-    logits = torch.einsum("bhd,bhtd->bht", q.cpu().to(dtype), kx) * sm_scale
-    if softcap is not None:
-        logits = torch.where(cap, torch.tanh((logits + bias.to(dtype)[..., None]) / softcap) * softcap, logits)
-    p = torch.softmax(logits.masked_fill(~ok[:, None, :], -math.inf), -1)
-    return torch.einsum("bht,bhtd->bhd", p, vx).double()
+# centred codec's q·μ_K·M_K·scale). Reference: `_attention` in float64 over the dequantized tiers.
 
 
 @pytest.mark.parametrize("D, group, key_bits, key_block", [
@@ -725,21 +703,22 @@ def test_softcap_in_the_kernel(device, D, group, key_bits, key_block):
                                          logit_bias=bias)
     o = o.cpu().double()
     bias = bias.cpu()
-    ref = _capped_attention(q, clean, sm_scale, softcap, bias, key_block)
-    bf = _capped_attention(q, clean, sm_scale, softcap, bias, key_block, dtype=torch.bfloat16)
+    def capped(dtype=torch.float64, **kw):
+        return _attention(q, clean, sm_scale, dtype, **{"softcap": softcap, "bias": bias, "key_block": key_block,
+                                                          **kw})[0]
+
+    ref, bf = capped(), capped(torch.bfloat16)
     tol = 2 * (bf - ref).abs().max() + 1e-5 + (2e-3 * ref.abs().max() if key_block and device.type == "cuda" else 0)
     assert torch.isfinite(o).all() and torch.isfinite(lse.cpu()[:, :]).all()
     err = (o - ref).abs().max()
     assert err <= tol, f"o error {err:.3g} vs tolerance {tol:.3g}"
     wrong = {
-        "no cap": _capped_attention(q, clean, sm_scale, None, bias, key_block),
-        "no shift": _capped_attention(q, clean, sm_scale, softcap, bias * 0, key_block),
-        "shift negated": _capped_attention(q, clean, sm_scale, softcap, -bias, key_block),
-        "BF16 tiers uncapped": _capped_attention(q, clean, sm_scale, softcap, bias, key_block, capped=("hist",)),
-        "history uncapped": _capped_attention(q, clean, sm_scale, softcap, bias, key_block,
-                                              capped=("sink", "recent")),
-        "last history token dropped": _capped_attention(q, clean, sm_scale, softcap, bias, key_block,
-                                                        drop=("hist", 95)),
+        "no cap": capped(softcap=None),
+        "no shift": capped(bias=bias * 0),
+        "shift negated": capped(bias=-bias),
+        "BF16 tiers uncapped": capped(capped=("hist",)),
+        "history uncapped": capped(capped=("sink", "recent")),
+        "last history token dropped": capped(drop=("hist", 95)),
     }
     for name, o_wrong in wrong.items():
         assert (o_wrong - ref).abs().max() > tol, f"'{name}' hides under the tolerance {tol:.3g}"
@@ -753,9 +732,9 @@ def test_softcap_reference_twin_and_bad_values():
     q = _query(1, H_kv * group, D, "cpu", 5)
     bias = torch.tensor([[0.5, -1.0, 1.5, 0.0]])
     o, _ = reference.tiered_decode_attention_ref(q, **clean, sm_scale=0.25, softcap=1.5, logit_bias=bias)
-    ref = _capped_attention(q, clean, 0.25, 1.5, bias, 0)
+    ref = _attention(q, clean, 0.25, torch.float64, softcap=1.5, bias=bias)[0]
     assert (o.double() - ref).abs().max() < 1e-5 * ref.abs().max()
-    assert (_capped_attention(q, clean, 0.25, None, bias, 0) - ref).abs().max() > 1e-2
+    assert (_attention(q, clean, 0.25, torch.float64)[0] - ref).abs().max() > 1e-2
     for kwargs, msg in (({"softcap": 0.0}, "softcap must be"), ({"softcap": float("inf")}, "softcap must be"),
                         ({"logit_bias": bias}, "only read with a softcap"),
                         ({"softcap": 1.0, "logit_bias": bias[:, :2]}, "logit_bias must be")):
