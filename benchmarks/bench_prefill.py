@@ -8,6 +8,8 @@ transformers' DynamicCache (BF16, grows by concatenation), "prealloc" a BF16 cac
 both run transformers' "sdpa" attention (a later chunk: an explicit causal mask over repeated K/V). "bf16graph" is the
 BF16 cache of the decode benchmarks with the runtime's own prefill attention, the one OscarCache's chunks take
 (`attention.dense_attention`: a later chunk through SDPA's lower-right causal flash kernel): the like-for-like BF16 row.
+"oscar-fp32rot" (asked for by name) is OSCAR with a chunk's rotations in float32: the A/B row of
+`rotate_op.rotate_chunk`.
 Per row: ms to the first token, prompt tokens/s, the peak memory above the model, and the cache's own bytes after the
 prompt. With OSCAR, "peak − tiers" is what the prefill held beyond its tiers: the rule to check is that it stays within
 one chunk's BF16 K/V per layer plus the chunk's activations. One warm-up row per kind and batch size (two chunks: the
@@ -23,15 +25,18 @@ import argparse
 import json
 import os
 import time
+from unittest import mock
 
 import torch
+
+from oscar_zoo.runtime import reference, rotate_op
 
 if __package__:  # imported: `from benchmarks import bench_prefill`
     from .bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention
 else:  # run as a script (its folder is on sys.path)
     from bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention
 
-KINDS = ("oscar", "dynamic", "prealloc", "bf16graph")
+KINDS = ("oscar", "dynamic", "prealloc", "bf16graph", "oscar-fp32rot")  # the last: an A/B row, not a default
 
 
 @torch.inference_mode()
@@ -46,6 +51,10 @@ def first_token(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
 
 def run_row(model, kind: str, B: int, T: int, chunk: int) -> dict:
     """One prefill of B prompts of T tokens through a fresh cache of `kind`."""
+    if kind == "oscar-fp32rot":  # OSCAR with a chunk's rotations in float32, as before `rotate_op.rotate_chunk`
+        float32 = lambda x, M, mean_rot=None: reference.rotate_centred(x, M, mean_rot)  # noqa: E731
+        with mock.patch.object(rotate_op, "rotate_chunk", float32):
+            return {**run_row(model, "oscar", B, T, chunk), "kind": kind}
     dev = next(model.parameters()).device
     use_attention(model, kind)
     base = fresh_peak(dev)
@@ -71,7 +80,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 100_000])
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--extra", nargs="*", default=["32768:8"], help="more rows as context:batch")
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS[:4]), choices=KINDS)
     ap.add_argument("--key-bits", type=float, default=2.7, help="OSCAR: mean history key bits (calibrate's default)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (generate()'s whole prompt: a "
                                                             "value ≥ the context)")
@@ -111,7 +120,7 @@ def print_table(result: dict) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     best = {}
     for r in result["rows"]:
-        if "ms" in r and r["kind"] != "oscar":
+        if "ms" in r and not r["kind"].startswith("oscar"):
             best[(r["context"], r["batch"])] = min(best.get((r["context"], r["batch"]), float("inf")), r["ms"])
     for r in result["rows"]:
         if "ms" not in r:

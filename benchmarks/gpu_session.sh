@@ -47,9 +47,9 @@
 # softcap-b: the compiled-step, static-step and attention GPU tests (Gemma2's softcap in the decode kernel, captured),
 #   then generate() on Gemma2-2B shapes at 4,000 tokens, batch 1 and 8: OSCAR captured and compiled, OSCAR eager (how
 #   Gemma2 decoded before), the BF16 graph (its decode kernel capped alike) and DynamicCache (also alone: gemma2-bench)
-# rotate-prefill: with commit 372f8a0 re-applied (a prompt chunk's rotations as a split bfloat16 GEMM, reverted
-#   unmeasured), its GPU test, time to first token at 32K and 100K (OSCAR, bf16graph), then gemma2-bench's graph rows
-#   (BATCHES, default 1) and its eager rows at batch 1
+# rotate-prefill: a prompt chunk's rotations as a split bfloat16 GEMM (rotate_op.rotate_chunk): its GPU test and the
+#   GPU tests of the prefill paths, then time to first token at 32K and 100K: OSCAR, OSCAR with float32 rotations
+#   (the A/B row) and bf16graph
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -195,14 +195,11 @@ if [ "$mode" = softcap-b ]; then
 fi
 g2="benchmarks/bench_generate.py --model gemma2-2b --contexts 4000 --budget-contexts --phases"
 if [ "$mode" = rotate-prefill ]; then  # ordered so that a call cut short keeps the most
-  timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_rotate_kernel.py -k chunk 2>&1 \
-    | tee "$OUT/test_gpu_rotate.log" | tail -3
-  timeout 100 python3 benchmarks/bench_prefill.py --kinds oscar bf16graph --contexts 32768 100000 --extra 2>&1 \
-    | tee "$OUT/bench_prefill.log" | grep -E "^\|"
-  timeout 100 python3 $g2 --batches ${BATCHES:-1} --kinds oscar bf16graph 2>&1 | tee "$OUT/bench_gemma2.log" \
-    | grep -E "^ctx"
-  timeout 60 python3 $g2 --batches 1 --kinds oscar dynamic --no-graph 2>&1 | tee "$OUT/bench_gemma2_eager.log" \
-    | grep -E "^ctx"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_rotate_kernel.py \
+    tests/runtime/test_pinned.py tests/runtime/test_attention.py tests/runtime/test_channel_keys.py --tb=short 2>&1 \
+    | tee "$OUT/test_gpu_rotate.log" | tail -5
+  timeout 300 python3 benchmarks/bench_prefill.py --kinds oscar oscar-fp32rot bf16graph --contexts 32768 100000 \
+    --extra 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
   exit 0
 fi
 if [ "$mode" = gemma2-bench ] || [ -n "${GEMMA2_BENCH:-}" ]; then

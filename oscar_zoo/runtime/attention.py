@@ -136,7 +136,7 @@ def oscar_attention(
         if Mvt_q is not None:
             o = rotate_op.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
         return o.unsqueeze(1), None  # [B, 1, H_q, D]
-    q_rot = reference.rotate(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
+    q_rot = rotate_op.rotate_chunk(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
     if n == 1:  # BF16 history (test switch): the tiers densely, the new token included
         k, v = layer.dense_kv(query.dtype)
         o = dense_attention(q_rot, _uncentred_keys(k, layer, softcap), v, scale, softcap)
@@ -174,9 +174,14 @@ def _uncentred_keys(k: Tensor, layer, softcap: float | None) -> Tensor:
 def _unrotate(o: Tensor, Mvt_q: Tensor | None, dtype: torch.dtype, v_mean_q: Tensor | None = None) -> Tensor:
     """o [B, H_q, n, D] in M_V space (of centred values when `v_mean_q`, μ_V·M_V per query head [H_q, D], is given:
     it is added back first) → o·M_Vᵀ per query head (None: o_proj does it), as [B, n, H_q, D] in `dtype`."""
-    o = reference.add_value_mean(o, v_mean_q)
-    if Mvt_q is not None:
-        o = reference.rotate(o.float(), Mvt_q)
+    if Mvt_q is not None and o.is_cuda and o.dtype == dtype == torch.bfloat16:
+        # (o + μ)·M_Vᵀ = o·M_Vᵀ + μ·M_Vᵀ as one tensor-core GEMM, rounded once (`rotate_op.rotate_chunk`)
+        mean = None if v_mean_q is None else -(v_mean_q.float().unsqueeze(-2) @ Mvt_q.float()).squeeze(-2)
+        o = rotate_op.rotate_chunk(o, Mvt_q, mean)
+    else:
+        o = reference.add_value_mean(o, v_mean_q)
+        if Mvt_q is not None:
+            o = reference.rotate(o.float(), Mvt_q)
     return o.to(dtype).transpose(1, 2).contiguous()
 
 

@@ -178,7 +178,7 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
         rot = self.rotation
         m_v = None if self.v_folded else rot.v
         if key.shape[2] != 1:
-            return reference.rotate_centred(key, rot.k, rot.k_mean), reference.rotate_centred(value, m_v, rot.v_mean)
+            return rotate_op.rotate_chunk(key, rot.k, rot.k_mean), rotate_op.rotate_chunk(value, m_v, rot.v_mean)
         slot = self.recent_len if write else None
         k = rotate_op.rotate_rows(key[:, :, 0], rot.k, rot.k_mean, dest=self.recent_k if write else None, slot=slot)
         v = rotate_op.rotate_rows(value[:, :, 0], m_v, rot.v_mean, dest=self.recent_v if write else None, slot=slot)

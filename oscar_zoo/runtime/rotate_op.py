@@ -1,5 +1,6 @@
 """`rotate_rows`: the decode step's rotate / centre / file launch (x·M − μ·M per head, optionally written into a
-tier slot), on the Triton kernel of `kernels/rotate.py` or `reference.rotate_rows_ref`; `ops`' dispatch and checks."""
+tier slot), on the Triton kernel of `kernels/rotate.py` or `reference.rotate_rows_ref`; `ops`' dispatch and checks.
+`rotate_chunk`: the same rows for a prompt chunk, as one tensor-core GEMM on a GPU."""
 
 from __future__ import annotations
 
@@ -70,3 +71,35 @@ def rotate_rows(
         STORE_OUT=not identity, WRITE=dest is not None, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def rotate_chunk(x: Tensor, M: Tensor | None, mean_rot: Tensor | None = None) -> Tensor:
+    """A prompt chunk's rows x [B, H, T, D] → x·M − μ·M per head, rounded once to x's dtype:
+    `reference.rotate_centred`'s contract (M [H, D, D] or [1, D, D], None: x is rotated already; mean_rot [H, D] or
+    [1, D], None: uncentred).
+
+    On a GPU in bfloat16 this is one tensor-core GEMM instead of float32 math: M is split into two parts of x's
+    dtype, M = M_hi + M_lo + ε (|ε| ≤ 2⁻¹⁸|M|), and −μ·M likewise, so that [x, x, 1, 1]·[M_hi; M_lo; −μ_hi;
+    −μ_lo] accumulates x·M − μ·M in float32 from exact products and rounds once. The result is the float32 path's
+    but for the last bit of the few elements whose value lies within ≈ 2⁻¹⁸ of a rounding boundary (GPU test:
+    within one unit in the last place everywhere). Elsewhere the float32 reference runs."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and M is not None):  # no M: a subtraction at most
+        return reference.rotate_centred(x, M, mean_rot)
+    D = x.shape[-1]
+    weights, cols = list(_split(M.reshape(-1, D, D), x.dtype)), [x, x]
+    if mean_rot is not None:
+        hi, lo = _split(-mean_rot.reshape(-1, 1, D), x.dtype)
+        pad = hi.new_zeros(hi.shape[0], 6, D)  # K padded to a multiple of 8 (cuBLAS's fast alignment)
+        weights += [hi, lo, pad]
+        cols.append(x.new_ones(*x.shape[:-1], 8))
+    heads = max(w.shape[0] for w in weights)
+    W = torch.cat([w.expand(heads, -1, -1) for w in weights], dim=1)  # [H or 1, K, D]
+    return torch.matmul(torch.cat(cols, dim=-1), W)
+
+
+def _split(M: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """M (float32) as hi + lo in `dtype`: hi = M rounded, lo = the remainder rounded (M − hi − lo ≈ 2⁻¹⁸|M| in
+    bfloat16)."""
+    M = M.float()
+    hi = M.to(dtype)
+    return hi, (M - hi.float()).to(dtype)

@@ -96,3 +96,32 @@ def test_rotate_rows_refuses_bad_shapes():
         rotate_op.rotate_rows(x, None, torch.zeros(4, 64))
     with pytest.raises(ValueError, match="dest"):
         rotate_op.rotate_rows(x, None, None, dest=torch.zeros(1, 6, 3, 32), slot=torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("H", "H_M", "centred"), [(8, 8, True), (32, 1, False), (8, 8, False), (4, 1, True)])
+def test_rotate_chunk_split_gemm_against_float64(H, H_M, centred):
+    """`rotate_op.rotate_chunk` on a GPU in bfloat16 (a prompt chunk's q, k, v and output: one GEMM of [x, x, 1] against
+    M and −μ·M each split into two bfloat16 parts): every element within one bfloat16 step of x·M − μ·M computed in
+    float64 and rounded once, at most 1 % of them not equal to that rounding (the float32 path's own); Mᵀ in place of
+    M, or μ with the wrong sign, is far outside."""
+    g = torch.Generator().manual_seed(H + H_M)
+    D, T = 128, 1500
+    x = (torch.randn(2, H, T, D, generator=g, dtype=torch.float64) * 3).bfloat16()
+    M = _orthogonal(H_M, D, g)
+    mean = torch.randn(H_M if centred else 1, D, generator=g, dtype=torch.float64) * 5 if centred else None
+    got = rotate_op.rotate_chunk(x.cuda(), M.float().cuda(), None if mean is None else mean.float().cuda()).cpu()
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+
+    def want(M, mean):
+        y = torch.matmul(x.double(), M)
+        return y if mean is None else y - mean.unsqueeze(-2)
+
+    y64 = want(M, mean)
+    rounded = y64.bfloat16().double()
+    diff = (got.double() - rounded).abs()
+    assert (diff <= rounded.abs() * 2.0**-7 + 1e-30).all()
+    assert (diff > 0).double().mean() < 0.01
+    wrong = [want(M.transpose(-1, -2), mean)] + ([want(M, -mean)] if mean is not None else [])
+    for y in wrong:
+        assert ((got.double() - y).abs() > 0.1).double().mean() > 0.5
