@@ -79,10 +79,11 @@ def rotate_chunk(x: Tensor, M: Tensor | None, mean_rot: Tensor | None = None) ->
     [1, D], None: uncentred).
 
     On a GPU in bfloat16 this is one tensor-core GEMM instead of float32 math: M is split into two parts of x's
-    dtype, M = M_hi + M_lo + ε (|ε| ≤ 2⁻¹⁸|M|), and −μ·M likewise, so that [x, x, 1, 1]·[M_hi; M_lo; −μ_hi;
+    dtype, M = M_hi + M_lo + ε (|ε| ≤ 2⁻¹⁶|M|), and −μ·M likewise, so that [x, x, 1, 1]·[M_hi; M_lo; −μ_hi;
     −μ_lo] accumulates x·M − μ·M in float32 from exact products and rounds once. The result is the float32 path's
-    but for the last bit of the few elements whose value lies within ≈ 2⁻¹⁸ of a rounding boundary (GPU test:
-    within one unit in the last place everywhere). Elsewhere the float32 reference runs."""
+    but for the last bit of the few elements whose value lies within ≈ 2⁻¹⁶·Σ|x||M| of a rounding boundary (GPU
+    test: within one unit in the last place plus that bound everywhere, the last bit differing in under 1 %).
+    Elsewhere the float32 reference runs."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and M is not None):  # no M: a subtraction at most
         return reference.rotate_centred(x, M, mean_rot)
     D = x.shape[-1]
@@ -98,7 +99,7 @@ def rotate_chunk(x: Tensor, M: Tensor | None, mean_rot: Tensor | None = None) ->
 
 
 def _split(M: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """M (float32) as hi + lo in `dtype`: hi = M rounded, lo = the remainder rounded (M − hi − lo ≈ 2⁻¹⁸|M| in
+    """M (float32) as hi + lo in `dtype`: hi = M rounded, lo = the remainder rounded (|M − hi − lo| ≤ 2⁻¹⁶|M| in
     bfloat16)."""
     M = M.float()
     hi = M.to(dtype)

@@ -11,7 +11,7 @@ import math
 import torch
 from transformers import DynamicCache
 
-from oscar_zoo.runtime import layout, reference
+from oscar_zoo.runtime import layout, reference, rotate_op
 from oscar_zoo.runtime.attention import enable_oscar, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache
 
@@ -69,8 +69,9 @@ def test_aimed_queries_pin_their_token_exactly_and_the_rest_is_quantized_in_orde
     assert (layer.n_sink, layer.n_pinned, layer.n_hist, layer.n_recent) == (layout.SINK, PIN, hist, layout.RECENT)
     assert layer.sink_len.tolist() == [layout.SINK + PIN] * B and cache.get_seq_length() == prompt
 
-    rk = reference.rotate(k[:, :, :prompt], Mk[0]).to(layout.TIER_DTYPE)  # the tiers' rows, by position
-    rv = reference.rotate(v[:, :, :prompt], Mv[0]).to(layout.TIER_DTYPE)
+    # the tiers' rows, by position: the prompt's rotation as the cache runs it (on a GPU in bfloat16 the split GEMM,
+    # whose accuracy test_rotate_kernel checks against float64; elsewhere float32)
+    rk, rv = (rotate_op.rotate_chunk(x[:, :, :prompt], M).to(layout.TIER_DTYPE) for x, M in ((k, Mk[0]), (v, Mv[0])))
     pinned = layer.sink_k[:, :, layout.SINK : layout.SINK + PIN]
     positions = torch.zeros(B, H_KV, PIN, dtype=torch.long)
     for b in range(B):
