@@ -175,9 +175,14 @@ def test_cli_needle_table_json_heatmap_and_bad_options(run_cli, good_artifacts, 
     _print_needle(NeedleReport.model_validate(needle))
     printed = capsys.readouterr().out
     assert "needle: OSCAR" in printed and "second chunk" in printed
-    for short, m in (("OSCAR", needle["methods"][1]), ("naive INT2", needle["methods"][2])):  # paired with BF16
+    # paired with the reference, named by the dtype `--dtype auto` ran: BF16, or FP32 on a CPU without native bfloat16
+    from oscar_zoo.models import native_cpu_bfloat16
+
+    dtype = "BF16" if native_cpu_bfloat16() else "FP32"
+    assert needle["methods"][0]["label"].startswith(dtype)
+    for short, m in (("OSCAR", needle["methods"][1]), ("naive INT2", needle["methods"][2])):
         it, ref = (100 * answer_is_right(x["answers"][0], needle["keys"][0]) for x in (m, needle["methods"][0]))
-        assert f"{short} at 300: {it:.1f}% vs BF16 {ref:.1f}% over 1 prompts" in printed, printed
+        assert f"{short} at 300: {it:.1f}% vs {dtype} {ref:.1f}% over 1 prompts" in printed, printed
     _print_needle(NeedleReport.model_validate({**needle, "protocol": "prompt"}))  # says which path it measured
     assert "context and question as one prompt" in capsys.readouterr().out
     for bad in (("--needle-depths", "0.5,1.5"), ("--needle-lengths", "12"), ("--needle-trials", "0"),
