@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|channel-tests|channel-bench|channel-generate|blockq]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -50,6 +50,9 @@
 # rotate-prefill: a prompt chunk's rotations as a split bfloat16 GEMM (rotate_op.rotate_chunk): its GPU test and the
 #   GPU tests of the prefill paths, then time to first token at 32K and 100K: OSCAR, OSCAR with float32 rotations
 #   (the A/B row) and bf16graph
+# budget-codec: no tests; the 100 GB KV-budget rows at 100K with the shipped codec (calibrate's defaults: --key-bits 2.7,
+#   keys per channel over 128-token blocks) and compiled layers, beside 100K batch 1 and 8, then the same rows with
+#   eager OSCAR (--no-graph) for the peak-memory comparison (needs an H200: 100 GB of KV)
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -247,6 +250,16 @@ if [ "$mode" = kernels ]; then
     tests/runtime/test_decode_kernels.py tests/runtime/test_merge_kernel.py 2>&1 | tee "$OUT/test_gpu.log" | tail -3
   python3 benchmarks/bench_quantize.py --both-builds 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
   python3 benchmarks/bench_decode.py --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
+  exit 0
+fi
+if [ "$mode" = budget-codec ]; then
+  codec="--key-bits 2.7 --key-block 128"
+  timeout ${LIMIT:-400} python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts 100000 \
+    --phases $codec 2>&1 | tee "$OUT/bench_generate_budget.log" | grep -E "^\||^budget"
+  [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_budget.json"
+  [ -n "${SKIP_EAGER:-}" ] && exit 0
+  python3 benchmarks/bench_generate.py --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
+    --phases $codec 2>&1 | tee "$OUT/bench_generate_eager.log" | grep -E "^\|"
   exit 0
 fi
 if [ "$mode" != bench ]; then
