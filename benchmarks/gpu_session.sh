@@ -52,7 +52,7 @@
 #   (the A/B row) and bf16graph
 # budget-codec: no tests; the 100 GB KV-budget rows at 100K with the shipped codec (calibrate's defaults: --key-bits 2.7,
 #   keys per channel over 128-token blocks) and compiled layers, beside 100K batch 1 and 8, then the same rows with
-#   eager OSCAR (--no-graph) for the peak-memory comparison (needs an H200: 100 GB of KV)
+#   eager OSCAR (--no-graph) for the peak-memory comparison (needs an H200: 100 GB of KV; BUDGET_GB=50 fits an H100)
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -255,7 +255,7 @@ fi
 if [ "$mode" = budget-codec ]; then
   codec="--key-bits 2.7 --key-block 128"
   timeout ${LIMIT:-400} python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts 100000 \
-    --phases $codec 2>&1 | tee "$OUT/bench_generate_budget.log" | grep -E "^\||^budget"
+    --budget-gb ${BUDGET_GB:-100} --phases $codec 2>&1 | tee "$OUT/bench_generate_budget.log" | grep -E "^\||^budget"
   [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_budget.json"
   [ -n "${SKIP_EAGER:-}" ] && exit 0
   python3 benchmarks/bench_generate.py --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
