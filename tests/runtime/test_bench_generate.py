@@ -55,6 +55,7 @@ def test_run_row_and_memory_accounting(model, kind):
     assert row["kv_bytes"] == row["expected_kv_bytes"]
     if kind == "oscar":
         assert {"attention kernels", "rotation", "cache write + demotion"} <= set(row["phases_ms_per_step"])
+        assert row["warmup"] == 8 + 2  # a demotion (8 tokens) before the timed steps: its first-use compile untimed
 
     cache = bg.make_cache(kind, model, T + 20)
     bg.use_attention(model, kind)
