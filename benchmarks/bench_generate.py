@@ -503,7 +503,7 @@ def main(argv=None) -> dict:
                     help="fold OSCAR's value rotation into v_proj/o_proj (the served configuration)")
     ap.add_argument("--bandwidth-tbs", type=float, default=4.27, help="HBM bandwidth for the floor column (TB/s)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
-    ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps first (OSCAR rows: raised to cover a demotion)")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps first (OSCAR: at least one demotion)")
     ap.add_argument("--fill", choices=["kv", "model"], default="kv")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (fill=model)")
     ap.add_argument("--budget-gb", type=float, default=100.0, help="KV memory budget for the max-batch rows")

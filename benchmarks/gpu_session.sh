@@ -257,7 +257,6 @@ if [ "$mode" = budget-codec ]; then
   timeout ${LIMIT:-400} python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts 100000 \
     --budget-gb ${BUDGET_GB:-100} --phases $codec 2>&1 | tee "$OUT/bench_generate_budget.log" | grep -E "^\||^budget"
   [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_budget.json"
-  [ -n "${SKIP_EAGER:-}" ] && exit 0
   python3 benchmarks/bench_generate.py --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
     --phases $codec 2>&1 | tee "$OUT/bench_generate_eager.log" | grep -E "^\|"
   exit 0
