@@ -12,6 +12,17 @@ import importlib  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores for torch's intra-op
+# threads, and so do the processes the tests start. With torch's default (every core per worker) two workers on two
+# cores oversubscribe them, and OpenMP's waiting threads made the two real-SmolLM2 needle tests run side by side take
+# 137 s each against 29 s with one thread per worker (README, "Quick start").
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _threads = max(1, _cores // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 # Triton decides at decoration time whether a @triton.jit function is interpreted -- its own `tl.zeros` & co. too, when
 # `triton.language` is first imported. So on CPU-only machines triton and every kernel module are imported here, first
 # and in interpreter mode; then the variable is restored, so ops fall back to the reference unless a test (the `device`
