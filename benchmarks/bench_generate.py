@@ -175,6 +175,14 @@ def use_attention(model, kind: str) -> None:
         model.set_attn_implementation("eager" if getattr(model.config, "attn_logit_softcapping", None) else "sdpa")
 
 
+def fold_once(model, cache: OscarCache) -> None:
+    """Fold the value rotation into v_proj/o_proj once per model: the benchmark's rotations are the same for every
+    OSCAR cache (seed 0), so later caches share the folded weights."""
+    if not getattr(model, "_oscar_folded", False):
+        fold_value_rotation(model, cache)
+        model._oscar_folded = True
+
+
 def kv_bytes(cache: Cache) -> int:
     """Bytes allocated by the cache's per-token storage (K/V tiers, INT2 codes, scale/zero, lengths), capacity
     included; the OSCAR rotations are fixed per model and counted apart (`rotation_bytes`)."""
@@ -355,9 +363,8 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
     use_attention(model, kind)
     base = fresh_peak(dev)
     cache = make_cache(kind, model, capacity)
-    if fold and not getattr(model, "_oscar_folded", False):
-        fold_value_rotation(model, cache)  # the benchmark's rotations are the same for every OSCAR cache (seed 0)
-        model._oscar_folded = True
+    if fold:
+        fold_once(model, cache)
     t0 = time.perf_counter()
     if fill == "model":
         ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev, generator=torch.Generator(dev).manual_seed(2))

@@ -1,5 +1,5 @@
 """Where an eager (uncaptured) OSCAR decode step's time goes: per-step wall time, Triton cache entries added per step,
-and a cProfile of the slowest steps. A diagnostic for the eager rows of bench_generate.py (`--no-graph`).
+and a cProfile of the timed steps. A diagnostic for the eager rows of bench_generate.py (`--no-graph`).
 
     PYTHONPATH=. python3 benchmarks/probe_eager_step.py --layers 4 --context 100000 --batch 1 --key-bits 2.7 \
         --key-block 128 --steps 40
@@ -17,7 +17,6 @@ import time
 import torch
 
 from benchmarks import bench_generate as bg
-from oscar_zoo.runtime.attention import fold_value_rotation
 
 
 def triton_cache_entries() -> int:
@@ -43,15 +42,13 @@ def main() -> None:
     bg.use_attention(model, "oscar")
     for B in args.batch:
         cache = bg.make_cache("oscar", model, args.context + args.steps + 300)
-        if not getattr(model, "_oscar_folded", False):
-            fold_value_rotation(model, cache)
-            model._oscar_folded = True
+        bg.fold_once(model, cache)
         bg.fill_kv(cache, model, B, args.context, reserve=args.steps + 300)
         tokens = torch.randint(0, model.config.vocab_size, (B, 1), device=dev)
         kw = bg.cache_kwarg(model)
         times, added = [], []
         prof = cProfile.Profile()
-        for i in range(args.steps):
+        for _ in range(args.steps):
             n0 = triton_cache_entries()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -68,10 +65,10 @@ def main() -> None:
         print("triton cache entries added: " + " ".join(str(a) for a in added))
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(args.profile_top)
-        print(s.getvalue()[-6000:])
+        print(s.getvalue())
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
-        print(s.getvalue()[-3500:])
+        print(s.getvalue())
         del cache
 
 
