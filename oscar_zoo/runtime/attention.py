@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import compiled, layout, ops, reference, rotate_op
-from .cache import CACHE_ARGS, OscarCache
+from .cache import CACHE_ARGS, OscarCache, OscarLayer
 from .graph import install
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -115,6 +117,8 @@ def oscar_attention(
         out = dense_attention(query, key, value, scale, softcap, causal=bool(causal))
         return out.transpose(1, 2).contiguous(), None
 
+    if not getattr(oscar_cache, "kernels_ready", True) and query.is_cuda:  # build before the first decode step
+        warm_up(oscar_cache, query, key.shape[1], scale, softcap, layer.v_folded)
     n, H_q = query.shape[2], query.shape[1]
     Mk_q, Mvt_q, mu_v = layer.per_query_head(H_q)  # [H_q, D, D] (or shared [1, D, D]): M_K, M_Vᵀ; μ_V·M_V [H_q, D]
     if layer.v_folded:  # o_proj un-rotates
@@ -150,6 +154,81 @@ def oscar_attention(
             layer.pin_tokens(lambda cand: reference.pin_scores(window, _uncentred_keys(cand, layer, softcap), keys,
                                                                scale, softcap=softcap))
     return _unrotate(o, Mvt_q, query.dtype, mu_v), None
+
+
+# the kernel builds rehearsed in this process, by `_build_key` (Triton keeps the compiled kernels process-wide too)
+_REHEARSED: set[tuple] = set()
+
+
+def warm_up(cache: OscarCache, query: Tensor, kv_heads: int, scale: float, softcap: float | None = None,
+            v_folded: bool = False) -> float:
+    """Build every Triton kernel a generation with `cache` can launch before its first decode step: for each distinct
+    kernel build among the cache's layers (key bits, clip builds, window settings, means, value fold, batch shape,
+    dtype, softcap), a scratch layer of the same settings runs a prompt that fills every tier, then single-token steps
+    across two demotions (`flush`-row demotions, keys per channel a whole block each), attending at every step through
+    `oscar_attention` — the path a generate() step takes, eager or inside the compiled step's op. The cache's own tiers
+    are not touched. Called by the "oscar" attention at a cache's first call on a GPU (the prefill), with that call's
+    query [B, H_q, n, D], its KV head count and value fold (the whole model's); layers of another head dim than D are
+    not rehearsed. One line on stderr when it took over a second. Returns the seconds it took (0.0: nothing left to
+    build). Kernel split and block counts are not specialised on (`kernels/decode.py`), so a growing history builds
+    nothing more; CUDA graph capture of the static steps comes after, and compiles nothing."""
+    cache.kernels_ready = True
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        return 0.0
+    B, H_q, _, D = query.shape
+    t0 = time.perf_counter()
+    for layer in cache.layers:
+        if layer.rotation is None or not layer.quantize or layer.rotation.k.shape[-1] != D:
+            continue
+        key = _build_key(layer, query, kv_heads, softcap, v_folded)
+        if key not in _REHEARSED:
+            _rehearse(layer, query, kv_heads, scale, softcap, v_folded)
+            _REHEARSED.add(key)
+    seconds = time.perf_counter() - t0
+    if seconds > 1.0:
+        print(f"oscar-zoo: built the OSCAR cache's Triton kernels in {seconds:.1f} s, before the first decode step "
+              f"(later processes on this machine reuse Triton's on-disk cache)", file=sys.stderr)
+    return seconds
+
+
+def _build_key(layer, query: Tensor, kv_heads: int, softcap: float | None, v_folded: bool) -> tuple:
+    """What decides the kernel builds a layer's steps use: the batch shape, dtype and device of the query, the softcap,
+    the value fold, the layer's settings, key bits, its clips (their top-k builds, `quantize_ops`) and means."""
+    rot = layer.rotation
+    return (query.device, query.dtype, query.shape[0], query.shape[1], kv_heads, softcap, v_folded, tuple(rot.k.shape),
+            rot.k_bits, rot.k_mean is None, rot.v_mean is None, rot.k_min_clip, rot.v_min_clip, layer.group_size,
+            layer.sink, layer.recent, layer.flush, layer.pin, layer.key_block)
+
+
+def _rehearse(layer, query: Tensor, H_kv: int, scale: float, softcap: float | None, v_folded: bool) -> None:
+    """Run a scratch copy of `layer` (same rotation and settings, empty tiers) through a prompt and decode steps across
+    two demotions, with random K/V [B, H_kv, n, D] and queries shaped as `query` [B, H_q, n, D] (see `warm_up`)."""
+    B, H_q, _, D = query.shape
+    scratch = OscarLayer(layer.rotation, 0, layer.group_size, layer.sink, layer.recent, layer.flush, True,
+                         layer.pin, layer.key_block)
+    scratch.v_folded = v_folded
+    cache = _Scratch([scratch])
+    module = _Scratch(None)  # (layer_idx 0, not training)
+
+    def step(n: int) -> None:
+        kv = [torch.randn(B, H_kv, n, D, dtype=query.dtype, device=query.device) for _ in range(2)]
+        q = torch.randn(B, H_q, n, D, dtype=query.dtype, device=query.device)
+        key, value = scratch.update(*kv)
+        oscar_attention(module, q, key, value, None, scaling=scale, softcap=softcap, oscar_cache=cache)
+
+    step(layer.sink + layer.recent + 2 * layer.flush + 1)  # a prompt: every tier, history rows (pinned ones too)
+    demotions = 0
+    while demotions < 2:
+        demotions += scratch.is_static_step(1) and scratch.demotes_next()
+        step(1)
+    step(1)  # the step after a demotion
+
+
+class _Scratch:
+    """The few attributes `oscar_attention` reads of a cache (`layers`, `kernels_ready`) and of a module."""
+
+    def __init__(self, layers):
+        self.layers, self.kernels_ready, self.layer_idx, self.training = layers, True, 0, False
 
 
 def _key_mean_logits(q_rot: Tensor, layer, softcap: float | None, scale: float) -> Tensor | None:

@@ -474,6 +474,7 @@ class OscarCache(Cache):
                                "pin": pin if quantize else 0, "key_block": key_block}  # as built (artifact.QUANT_KEYS)
         self.quantize = quantize
         self.bound_layer: int | None = None  # set by enable_oscar's hook just before a module's update
+        self.kernels_ready = False  # set by attention.warm_up at the first call on a GPU
         self.centred = k_mean is not None or v_mean is not None
 
     @classmethod

@@ -419,14 +419,15 @@ def _launch_merge(o3: Tensor, l2: Tensor, out: Tensor, out_lse: Tensor, mean: Te
     `mean` [H_mu, D] float32 is added to row n (query head n % H_q, served by head (n % H_q) // (H_q / H_mu))."""
     merge = _kernels()[2]
     N, S, D = o3.shape
-    # split D (slices of ≥ 16 floats) until there are ~MERGE_PROGRAMS programs; tiles of ~MERGE_TILE elements
+    # split D (slices of ≥ 16 floats) until there are ~MERGE_PROGRAMS programs; tiles of ~MERGE_TILE elements, sized
+    # by the batch shape alone (not by S, which grows with the history: one build serves a whole generation)
     parts = max(1, min(D // 16, triton_next_pow2(-(-MERGE_PROGRAMS // N))))
     block_d, pdl = D // parts, _pdl(o3)
     merge._merge_kernel[(N, parts)](
         o3, l2, out, out_lse, mean if mean is not None else out_lse,
         S, H_q, H_q // (mean.shape[0] if mean is not None else 1),
         o3.stride(0), o3.stride(1), l2.stride(0), out.stride(0), mean.stride(0) if mean is not None else 0,
-        BLOCK_D=block_d, BLOCK_S=min(triton_next_pow2(S), max(16, MERGE_TILE // block_d)), PDL=pdl,
+        BLOCK_D=block_d, BLOCK_S=max(16, MERGE_TILE // block_d), PDL=pdl,
         MEAN=mean is not None, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 

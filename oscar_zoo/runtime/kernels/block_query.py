@@ -29,7 +29,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .int2_codes import MAGIC, _int8_parts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "BPP"])  # block counts change as the history grows: one build
 def _block_query_kernel(
     q_ptr,  # [B, H_q, D] (fp32 or bf16)
     szk_ptr,  # [B, H_kv, NB, D, 2] float16 (scale, zero) per block and channel

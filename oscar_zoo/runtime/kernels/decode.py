@@ -503,7 +503,10 @@ def _attend(
     tl.store(lse_ptr + b64 * stride_lb + qhead * stride_lh + out_split, lse, mask=g_ok)
 
 
-@triton.jit
+# the split and block counts (and the lse strides, which are split counts) change as the history grows: not
+# specialised on their values, so one compiled kernel serves a whole generation (`attention.warm_up` builds it before
+# the first decode step)
+@triton.jit(do_not_specialize=["S_SINK", "S_HIST", "S_RECENT", "NB", "stride_lb", "stride_lh"])
 def _decode_kernel(
     q_ptr,  # [B, H_q, D]
     sk_ptr, sv_ptr, slen_ptr,  # sink K/V [B, H_kv, SINK_CAP, D] bf16, lengths [B] int32
