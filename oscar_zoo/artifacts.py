@@ -8,6 +8,7 @@ only if it is absent, empty, or recognisably an artifact folder (`check_destinat
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -78,17 +79,43 @@ WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota 
 PATH_ERRNOS = {errno.ELOOP: "a loop of symbolic links", errno.ENAMETOOLONG: "a name too long for the file system"}
 
 
+# errors of writing: a copy or rename that fails with one of them names its source first, the file written second
+_WRITE_SIDE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
 def write_failure(exc: OSError, path: Path) -> InputError | None:
     """The InputError (exit 2) naming `path` for an OSError a user fixes on their side (full disk, read-only file
-    system, no permission, a path that cannot be looked up), or None for any other OSError."""
+    system, no permission, a path that cannot be looked up), or None for any other OSError. The file named is the one
+    the OS error names — for a full disk or a read-only file system during a copy or rename, the file being written,
+    not the one read (`shutil.copyfile` names both) — with a staging folder shown as the destination it becomes
+    (`shown_path`)."""
+    named = exc.filename2 if exc.errno in _WRITE_SIDE and exc.filename2 else exc.filename
+    shown = shown_path(named) if isinstance(named, (str, bytes, os.PathLike)) and named else path
     if exc.errno in PATH_ERRNOS:
-        return InputError(f"cannot use {exc.filename or path}: {PATH_ERRNOS[exc.errno]}; nothing was changed",
+        return InputError(f"cannot use {shown}: {PATH_ERRNOS[exc.errno]}; nothing was changed",
                           "pick another path")
     why = WRITE_ERRNOS.get(exc.errno)
     if why is None:
         return None
-    return InputError(f"cannot write {exc.filename or path}: {why} ({exc.strerror or exc}); nothing was changed there",
+    return InputError(f"cannot write {shown}: {why} ({exc.strerror or exc}); nothing was changed there",
                       "free space, or pick a writable folder (--out / --dest, or OSCAR_ZOO_CACHE for the cache)")
+
+
+EXPORT_STAGING = "oscar-export"  # the name export's staging folders are made beside, inside its --out
+_STAGED = re.compile(r"^\.(?P<dest>.+)\.[0-9a-f]{8}-\d+\.[a-z0-9_]+\.(?:tmp|pull)$")  # `staging_folder`'s names
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """`path` with a staging folder (`staging_folder`) in it shown as the destination it is built for: what a user
+    asked to write is `DEST/rotations.safetensors`, not `.DEST.<host>-<pid>.<random>.pull/rotations.safetensors`."""
+    parts = []
+    for part in Path(os.fsdecode(path)).parts:
+        match = _STAGED.match(part)
+        if match is None:
+            parts.append(part)
+        elif match["dest"] != EXPORT_STAGING:  # export stages inside --out: its files go to the folder holding it
+            parts.append(match["dest"])
+    return str(Path(*parts)) if parts else os.fsdecode(path)
 
 
 @functools.cache
@@ -182,15 +209,61 @@ def swap_into_place(new: Path, dest: Path) -> None:
     """Move the complete folder `new` to `dest`, replacing an existing `dest` only after `new` is in place.
 
     `dest` is resolved first (`.`, `..`, symlinks): a symlinked destination has its target replaced and the link kept.
-    `new` must live in the same folder as the resolved `dest` (`staging_folder` makes it so)."""
+    `new` must live in the same folder as the resolved `dest` (`staging_folder` makes it so). An existing `dest` is
+    renamed aside to a fresh `.<dest>.<host>-<pid>.<random>.old` first, then `new` is renamed in and the old folder
+    deleted; a run killed in between leaves states that `recover_interrupted_swap` resolves on the next run."""
     dest = Path(dest).resolve()
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    if not dest.exists():
+        os.replace(new, dest)
+        return
+    # a fresh, empty folder to rename `dest` onto: its name is never in use, whatever process ids are reused
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{_owner_tag()}.", suffix=f".{SWAP_OLD}", dir=dest.parent))
+    try:
         os.replace(dest, old)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            old.rmdir()  # still empty unless the rename happened after all: then it is left to the recovery
+        raise
+    try:
         os.replace(new, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(new, dest)
+    except BaseException:
+        if not os.path.lexists(dest):
+            os.replace(old, dest)  # the old folder goes back: `dest` is never left missing by a failed swap
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+SWAP_OLD = "old"  # the kind of the name an existing folder is renamed to while a swap replaces it
+
+
+def recover_interrupted_swap(dest: Path) -> None:
+    """Finish or undo the swap into `dest` (a resolved path) of a run that was killed part-way (`swap_into_place`),
+    keeping the last complete folder the user had there. For each `.<dest>.<host>-<pid>.<random>.old` made on this
+    machine by a process that is gone (and each `.<dest>.old-<pid>` of older versions whose process is gone), newest
+    first: when `dest` exists, the new folder is in place and this one (perhaps half deleted) is deleted; when `dest`
+    is missing, the swap was cut between its two renames and this is the complete old folder: it is renamed back to
+    `dest` (if it is empty or an artifact folder; anything else is left where it is). Folders of live processes (a
+    running swap, or a process id now reused) and of other machines are left alone; nothing here raises."""
+    host = _owner_tag().split("-")[0]
+    current = re.compile(rf"^\.{re.escape(dest.name)}\.{host}-(?P<pid>\d+)\.[a-z0-9_]+\.{SWAP_OLD}$")
+    legacy = re.compile(rf"^\.{re.escape(dest.name)}\.old-(?P<pid>\d+)$")
+    try:
+        entries = list(dest.parent.iterdir())
+        found = []
+        for entry in entries:
+            match = current.match(entry.name) or legacy.match(entry.name)
+            if match and entry.is_dir() and not entry.is_symlink() and not _process_alive(int(match["pid"])):
+                found.append((entry.lstat().st_ctime_ns, entry))
+    except OSError:
+        return
+    for _, entry in sorted(found, reverse=True):
+        try:
+            if os.path.lexists(dest):
+                shutil.rmtree(entry)
+            elif not any(entry.iterdir()) or artifact_folder_problem(entry) is None:
+                os.rename(entry, dest)
+        except OSError:
+            continue  # e.g. another run recovered it first; the next run looks again
 
 
 # -- may a destination be replaced? ---------------------------------------------------------------------------------
@@ -232,8 +305,10 @@ def check_destination(dest: Path, label: str) -> Path:
     anyone's files: it must be absent, an empty folder, or an artifact folder (`artifact_folder_problem`), and it must
     not be the current folder or hold it (a swap would pull it out from under the shell), and the folder it is built
     in (its parent, or the nearest existing folder above) must be writable. Returns the resolved path; raises
-    InputError (exit 2) otherwise, having touched nothing. `label` names the option in the message."""
+    InputError (exit 2) otherwise, having touched nothing but a swap into `dest` that a killed run left unfinished
+    (`recover_interrupted_swap`, first). `label` names the option in the message."""
     resolved = folder_destination(dest, label, "pick a new or empty folder")
+    recover_interrupted_swap(resolved)
     if resolved.is_dir() and any(resolved.iterdir()):
         problem = artifact_folder_problem(resolved)
         if problem:
@@ -324,8 +399,12 @@ def _process_alive(pid: int) -> bool:
 
 
 def artifact_folder(folder: Path) -> Path:
-    """`folder` as a Path, if it is an existing folder; InputError (exit 2) for a file or a missing path."""
+    """`folder` as a Path, if it is an existing folder; InputError (exit 2) for a file or a missing path. A missing
+    folder that a killed run's swap left renamed aside is put back first (`recover_interrupted_swap`)."""
     folder = Path(folder)
+    if not folder.exists():  # missing, or a symlink to a missing folder
+        with contextlib.suppress(OSError, RuntimeError):
+            recover_interrupted_swap(folder.expanduser().resolve())
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder} is a file, not an artifact folder", "pass the folder that holds manifest.json")
     if not folder.is_dir():
