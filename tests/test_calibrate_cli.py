@@ -111,7 +111,7 @@ def test_interrupted_calibration_resumes_to_the_same_result(tiny_model_dir, text
 
     calls = []
 
-    def interrupt_in_pass_two(desc, done, total, rate=""):
+    def interrupt_in_pass_two(desc, done, total, rate="", **fields):
         calls.append(desc)
         if desc.startswith("pass 2") and 0 < done < total:
             raise KeyboardInterrupt

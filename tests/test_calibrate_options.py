@@ -107,7 +107,7 @@ def test_ctrl_c_says_what_was_kept_and_the_rerun_says_it_resumed(run_cli, tiny_m
 
     @contextmanager
     def interrupt_in_pass_two(enabled=True):
-        def report(desc, done, total, rate=""):
+        def report(desc, done, total, rate="", **fields):
             if desc.startswith("pass 2") and 0 < done < total:
                 raise KeyboardInterrupt
 

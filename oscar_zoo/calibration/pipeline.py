@@ -44,9 +44,50 @@ from .rotation import fit_rotations, spectrum_ratio
 from .settings import DEFAULT_KEY_BITS, CalibrationSettings  # noqa: F401 -- DEFAULT_KEY_BITS: read from here too
 from .targets import FirstMoment, SecondMoment, centred_target, group_heads, key_weights
 
-Progress = Callable[..., None]  # progress(description, done, total, rate="")
+Progress = Callable[..., None]  # progress(description, done, total, rate="", run_left=None)
 Info = Callable[[str], None]  # one line for the user (resumed from where, reused what)
 BPE_CONTEXTS = (2048, 32768, 131072)
+PASS1, HELDOUT, PASS2 = "pass 1/2: key target", "held-out capture", "pass 2/2: value target"  # the passes' bars
+class PassesClock:
+    """Time left for all of a run's capture passes together, not for the one running: the tokens still to go in
+    every planned pass (`plan`) over the rate this run has measured across its passes so far. `clock` is injectable
+    for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._left: dict[str, int] = {}  # tokens still to forward, per pass
+        self._forwarded = 0  # tokens forwarded in this run, all passes
+        self._busy = 0.0  # seconds spent forwarding them
+        self._since: float | None = None
+
+    def plan(self, name: str, tokens: int) -> None:
+        """`tokens` still to forward in pass `name` (0: nothing to run there)."""
+        self._left[name] = max(int(tokens), 0)
+
+    def start(self, name: str, tokens: int) -> None:
+        """Pass `name` starts with `tokens` to go (its exact count, replacing the plan's)."""
+        self.plan(name, tokens)
+        self._since = self._clock()
+
+    def advance(self, name: str, tokens: int) -> None:
+        """`tokens` of pass `name` forwarded since the last call."""
+        now = self._clock()
+        if self._since is not None:
+            self._busy += now - self._since
+        self._since = now
+        self._forwarded += tokens
+        self._left[name] = max(self._left.get(name, 0) - tokens, 0)
+
+    def seconds_left(self) -> float | None:
+        """Seconds until every planned pass is done; None before the first batch has given a rate."""
+        left = sum(self._left.values())
+        if left == 0:
+            return 0.0
+        if self._forwarded == 0 or self._busy <= 0:
+            return None
+        return left * self._busy / self._forwarded
+
+
 @dataclass
 class CalibrationResult:
     manifest: Manifest
@@ -74,6 +115,16 @@ class AccumulatorStore:
     def progress(saved: dict[str, torch.Tensor] | None, counter: str) -> int:
         """A counter stored with a checkpoint (0 when there is no checkpoint)."""
         return int(saved[f"state.{counter}"]) if saved and f"state.{counter}" in saved else 0
+
+    def counter(self, name: str, counter: str) -> int:
+        """A checkpoint's progress counter read without its sums (0 without a checkpoint or that counter)."""
+        from safetensors import safe_open
+
+        path = self.folder / f"{name}.safetensors"
+        if not path.is_file():
+            return 0
+        with safe_open(str(path), "pt") as f:
+            return int(f.get_tensor(f"state.{counter}")) if f"state.{counter}" in f.keys() else 0
 
     def load(self, name: str) -> dict[str, torch.Tensor] | None:
         path = self.folder / f"{name}.safetensors"
@@ -162,16 +213,23 @@ def store_key(loaded: LoadedModel, seqs: TokenSequences) -> str:
 
 
 def _pass(model, ids: torch.Tensor, batch_size: int, start: int, observer, desc: str, progress: Progress,
-          checkpoint: Callable[[int, bool], None]) -> None:
-    """One capture pass over sequences [start:]; `checkpoint(done, final)` after each batch (final: the last one)."""
+          checkpoint: Callable[[int, bool], None], clock: PassesClock | None = None) -> None:
+    """One capture pass over sequences [start:]; `checkpoint(done, final)` after each batch (final: the last one).
+    Each report carries `run_left`, the seconds left for all the run's passes (`clock`), not for this one."""
     T, n, t0 = ids.shape[1], ids.shape[0], time.perf_counter()
+    clock = clock or PassesClock()
+    clock.start(desc, (n - start) * T)
+    last = start
 
     def on_batch(done: int) -> None:
+        nonlocal last
         checkpoint(done, done == n)
+        clock.advance(desc, (done - last) * T)
+        last = done
         rate = (done - start) * T / max(time.perf_counter() - t0, 1e-9)
-        progress(desc, done * T, n * T, rate=f"{rate:,.0f} tok/s")
+        progress(desc, done * T, n * T, rate=f"{rate:,.0f} tok/s", run_left=clock.seconds_left())
 
-    progress(desc, start * T, n * T, rate="")
+    progress(desc, start * T, n * T, rate="", run_left=clock.seconds_left())
     with capturing(model, observer):
         forward_batches(model, ids, batch_size, start=start, on_batch=on_batch)
 
@@ -204,6 +262,13 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         v_mean = FirstMoment.from_state(saved, "v_mean", device) if saved else FirstMoment.zeros(L, H_kv, D, device)
         done1 = store.progress(saved, "pass1_done")
         _report_checkpoint(note, store, "pass 1/2", done1, N)
+        # the whole run's forward work, so every pass's bar shows the time left for all of them
+        clock = PassesClock()
+        T = ids.shape[1]
+        clock.plan(PASS1, (N - done1) * T)
+        clock.plan(HELDOUT, 0 if (store.folder / "heldout.safetensors").is_file() else seqs.heldout_ids.numel())
+        weighted = settings.value_target == ValueTarget.WEIGHTED
+        clock.plan(PASS2, (N - min(store.counter("pass2", "pass2_done"), N)) * T if weighted else 0)
         if done1 < N:
             def observe1(layer, q, k, v, out, scaling):
                 key.add(layer, group_heads(q, H_kv))
@@ -215,8 +280,8 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
                 return {**key.state("key"), **soft.state("softmax"), **k_mean.state("k_mean"),
                         **v_mean.state("v_mean")}
 
-            _pass(model, ids, bs, done1, observe1, "pass 1/2: key target", progress,
-                  lambda done, final: store.save_async("pass1", state1, wait=final, pass1_done=done))
+            _pass(model, ids, bs, done1, observe1, PASS1, progress,
+                  lambda done, final: store.save_async("pass1", state1, wait=final, pass1_done=done), clock)
             ran.append("pass1")
         # the checkpoint keeps this rank's sums; the reduced ones are new objects
         key, soft, k_mean, v_mean = reduce(key), reduce(soft), reduce(k_mean), reduce(v_mean)
@@ -236,7 +301,7 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
                     captured.setdefault(f"{layer}.{name}", []).append(t.detach().cpu())
                 captured[f"{layer}.scaling"] = [torch.tensor([scaling], dtype=torch.float64)]
 
-            _pass(model, seqs.heldout_ids, bs, 0, observe_heldout, "held-out capture", progress, lambda *_: None)
+            _pass(model, seqs.heldout_ids, bs, 0, observe_heldout, HELDOUT, progress, lambda *_: None, clock)
             heldout = {k: torch.cat(v) for k, v in captured.items()}
             store.save("heldout", heldout)
             ran.append("heldout")
@@ -263,10 +328,10 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
                 value.add(layer, vg, w)
                 v_wmean.add(layer, vg, w)
 
-            _pass(model, ids, bs, done2, observe2, "pass 2/2: value target", progress,
+            _pass(model, ids, bs, done2, observe2, PASS2, progress,
                   lambda done, final: store.save_async("pass2", lambda: {**value.state("value"),
                                                                          **v_wmean.state("v_wmean")},
-                                                       wait=final, pass2_done=done))
+                                                       wait=final, pass2_done=done), clock)
             ran.append("pass2")
         return key, reduce(value), soft, heldout, ran, (k_mean, v_mean, reduce(v_wmean))
     finally:
