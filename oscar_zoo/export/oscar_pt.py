@@ -272,11 +272,11 @@ def export_oscar_pt(artifacts: Path, out: Path, allow_average: bool, allow_degra
              V_FILE: oscar_pt_bytes(V_OBJECTIVE, layer_ids, v_rot, v_eig)}
     written = None
     if sglang:
-        check_out(out, (*files, ENV_FILE, LAUNCH_SCRIPT))  # the settings resolve paths under it: a loop is one line
+        check_out(out, (*files, ENV_FILE, LAUNCH_SCRIPT), source=artifacts)  # the settings resolve paths under it
         settings = sglang_settings(manifest, r.k_clip, r.v_clip, out / K_FILE, out / V_FILE, base=out)
         files.update((name, text.encode()) for name, text in sglang_file_texts(settings, manifest.model.id).items())
         written = SglangExport(settings, out / ENV_FILE, out / LAUNCH_SCRIPT)
-    write_export_files(out, files, executable={LAUNCH_SCRIPT})
+    write_export_files(out, files, executable={LAUNCH_SCRIPT}, source=artifacts)
     return ExportResult(out / K_FILE, out / V_FILE, per_head, k_agree, v_agree, manifest, written)
 
 
