@@ -33,11 +33,15 @@ def push_command(
     = False,
     allow_unverified: Annotated[bool, typer.Option(help="Publish artifacts that `oscar-zoo verify` has not passed.")]
     = False,
+    allow_loose_thresholds: Annotated[bool, typer.Option(
+        "--allow-loose-thresholds", help="Accept a verification judged by thresholds looser than verify's defaults "
+                                         "(the card and zoo.json show them).")] = False,
     json_output: Json = False,
 ) -> None:
     """Upload exactly the files the manifest lists, its manifest and a generated model card, and update zoo.json."""
     with tempfile.TemporaryDirectory(prefix="oscar-zoo-push-") as tmp:
-        plan = plan_push(artifacts, repo_id, hub, path_in_repo, revision, allow_unverified, Path(tmp))
+        plan = plan_push(artifacts, repo_id, hub, path_in_repo, revision, allow_unverified, Path(tmp),
+                         allow_loose_thresholds=allow_loose_thresholds)
         rows = plan.rows()
         if not dry_run:
             with err_console.status("pushing") as status:

@@ -3,8 +3,10 @@ in the manifest's `verification` field; plus the threshold check that turns it i
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -60,6 +62,36 @@ DEFAULT_THRESHOLDS = Thresholds(max_ppl_increase=0.10, max_kl=0.10, min_top1=0.8
 DEFAULT_MIN_NEEDLE_ACCURACY = 0.9  # the artifact's needle accuracy relative to BF16's
 
 
+def looser_than_defaults(thresholds: Thresholds, min_needle_accuracy: float | None = None) -> list[str]:
+    """Each threshold (and the needle gate, when given) that lets through more than verify's defaults, as
+    `KL ≤ 1 (default 0.1)`; empty when none does (tighter ones are fine)."""
+    d = DEFAULT_THRESHOLDS
+    looser = []
+    if not thresholds.max_ppl_increase <= d.max_ppl_increase:
+        looser.append(f"Δ PPL ≤ {100 * thresholds.max_ppl_increase:g} % (default {100 * d.max_ppl_increase:g} %)")
+    if not thresholds.max_kl <= d.max_kl:
+        looser.append(f"KL ≤ {thresholds.max_kl:g} (default {d.max_kl:g})")
+    if not thresholds.min_top1 >= d.min_top1:
+        looser.append(f"top-1 ≥ {100 * thresholds.min_top1:g} % (default {100 * d.min_top1:g} %)")
+    if min_needle_accuracy is not None and not min_needle_accuracy >= DEFAULT_MIN_NEEDLE_ACCURACY:
+        looser.append(f"needle ≥ {min_needle_accuracy:g} × BF16 (default {DEFAULT_MIN_NEEDLE_ACCURACY:g})")
+    return looser
+
+
+def needle_gate(reference: float, artifact: float, min_relative: float, prompts: int) -> list[str]:
+    """The needle grid's pass rule: the artifact's overall accuracy ≥ `min_relative` × the reference's, and the
+    reference must have answered at least one of the `prompts`: with nothing to compare against there is no pass.
+    `min_relative` 0 is no gate (the grid is reported, not judged). Returns the failures (empty: it passes)."""
+    if min_relative == 0:
+        return []
+    if not reference > 0:
+        return [f"needle: the reference answered none of the {prompts:,} prompts, so there is nothing to compare the "
+                "artifact with"]
+    if not artifact >= min_relative * reference:
+        return [f"needle accuracy {artifact:.3f} is below {min_relative:g} × BF16's {reference:.3f}"]
+    return []
+
+
 def describe_thresholds(t: Thresholds) -> str:
     return f"Δ PPL ≤ {100 * t.max_ppl_increase:g} %, KL ≤ {t.max_kl:g}, top-1 ≥ {100 * t.min_top1:g} %"
 
@@ -105,6 +137,18 @@ class NeedleReport(_Frozen):
         return next(m for m in self.methods if m.name == name)
 
 
+class ReportBinding(_Frozen):
+    """What a report verified, recorded by `verify` from the artifact's manifest: the sha256 of every file it lists
+    (the rotations), the model it names, and the sha256 of its quant, rotation and clip settings. Push accepts a
+    report only where `binding_of` the folder's own manifest gives the same record (`binding_mismatch`)."""
+
+    files: dict[str, str]  # path → sha256, every file the manifest lists (rotations.safetensors)
+    model_id: str
+    model_revision: str | None
+    config_sha256: str  # the model's config.json, as the manifest records it
+    settings_sha256: str  # sha256 of the canonical JSON of the manifest's `quant`, `rotation` and `clip`
+
+
 class VerifyReport(_Frozen):
     report_version: Literal[1] = REPORT_VERSION
     model: str
@@ -133,9 +177,44 @@ class VerifyReport(_Frozen):
     # with --as-exported: the artifact's row is its exported form (heads averaged, no means, the median clips;
     # export/as_exported.py), not the artifact itself; `verify --write` never stores such a report
     as_exported: bool = False
+    # what was verified (`binding_of` the artifact's manifest); None in reports written before it was recorded, which
+    # push refuses (docs/hub.md, "The push gate")
+    binding: ReportBinding | None = None
 
     def method(self, name: str) -> MethodResult:
         return next(m for m in self.methods if m.name == name)
+
+
+def binding_of(manifest: Any) -> ReportBinding:
+    """The binding of a report to the artifact `manifest` describes (a `Manifest`; read through its JSON form, so that
+    the settings hash is the same whichever schema version wrote it). `binding_mismatch` compares two."""
+    data = manifest.model_dump(mode="json")
+    settings = json.dumps({k: data[k] for k in ("quant", "rotation", "clip")}, sort_keys=True, ensure_ascii=False,
+                          separators=(",", ":"))
+    model = data["model"]
+    return ReportBinding(files={a["path"]: a["sha256"] for a in data["artifacts"]}, model_id=model["id"],
+                         model_revision=model.get("revision"), config_sha256=model["config_sha256"],
+                         settings_sha256=hashlib.sha256(settings.encode()).hexdigest())
+
+
+def binding_mismatch(report: VerifyReport, manifest: Any) -> str | None:
+    """None when `report` verified the artifact `manifest` describes; else what differs, for one line: the report has
+    no binding, or its files, model or settings are not the manifest's."""
+    if report.binding is None:
+        return "the report does not record which artifact it verified"
+    was, now = report.binding, binding_of(manifest)
+    diffs = []
+    for path in sorted(set(was.files) | set(now.files)):
+        if was.files.get(path) != now.files.get(path):
+            diffs.append(f"{path}: verified {(was.files.get(path) or 'none')[:12]}, the folder holds "
+                         f"{(now.files.get(path) or 'none')[:12]}")
+    for what, a, b in (("model", was.model_id, now.model_id), ("model revision", was.model_revision,
+                                                                now.model_revision),
+                       ("model config", was.config_sha256[:12], now.config_sha256[:12]),
+                       ("quant/rotation/clip settings", was.settings_sha256[:12], now.settings_sha256[:12])):
+        if a != b:
+            diffs.append(f"{what}: verified {a!r}, the manifest has {b!r}")
+    return "; ".join(diffs) or None
 
 
 def check_thresholds(artifact: MethodResult, thresholds: Thresholds) -> list[str]:

@@ -29,6 +29,7 @@ from ..artifacts import (
     swap_into_place,
 )
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
+from ..evaluation.report import VerifyReport, binding_mismatch, looser_than_defaults, needle_gate
 from ..manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, Manifest
 from .base import SUBFOLDER_RULE, Hub, HubClient, check_hub, is_plain_subfolder, split_repo_path
 from .card import render_model_card, render_zoo_card
@@ -109,14 +110,14 @@ class PushPlan:
 
 
 def plan_push(artifacts: Path, repo_id: str, hub: str, subfolder: str | None, revision: str | None,
-              allow_unverified: bool, workdir: Path) -> PushPlan:
+              allow_unverified: bool, workdir: Path, allow_loose_thresholds: bool = False) -> PushPlan:
     """Check the artifact folder and list what push would upload; writes the model card into `workdir`."""
     check_hub(hub)
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise InputError(f"repo id {repo_id!r} must look like `owner/name`", "put a subfolder in --path-in-repo")
     manifest, _ = load_artifacts(artifacts)  # schema, every sha256, tensor shapes and orthogonality (exit 4)
     if not allow_unverified:
-        check_verified(manifest, artifacts)
+        check_verified(manifest, artifacts, allow_loose_thresholds)
     sub = _push_subfolder(subfolder, manifest)
     files = {_in_repo(sub, a.path): Path(artifacts) / a.path for a in manifest.artifacts}
     files[_in_repo(sub, MANIFEST_NAME)] = Path(artifacts) / MANIFEST_NAME
@@ -126,9 +127,12 @@ def plan_push(artifacts: Path, repo_id: str, hub: str, subfolder: str | None, re
     return PushPlan(hub, repo_id, sub, revision, manifest, files, sha256_file(Path(artifacts) / MANIFEST_NAME))
 
 
-def check_verified(manifest: Manifest, artifacts: Path) -> None:
-    """The push gate: trust only a report that `oscar-zoo verify --write` stored (its schema), whose metrics meet the
-    thresholds it states and whose `passed` agrees with them; VerificationFailed (exit 3) otherwise."""
+def check_verified(manifest: Manifest, artifacts: Path, allow_loose_thresholds: bool = False) -> None:
+    """The push gate (docs/hub.md, "The push gate"): trust only a report that `oscar-zoo verify --write` stored (its
+    schema), about this very artifact (its binding: the files' sha256, the model, the settings), of the artifact
+    itself (not --as-exported), whose metrics meet the thresholds it states, whose `passed` agrees with them, whose
+    needle grid had something to compare against, and whose thresholds are no looser than verify's defaults unless
+    `allow_loose_thresholds`. VerificationFailed (exit 3) otherwise."""
     advice = f"run `oscar-zoo verify {artifacts} --write`, or push with --allow-unverified"
     if manifest.verification is None:
         raise VerificationFailed(f"{artifacts} has not been verified (manifest.verification is null)", advice)
@@ -136,15 +140,45 @@ def check_verified(manifest: Manifest, artifacts: Path) -> None:
     if report is None:
         raise VerificationFailed(f"{artifacts}: manifest.verification is not a report written by `oscar-zoo verify` "
                                  f"(field {why})", advice)
+    mismatch = binding_mismatch(report, manifest)
+    if mismatch is not None:
+        raise VerificationFailed(f"{artifacts}: the verification report is not bound to this artifact ({mismatch})",
+                                 advice)
+    if report.as_exported:
+        raise VerificationFailed(f"{artifacts}: the verification report measured the exported form "
+                                 "(--as-exported), not the artifact", advice)
     failures = report_verdict(report)
-    if report.passed != (not failures):
+    if report.passed != (not failures) and (report.passed or not _empty_needle(report)):
         said = "passed" if report.passed else "failed"
         raise VerificationFailed(f"{artifacts}: the verification report says it {said}, but its own metrics say "
                                  f"otherwise ({'; '.join(failures) or 'every threshold is met'}); the report was "
                                  "edited", advice)
+    failures += [f for f in _empty_needle(report) if f not in failures]
     if failures:
         raise VerificationFailed(f"{artifacts} failed its verification: {'; '.join(failures)}",
                                  "re-calibrate, or push with --allow-unverified to publish it anyway")
+    looser = looser_than_defaults(report.thresholds, None if report.needle is None
+                                  else report.needle.min_relative_accuracy)
+    if looser and not allow_loose_thresholds:
+        raise VerificationFailed(f"{artifacts} was verified with thresholds looser than verify's defaults: "
+                                 f"{'; '.join(looser)}",
+                                 f"run `oscar-zoo verify {artifacts} --write` with the default thresholds, or push "
+                                 "with --allow-loose-thresholds (the card and zoo.json then show the thresholds used)")
+
+
+def _empty_needle(report: VerifyReport) -> list[str]:
+    """The needle gate's failure when the report's grid had nothing to compare against (the reference answered no
+    prompt: `needle_gate`); empty otherwise, and for a grid without its reference or artifact row
+    (`report_verdict` names that)."""
+    needle = report.needle
+    if needle is None:
+        return []
+    refs = [m for m in needle.methods if m.kind == "reference"]
+    arts = [m for m in needle.methods if m.kind == "artifact"]
+    if len(refs) != 1 or len(arts) != 1 or refs[0].overall > 0:
+        return []
+    prompts = len(needle.lengths) * len(needle.depths) * needle.trials
+    return needle_gate(refs[0].overall, arts[0].overall, needle.min_relative_accuracy, prompts)
 
 
 def push(plan: PushPlan, private: bool, workdir: Path, client: HubClient | None = None,

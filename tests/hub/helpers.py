@@ -83,9 +83,20 @@ def make_rotations(manifest: Manifest, seed: int = 0, spread: float = 0.0) -> Ro
         layer_ids=torch.arange(L, dtype=torch.int32))
 
 
-def make_artifacts(folder: Path, seed: int = 0, spread: float = 0.0, **kw) -> Manifest:
+def make_artifacts(folder: Path, seed: int = 0, spread: float = 0.0, bind: bool = True, **kw) -> Manifest:
+    """An artifact folder; a verification report in it is bound to the files written (as `verify --write` binds the
+    report it stores), unless `bind` is False or it is not a report verify writes."""
     manifest = make_manifest(**kw)
-    return write_artifacts(folder, manifest, make_rotations(manifest, seed, spread))
+    manifest = write_artifacts(folder, manifest, make_rotations(manifest, seed, spread))
+    report = manifest.verification
+    if bind and isinstance(report, dict) and "methods" in report and report.get("binding") is None:
+        from oscar_zoo.artifacts import write_manifest
+        from oscar_zoo.evaluation.report import binding_of
+
+        bound = {**report, "binding": binding_of(manifest).model_dump(mode="json")}
+        manifest = manifest.model_copy(update={"verification": bound})
+        write_manifest(folder, manifest)
+    return manifest
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

@@ -1,5 +1,6 @@
 """Push's verification gate trusts only a report that `oscar-zoo verify --write` stored: its schema, its metrics
-re-checked against the thresholds it states, and `passed` agreeing with them (issue 16). Dry runs: no network."""
+re-checked against the thresholds it states, and `passed` agreeing with them; the report's binding to its artifact,
+the needle grid's empty reference and more refusals are in test_push_gate_binding.py. Dry runs: no network."""
 
 import pytest
 
@@ -51,9 +52,10 @@ def test_the_bundled_catalog_report_passes_the_gate():
         assert verification_summary(entry.manifest.verification) == "✓ +1.3 % PPL, KL 0.019"
 
 
-def test_loosened_thresholds_pass_the_gate_but_are_shown(tmp_path, monkeypatch):
-    """A report judged by thresholds looser than verify's defaults is consistent, so push accepts it; the summary
-    (zoo index, `list`) and the model card say which thresholds it used and that they are not the defaults."""
+def test_loosened_thresholds_are_refused_unless_allowed_and_then_shown(tmp_path, monkeypatch):
+    """A report judged by thresholds looser than verify's defaults is consistent, but push refuses it (exit 3) unless
+    --allow-loose-thresholds; then the summary (zoo index, `list`) and the model card say which thresholds it used
+    and that they are not the defaults."""
     from oscar_zoo.evaluation.report import Thresholds
     from oscar_zoo.hub.card import render_model_card
     from oscar_zoo.hub.zoo import verification_summary
@@ -65,6 +67,10 @@ def test_loosened_thresholds_pass_the_gate_but_are_shown(tmp_path, monkeypatch):
     art = tmp_path / "art"
     manifest = make_artifacts(art, verification=loose)
     code, out, err = run_cli("push", str(art), "zoo/rotations", "--dry-run")
+    assert code == 3 and "Traceback" not in err, err
+    assert "thresholds looser than verify's defaults: Δ PPL ≤ 1000 % (default 10 %); KL ≤ 1 (default 0.1); top-1 ≥ " \
+           "0 % (default 82 %)" in " ".join(err.split()) and "--allow-loose-thresholds" in err, err
+    code, out, err = run_cli("push", str(art), "zoo/rotations", "--dry-run", "--allow-loose-thresholds")
     assert code == 0, err
     summary = verification_summary(loose)
     assert summary == "✓ +50.0 % PPL, KL 0.4 (non-default thresholds: Δ PPL ≤ 1000 %, KL ≤ 1, top-1 ≥ 0 %)"
