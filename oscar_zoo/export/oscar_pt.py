@@ -2,7 +2,10 @@
 
 One pickle dict per K and V: `{"format_version": 1, "objective": "qqt_r_h_pbr" | "sst_r_h_pbr" | "hadamard" | …,
 "source_grouping": "layer", "layers": {layer_id: {"layer_id", "rotation": fp32[D, D], "eigenvalues": fp32[D]}}}`.
-Reading uses `torch.load(weights_only=True)` only and checks every field; the reference runtime needs only
+Reading checks the file's zip archive first, from its headers alone (`check_archive`: nothing is unpacked or
+unpickled): every record's unpacked size, and their sum, must fit what the model's shapes allow (`pt_limits`), so a
+small deflated file cannot unpack to gigabytes. Then it uses `torch.load(weights_only=True)` only, on the bytes just
+checked, and checks every field; the reference runtime needs only
 `{"layers": {layer_id: {"rotation": …}}}` (int or str keys), so that minimal form is read too. Anything malformed is
 refused (exit 4); a missing path or a folder is bad input (exit 2). Rotations must pass the runtime's check
 (`runtime.validate`: finite and orthogonal) before anything is written.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import io
 import shlex
 import warnings
+import zipfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,18 +63,89 @@ class LayerRotations:
     eigenvalues: torch.Tensor
 
 
-def read_oscar_pt(path: Path, expected_objective: str) -> LayerRotations:
+@dataclass(frozen=True)
+class PtLimits:
+    """The most a reference `.pt` file for one model may hold, from the model's shapes alone (`pt_limits`)."""
+
+    model: str  # for messages
+    record: int  # bytes of one unpacked archive record (a tensor storage)
+    total: int  # bytes of all unpacked records together
+    pickle: int  # bytes of the unpacked `data.pkl`
+    records: int  # records in the archive
+    file: int  # bytes of the file
+
+
+PT_FLOOR = 1 << 20  # the limits never go below 1 MiB: a file of a slightly larger model is refused for its shapes
+
+
+def pt_limits(identity: ModelIdentity) -> PtLimits:
+    """Limits for a model of N layers and head dim D: one storage at most N·D·(D+1) float64 values (every layer's
+    rotation and eigenvalues in one storage, in the widest float type; at least `PT_FLOOR`), twice that for all
+    records together, 4N + 64 records, a pickle of 64 KiB + 4 KiB per layer, and the file at most what those take
+    plus 1 KiB of headers per record."""
+    N, D = identity.num_layers, identity.head_dim
+    record = max(N * D * (D + 1) * 8, PT_FLOOR)
+    records = 4 * N + 64
+    pickle_max = (64 << 10) + (4 << 10) * N
+    return PtLimits(f"{identity.id} ({N} layers, head_dim {D})", record, 2 * record, pickle_max, records,
+                    2 * record + pickle_max + (1 << 10) * records)
+
+
+def check_archive(name: str, data: bytes, limits: PtLimits) -> None:
+    """Before anything is unpacked or unpickled: `data` (a `.pt` file's bytes) is a zip archive as torch.save writes
+    (the legacy and other formats are refused: their sizes cannot be read up front) whose central directory promises
+    no record, and no sum of records, past `limits`. IntegrityError (exit 4) naming the record otherwise."""
+    def refused(what: str) -> IntegrityError:
+        return IntegrityError(f"{name} was refused before loading: {what}",
+                              "this is not a rotation file for this model; nothing was loaded")
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as exc:
+        raise IntegrityError(f"{name} was refused: it is not a zip archive as torch.save writes ({exc}); older and "
+                             "other formats are not read, as their sizes cannot be checked before loading",
+                             "only files that load with torch.load(weights_only=True) are accepted; re-save it with "
+                             "a current torch") from None
+    if len(infos) > limits.records:
+        raise refused(f"its archive holds {len(infos):,} records, more than the {limits.records:,} a rotation file "
+                      f"for {limits.model} can need")
+    total = 0
+    for info in infos:
+        most = limits.pickle if info.filename.endswith("/data.pkl") else limits.record
+        if info.file_size > most:
+            raise refused(f"its archive record {_short(info.filename)} unpacks to {info.file_size:,} bytes, more than "
+                          f"the {most:,} that {limits.model} allows")
+        total += info.file_size
+    if total > limits.total:
+        raise refused(f"its archive records unpack to {total:,} bytes in all, more than the {limits.total:,} that "
+                      f"{limits.model} allows")
+
+
+def read_oscar_pt(path: Path, expected_objective: str, limits: PtLimits | None = None) -> LayerRotations:
     """Read one reference `.pt` file meant to hold `expected_objective`'s side (K_OBJECTIVE or V_OBJECTIVE): its
-    structure, shapes and dtypes; the values are checked by `check_layer_rotations`."""
+    structure, shapes and dtypes; the values are checked by `check_layer_rotations`. With `limits` (`pt_limits` of
+    the model), the file's size and its archive's headers are checked against them first (`check_archive`), and
+    torch.load reads the bytes that were checked."""
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path} is a directory, not a rotation file", "pass the .pt file itself")
     if not path.is_file():
         raise InputError(f"{path} does not exist" if not path.exists() else f"{path} is not a regular file")
+    source: Path | io.BytesIO = path
+    if limits is not None:
+        with open(path, "rb") as f:
+            data = f.read(limits.file + 1)
+        if len(data) > limits.file:
+            raise IntegrityError(f"{path.name} was refused before loading: it has more than {limits.file:,} bytes, "
+                                 f"more than a rotation file for {limits.model} can take",
+                                 "this is not a rotation file for this model; nothing was loaded")
+        check_archive(path.name, data, limits)
+        source = io.BytesIO(data)
     try:
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": noise on the way to a refusal
             warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- malformed input makes torch.load raise anything (KeyError on a text
         # file, IndexError, struct.error, RuntimeError, UnpicklingError, …); each is a refusal, never a traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -315,8 +390,9 @@ def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Pa
                          f"head_dim {D}")
     if D % layout.CODES_PER_BYTE:
         raise InputError(f"{identity.id} has head_dim {D}; the INT2 format needs a multiple of {layout.CODES_PER_BYTE}")
-    k = read_oscar_pt(k_path, K_OBJECTIVE)
-    v = read_oscar_pt(v_path, V_OBJECTIVE)
+    limits = pt_limits(identity)  # what the model's shapes allow, checked before anything is unpacked
+    k = read_oscar_pt(k_path, K_OBJECTIVE, limits)
+    v = read_oscar_pt(v_path, V_OBJECTIVE, limits)
     for name, lr in (("K", k), ("V", v)):
         if lr.rotation.shape[-1] != D:
             raise IntegrityError(f"{name} rotations are {lr.rotation.shape[-1]}×{lr.rotation.shape[-1]}, but "
