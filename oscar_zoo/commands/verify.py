@@ -3,6 +3,7 @@ optional plot, optional report in the manifest; exit 3 when the artifact misses 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +14,7 @@ from rich.table import Table
 from ..calibration.data import check_dataset_options
 from ..console import console, err_console, progress_reporter
 from ..errors import InputError, SettingError, VerificationFailed
-from ..evaluation.harness import DEFAULT_THRESHOLDS, VerifySettings
+from ..evaluation.harness import DEFAULT_THRESHOLDS, MAX_GENERATE, VerifySettings
 from ..evaluation.needle import (
     DEFAULT_DEPTHS,
     QUICK_DEPTHS,
@@ -44,8 +45,9 @@ def verify_command(
     = ",".join(DEFAULT_BASELINES),
     score_from: Annotated[int | None, typer.Option(help="First position of the past-window metrics (default: sink + "
                                                         "recent, the first that reads an INT2 key).")] = None,
-    generate: Annotated[int, typer.Option(help="Greedy tokens compared with BF16 through the runtime cache "
-                                               "(0: skip).")] = 32,
+    generate: Annotated[int, typer.Option(help=f"Greedy tokens compared with BF16 through the runtime cache (0: "
+                                               f"skip; at most {MAX_GENERATE:,}, and --context plus these within "
+                                               "the model's positions).")] = 32,
     backend: Annotated[str, typer.Option(help="auto (Triton on a GPU, torch reference on CPU), triton or torch.")]
     = "auto",
     seed: Annotated[int, typer.Option(help="Seed for the document order.")] = 0,
@@ -57,11 +59,13 @@ def verify_command(
     = DEFAULT_THRESHOLDS.max_kl,
     min_top1: Annotated[float, typer.Option(help="Smallest top-1 agreement with BF16 past the windows.")]
     = DEFAULT_THRESHOLDS.min_top1,
-    plot: Annotated[Path | None, typer.Option(help="Write a plot: per-layer attention error and KL by position "
-                                                   "(the extension picks the format: .png, .pdf, .svg, …; none: "
-                                                   ".png; with --needle also NAME-needle.EXT). Checked before the "
-                                                   "run.")]
+    plot: Annotated[str | None, typer.Option(help="Write a plot: per-layer attention error and KL by position "
+                                                  "(the extension picks the format: .png, .pdf, .svg, …; none: "
+                                                  ".png; with --needle also NAME-needle.EXT). Checked before the "
+                                                  "run; an existing file is refused without --overwrite-plot.")]
     = None,
+    overwrite_plot: Annotated[bool, typer.Option("--overwrite-plot", help="Let --plot replace existing files.")]
+    = False,
     write: Annotated[bool, typer.Option("--write", help="Store the report in the manifest's `verification`.")]
     = False,
     needle: Annotated[bool, typer.Option("--needle", help="Also run passkey retrieval at long context through the "
@@ -106,6 +110,10 @@ def verify_command(
             raise InputError(f"{name} must be positive, got {value}")
     if generate < 0:
         raise InputError(f"--generate must be ≥ 0 (0 skips the generation check), got {generate}")
+    if generate > MAX_GENERATE:
+        raise InputError(f"--generate {generate:,} is more than {MAX_GENERATE:,} greedy tokens",
+                         f"use --generate up to {MAX_GENERATE:,} (the teacher-forced metrics carry the verdict)")
+    _check_thresholds(max_ppl_increase, max_kl, min_top1)
     chosen = tuple(b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none")
     check_baselines(chosen)  # before the model loads: an unknown name, a missing package
     check_dataset_options(dataset, split, text_field)
@@ -117,9 +125,9 @@ def verify_command(
     if plot is not None:  # a name matplotlib cannot write, or a folder, is refused now, not after the whole run
         from ..evaluation.plot import check_plot_path
 
-        plot = check_plot_path(plot)
+        plot = check_plot_path(plot, overwrite=overwrite_plot)
         if needle:
-            needle_plot = check_plot_path(_needle_plot_path(plot), needle_of=plot)
+            needle_plot = check_plot_path(_needle_plot_path(plot), needle_of=plot, overwrite=overwrite_plot)
 
     needle_settings = _needle_settings(needle_lengths, needle_depths, needle_trials, needle_quick,
                                        min_needle_accuracy, seed, needle_protocol, needle_batch) if needle else None
@@ -147,6 +155,18 @@ def verify_command(
         what = f"{artifacts}{' as exported' if as_exported else ''}"
         raise VerificationFailed(f"{what} missed the thresholds: {'; '.join(report.failures)}",
                                  "see the table; do not publish these rotations as verified")
+
+
+def _check_thresholds(max_ppl_increase: float, max_kl: float, min_top1: float) -> None:
+    """InputError before any work for a threshold no measurement can meet or that cannot be stored: not finite, a
+    --max-kl below 0 (KL never is), a --max-ppl-increase at or below -1 (perplexity stays positive; a negative one
+    above -1 asks for an improvement), a --min-top1 outside [0, 1]."""
+    for option, value, ok, where in (("--max-ppl-increase", max_ppl_increase, max_ppl_increase > -1, "> -1"),
+                                     ("--max-kl", max_kl, max_kl >= 0, "≥ 0"),
+                                     ("--min-top1", min_top1, 0 <= min_top1 <= 1, "in [0, 1]")):
+        if not (math.isfinite(value) and ok):
+            raise InputError(f"{option} must be finite and {where}, got {value:g}",
+                             "see docs/verify.md, Thresholds (the defaults: `oscar-zoo verify --help`)")
 
 
 def _parse_list(option: str, value: str, kind):
@@ -290,9 +310,11 @@ def _print_needle(needle: NeedleReport) -> None:
     short = {m.name: _short(m) for m in needle.methods}
     ref = next(short[m.name] for m in needle.methods if m.kind == "reference")  # BF16, or FP32 where that ran
     bf16, art = needle.method("bf16").overall, next(m for m in needle.methods if m.kind == "artifact").overall
-    console.print(f"needle: OSCAR {100 * art:.1f}% vs {ref} {100 * bf16:.1f}% (pass: ≥ "
-                  f"{needle.min_relative_accuracy:g} × {ref}) · {_PATHS[needle.protocol]}, answer decoded greedily · "
-                  f"{needle.wall_seconds:.0f} s", highlight=False)
+    rule = (f"pass: ≥ {needle.min_relative_accuracy:g} × {ref}" if needle.min_relative_accuracy else "no gate")
+    if needle.min_relative_accuracy and not bf16 > 0:
+        rule += f"; {ref} answered none: nothing to compare with, no pass"
+    console.print(f"needle: OSCAR {100 * art:.1f}% vs {ref} {100 * bf16:.1f}% ({rule}) · {_PATHS[needle.protocol]}, "
+                  f"answer decoded greedily · {needle.wall_seconds:.0f} s", highlight=False)
     for name, length, d in paired_against_reference(needle):  # same prompts: the difference is paired
         console.print(f"  {short[name]} at {length:,}: {100 * d.it:.1f}% vs {ref} {100 * d.ref:.1f}% over {d.n} "
                       f"prompts, {100 * d.diff:+.1f} points [95 %: {100 * d.lo:+.1f}, {100 * d.hi:+.1f}] · only "

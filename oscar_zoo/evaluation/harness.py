@@ -32,6 +32,31 @@ ATTENTION_NOTE = ("teacher-forced: query i reads key j exactly iff j < sink or j
                   "added back to the output) rounded to the model dtype as the cache stores them")
 
 
+MAX_GENERATE = 4096  # greedy tokens at most: an early, noisy signal beside the teacher-forced verdict
+
+
+def model_positions(model: torch.nn.Module) -> int | None:
+    """The most positions the model takes (`max_position_embeddings`), or None when its config states none."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_positions(settings: VerifySettings, limit: int | None) -> None:
+    """InputError unless the held-out sequences (`context` tokens) and the greedy continuation after the first of
+    them fit the model's `limit` positions (None: the model states none); `verify` calls it as soon as the model is
+    loaded, before any held-out text is read. Past its positions a model's RoPE was never trained: its numbers there
+    would verify nothing."""
+    if limit is None:
+        return
+    if settings.context > limit:
+        raise InputError(f"--context {settings.context:,} exceeds the model's {limit:,} positions",
+                         f"use --context up to {limit:,}")
+    if settings.context + settings.generate_tokens > limit:
+        raise InputError(f"--context {settings.context:,} + --generate {settings.generate_tokens:,} greedy tokens "
+                         f"reach past the model's {limit:,} positions",
+                         f"use --generate up to {limit - settings.context:,}, or a shorter --context")
+
+
 @dataclass(frozen=True)
 class VerifySettings:
     context: int = 2048

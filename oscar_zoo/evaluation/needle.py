@@ -19,6 +19,7 @@ digits and no other digit follows.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import time
@@ -33,13 +34,16 @@ from ..models import LoadedModel
 from .attention import cache_argument
 from .baselines import DTYPE_NAMES
 from .registry import Setup, build_methods
-from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleProtocol, NeedleReport
+from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleProtocol, NeedleReport, needle_gate
 from .stats import PairedDifference, paired_difference
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
 QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"
 DEFAULT_DEPTHS = (0.2, 0.5, 0.8)
 QUICK_DEPTHS = (0.25, 0.75)
+# The most prompts one grid may hold (lengths × depths × trials): every prompt's answer per method and its passkey are
+# kept in the report, which `--write` stores in a manifest of at most 1 MiB (about 60 bytes per answer there).
+MAX_PROMPTS = 1024
 PREFILL_CHUNK = 1 << 30  # one chunk: the causal SDPA path (no materialised mask; CPU flash kernel)
 
 
@@ -111,6 +115,42 @@ class NeedleSettings:
             raise InputError(f"needle protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.batch < 1:
             raise InputError(f"needle batch must be positive, got {self.batch}")
+        if self.trials < 1:
+            raise InputError(f"needle trials must be positive, got {self.trials}")
+        check_grid_size(self)  # lengths () (the model's defaults) are checked again once they are known
+
+
+def check_lengths(settings: NeedleSettings, limit: int | None) -> None:
+    """InputError unless every prompt length and its answer fit the model's `limit` positions (None: the model states
+    none) and the grid holds at most MAX_PROMPTS prompts. `verify` calls it as soon as the model's config is read,
+    before any held-out text or model work; `run_needle` again."""
+    check_grid_size(settings)
+    for length in settings.lengths:
+        if limit is not None and length + settings.new_tokens > limit:
+            raise InputError(f"--needle-lengths {length}: with the {settings.new_tokens} answer tokens it exceeds the "
+                             f"model's {limit:,} positions",
+                             f"use --needle-lengths up to {limit - settings.new_tokens}")
+
+
+def check_filler(tokenizer, filler: list[int], settings: NeedleSettings) -> None:
+    """InputError unless the held-out text (`filler`, token ids) is long enough for the longest prompt: checked before
+    any model work (`build_prompt` checks each prompt again)."""
+    fixed = len(tokenizer(NEEDLE.format(key="10000"), add_special_tokens=False).input_ids) + \
+        len(tokenizer(QUESTION, add_special_tokens=False).input_ids)
+    longest = max(settings.lengths, default=0)
+    if longest - fixed > len(filler):
+        raise InputError(f"--needle-lengths {longest}: the held-out text has {len(filler):,} tokens, about "
+                         f"{longest - fixed:,} are needed", "pass a longer --dataset or smaller --needle-lengths")
+
+
+def check_grid_size(settings: NeedleSettings) -> None:
+    """InputError when the grid (lengths × depths × trials) has more than MAX_PROMPTS prompts."""
+    prompts = max(len(settings.lengths), 1) * len(settings.depths) * settings.trials
+    if prompts > MAX_PROMPTS:
+        grid = (f"{len(settings.lengths)} lengths × " if settings.lengths else "") + \
+            f"{len(settings.depths)} depths × {settings.trials} trials"
+        raise InputError(f"the needle grid has {grid} = {prompts:,} prompts; at most {MAX_PROMPTS:,}",
+                         "lower --needle-trials, or pass fewer --needle-lengths or --needle-depths")
 
 
 def check_batch(batch: int, baselines: tuple[str, ...]) -> None:
@@ -175,11 +215,7 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
     model, info, tok = loaded.model, loaded.info, loaded.tokenizer
     device = next(model.parameters()).device
     q = manifest.quant
-    limit = getattr(model.config, "max_position_embeddings", None)
-    for length in settings.lengths:
-        if limit is not None and length + settings.new_tokens > limit:
-            raise InputError(f"needle length {length} + {settings.new_tokens} answer tokens exceeds the model's "
-                             f"{limit} positions", f"use --needle-lengths up to {limit - settings.new_tokens}")
+    check_lengths(settings, getattr(model.config, "max_position_embeddings", None))
     check_batch(settings.batch, baselines)
     reference, *others = build_methods(Setup.of(manifest, rotations, model, info), baselines)
     methods = [m for m in others if m.cache_path is not None]
@@ -196,10 +232,9 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
         enable_oscar(model)  # exact attention with a DynamicCache; the runtime with an OscarCache
         with torch.inference_mode():
             for li, length in enumerate(settings.lengths):
-                cells = [(di, build_prompt(tok, filler, length, depth, rng)) for di, depth in
-                         enumerate(settings.depths) for _ in range(settings.trials)]  # the grid's order
-                for s in range(0, len(cells), settings.batch):
-                    batch = cells[s : s + settings.batch]
+                cells = ((di, build_prompt(tok, filler, length, depth, rng)) for di, depth in
+                         enumerate(settings.depths) for _ in range(settings.trials))  # the grid's order, built lazily
+                while batch := list(itertools.islice(cells, settings.batch)):  # one batch of prompts held at a time
                     prompts = [p for _, p in batch]
                     keys += [p.key for p in prompts]
                     for m, (cache, ids) in zip(everyone, _asked(model, prompts, everyone, settings.protocol, device)):
@@ -244,13 +279,11 @@ def paired_against_reference(needle: NeedleReport) -> list[tuple[str, int, Paire
 
 def needle_report(results: list[NeedleMethod], settings: NeedleSettings, sink: int, recent: int,
                   wall: float, keys: list[str]) -> NeedleReport:
-    """The report, with the pass rule: the artifact's overall accuracy ≥ min_relative_accuracy × BF16's."""
+    """The report, with the pass rule (`report.needle_gate`): the artifact's overall accuracy ≥ min_relative_accuracy
+    × BF16's, and BF16 answered at least one prompt (a grid BF16 fails entirely compares nothing: no pass)."""
     bf16 = next(r for r in results if r.kind == "reference")
     artifact = next(r for r in results if r.kind == "artifact")
-    needed = settings.min_relative_accuracy * bf16.overall
-    failures = [] if artifact.overall >= needed else [
-        f"needle accuracy {artifact.overall:.3f} is below {settings.min_relative_accuracy:g} × BF16's "
-        f"{bf16.overall:.3f}"]
+    failures = needle_gate(bf16.overall, artifact.overall, settings.min_relative_accuracy, len(keys))
     return NeedleReport(lengths=list(settings.lengths), depths=list(settings.depths), trials=settings.trials,
                         seed=settings.seed, needle=NEEDLE.strip(), question=QUESTION.strip(), sink=sink, recent=recent,
                         methods=results, min_relative_accuracy=settings.min_relative_accuracy,

@@ -55,17 +55,23 @@ def _check_format(fmt: str, what: str) -> None:
         plt.close(fig)
 
 
-def check_plot_path(path: Path, needle_of: Path | None = None) -> Path:
+def check_plot_path(path: Path | str, needle_of: Path | None = None, overwrite: bool = False) -> Path:
     """The file `--plot PATH` will write (or, with `needle_of`, the needle heatmap beside the `--plot` file
     `needle_of`), checked before any model work so that a bad name never costs a whole run: PATH gets `.png` when it
     has no extension (as matplotlib's savefig does); the extension must be a format matplotlib writes here (a tiny
-    figure is rendered to make sure: pgf needs LaTeX, for one); the path must not be an existing folder; the nearest
-    existing folder above it must be a folder we can write in (missing folders are made when the plot is written).
-    Returns the path to write and report; InputError (exit 2) naming the option otherwise."""
+    figure is rendered to make sure: pgf needs LaTeX, for one); PATH must name a file: not "", not an existing folder,
+    not one ending in `/`, `.` or `..`; an existing file is refused unless `overwrite` (`--overwrite-plot`): a plot
+    never replaces a file silently; the nearest existing folder above it must be a folder we can write in (missing
+    folders are made when the plot is written). Returns the path to write and report; InputError (exit 2) naming the
+    option otherwise."""
     from ..artifacts import check_writable, nearest_existing
 
-    what = f"--plot {path}" if needle_of is None else f"--plot {needle_of}: its needle heatmap {path}"
-    given = Path(path).expanduser()
+    raw = str(path)
+    what = f"--plot {raw or repr(raw)}" if needle_of is None else f"--plot {needle_of}: its needle heatmap {raw}"
+    given = Path(raw).expanduser()
+    if not raw or raw.endswith(("/", os.sep)) or given.name in ("", ".", ".."):
+        raise InputError(f"{what} names a folder, not a file; the plot needs a file name",
+                         f"name a file, e.g. --plot {given / ('verify' + DEFAULT_SUFFIX)}")
     target = given if given.suffix else given.with_name(given.name + DEFAULT_SUFFIX)
     for shown, folder in ((given, given), (target, Path(os.path.realpath(target)))):  # a symlink: where it points
         if folder.is_dir():
@@ -73,6 +79,10 @@ def check_plot_path(path: Path, needle_of: Path | None = None) -> Path:
             raise InputError(f"{what}{named} is a folder; the plot needs a file name",
                              f"name a file in it, e.g. --plot {shown / ('verify' + DEFAULT_SUFFIX)}"
                              if needle_of is None else "rename that folder, or pick another --plot name")
+    if not overwrite and (target.exists() or target.is_symlink()):
+        shown = "" if target == given else f" ({target})"
+        raise InputError(f"{what}{shown} already exists; verify does not replace a file unless told to",
+                         "pass --overwrite-plot to replace it, or pick another --plot name")
     if needle_of is None:  # the needle heatmap has the --plot file's extension, checked by then
         _check_format(target.suffix[1:].lower(), what)
     above = nearest_existing(Path(os.path.realpath(target)).parent)
