@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import random
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,9 @@ _CHAT_BLOCK_CHARS = 2000
 # Tokens per sequence, at least: shorter ones give the held-out clip search and the metrics almost no causal context.
 # The one bound: calibrate and verify both cut their text with `make_sequences`.
 MIN_SEQ_LEN = 16
+# Bytes of local dataset files, at most: every document is held in memory as text (and cached by `datasets` on disk),
+# and calibration needs a few MB (about 4 bytes per token). Checked on the files' sizes before any is read.
+MAX_DATASET_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -101,8 +106,9 @@ def load_texts(dataset: str | None = None, split: str | None = None, text_field:
         path = Path(dataset).expanduser()
         if path.exists():
             builder, files = _local_files(path)
+            sizes = _check_sizes(path, files)
             if builder != "parquet":
-                _check_utf8(files)
+                _check_utf8(files, sizes)
             extra = {"sample_by": "document"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **extra)
             return _column(ds, text_field), str(path)
@@ -120,14 +126,26 @@ def load_texts(dataset: str | None = None, split: str | None = None, text_field:
         ) from None
 
 
-def _check_utf8(files: list[Path]) -> None:
-    """Text and JSON files must be UTF-8: say which file is not (datasets only says DatasetGenerationError)."""
+def _check_sizes(path: Path, files: list[Path]) -> list[int]:
+    """Each file's size (from stat: nothing is opened), their sum at most MAX_DATASET_BYTES; InputError otherwise.
+    `_local_files` has made sure they are regular files, whose reads end."""
+    sizes = [f.stat().st_size for f in files]
+    if sum(sizes) > MAX_DATASET_BYTES:
+        raise InputError(f"dataset {path} holds {sum(sizes):,} bytes, more than the {MAX_DATASET_BYTES:,} read from "
+                         "local files (all of it is held in memory)",
+                         "pass a smaller file or folder: calibration needs about 4 bytes of text per --tokens")
+    return sizes
+
+
+def _check_utf8(files: list[Path], sizes: list[int]) -> None:
+    """Text and JSON files must be UTF-8: say which file is not (datasets only says DatasetGenerationError). At most
+    each file's size at `_check_sizes` is read (a file that grows meanwhile is not followed)."""
     import codecs
 
-    for f in files:
+    for f, size in zip(files, sizes, strict=True):
         decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
         with open(f, "rb") as stream:
-            for chunk in iter(lambda: stream.read(1 << 20), b""):
+            for chunk in iter(lambda: stream.read(min(1 << 20, size - offset)), b""):
                 try:
                     decoder.decode(chunk)
                 except UnicodeDecodeError as exc:
@@ -142,7 +160,21 @@ def _check_utf8(files: list[Path]) -> None:
 
 
 def _local_files(path: Path) -> tuple[str, list[Path]]:
-    files = sorted(p for p in path.rglob("*") if p.suffix in _FORMATS) if path.is_dir() else [path]
+    """The builder and the files of a local --dataset: a file, or a folder's files of one known format, each a regular
+    file (after symlinks): a device (/dev/zero), a FIFO or a socket is refused before anything is opened, since
+    reading it may never end."""
+    files = sorted(p for p in path.rglob("*") if p.suffix in _FORMATS and not p.is_dir()) if path.is_dir() else [path]
+    for f in files:
+        mode = f.stat().st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                    "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                    "a special file")
+            shown = f if f == path else f"{f} in {path}"
+            target = f" (a link to {os.path.realpath(f)})" if f.is_symlink() else ""
+            raise InputError(f"dataset file {shown}{target} is {kind}, not a regular file; its reading might never end",
+                             "pass a text, json or parquet file (or a folder of them); to use a stream, save it to a "
+                             "file first")
     if not files:
         raise InputError(f"{path} holds no .txt, .json, .jsonl or .parquet files")
     builders = {_FORMATS.get(f.suffix) for f in files}
