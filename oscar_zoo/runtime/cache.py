@@ -392,7 +392,12 @@ class OscarCache(Cache):
     [L, H, D] (None: uncentred, as version-1 artifacts): the centred codec's calibrated means in the model's basis
     (docs/format.md §6a). key_block > 0: history keys per channel over blocks of that many tokens, unclipped (§6d;
     flush defaults to it, values per row). `quantize=False` keeps the history in BF16 (a test switch: with identity
-    rotations generation then reproduces DynamicCache)."""
+    rotations generation then reproduces DynamicCache).
+
+    One cache holds one context. Passed to a second `generate()`, it continues from the tokens it already holds (as
+    transformers' DynamicCache does): the second prompt is read as a continuation of the first context, with no
+    warning. Build a new cache for each independent generation (`from_folder` is cheap; storage is allocated on first
+    use), or empty this one first with `cache.reset()`."""
 
     def __init__(
         self,
@@ -514,7 +519,10 @@ class OscarCache(Cache):
 
     def reserve(self, tokens: int) -> None:
         """Size every initialised layer's INT2 history for a context of `tokens` now (after prefill), so decoding up to
-        it never reallocates (and a captured decode step is never re-captured)."""
+        it never reallocates (and a captured decode step is never re-captured). ValueError unless `tokens` is an
+        integer ≥ 0."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"reserve(tokens): expected a number of tokens ≥ 0, got {tokens!r}")
         for layer in self.layers:
             layer.reserve(tokens)
 
