@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,8 @@ HUBS = tuple(h.value for h in Hub)
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 TIMEOUT_ENV = "OSCAR_ZOO_HUB_TIMEOUT"
 DEFAULT_TIMEOUT = 30.0  # seconds a hub may stay silent: to connect, or between two pieces of an answer
+MAX_TIMEOUT = 3600.0  # the most OSCAR_ZOO_HUB_TIMEOUT may say: an hour of silence is a dead hub (and sockets refuse a
+# timeout much beyond a few years with an OverflowError)
 
 
 def check_hub(hub: str) -> Hub:
@@ -116,7 +119,8 @@ def split_repo_path(spec: str) -> tuple[str, str]:
 
 
 def hub_timeout() -> float:
-    """Seconds any hub request may wait for the hub ($OSCAR_ZOO_HUB_TIMEOUT, default 30); InputError if malformed."""
+    """Seconds any hub request may wait for the hub ($OSCAR_ZOO_HUB_TIMEOUT, default 30, at most MAX_TIMEOUT);
+    InputError (exit 2) if it is not a number of seconds in (0, MAX_TIMEOUT]."""
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
         return DEFAULT_TIMEOUT
@@ -124,9 +128,9 @@ def hub_timeout() -> float:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise InputError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds",
-                         f"unset it for the default {DEFAULT_TIMEOUT:g} s")
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT):
+        raise InputError(f"{TIMEOUT_ENV}={raw[:40]!r}{'…' if len(raw) > 40 else ''} is not a number of seconds in "
+                         f"(0, {MAX_TIMEOUT:g}]", f"unset it for the default {DEFAULT_TIMEOUT:g} s")
     return seconds
 
 
@@ -171,7 +175,9 @@ def local_write_error(exc: BaseException, cache: str | os.PathLike) -> InputErro
 def hub_call_errors(where: str, endpoint: str, seconds: float, call: str, cache: str | os.PathLike) -> Iterator[None]:
     """What a hub call's failure means whatever client made it: a write on this machine that failed (full disk,
     file-size limit, read-only cache: `local_write_error`, exit 2), or a request that got no answer in time (one
-    HubError line, exit 5, naming the call). Anything else is left to the client's own mapping."""
+    HubError line, exit 5, naming the call and, when the client's own retries made the wait longer than `seconds`,
+    the seconds the call waited in all). Anything else is left to the client's own mapping."""
+    started = time.monotonic()
     try:
         yield
     except Exception as exc:
@@ -179,6 +185,9 @@ def hub_call_errors(where: str, endpoint: str, seconds: float, call: str, cache:
             raise local from None
         if not is_timeout(exc):
             raise
-        raise HubError(f"{where}: {endpoint} did not answer within {seconds:g} s ({call})",
+        waited = time.monotonic() - started
+        total = (f"; gave up after {waited:.0f} s in all, the hub client's retries included"
+                 if waited >= seconds + 1 else "")
+        raise HubError(f"{where}: {endpoint} did not answer within {seconds:g} s ({call}){total}",
                        f"check the network and the endpoint; for a slow hub raise {TIMEOUT_ENV} "
-                       f"(now {seconds:g} s)") from None
+                       f"(now {seconds:g} s per request, at most {MAX_TIMEOUT:g})") from None
