@@ -46,7 +46,7 @@ def run(model: str, layers: int, context: int, batch: int, steps: int, key_bits:
     bg.use_attention(lm, "oscar")
     cache = bg.make_cache("oscar", lm, context + steps)
     triton_dir = os.environ["TRITON_CACHE_DIR"]
-    stamps, files, captures = [], [], []
+    stamps, files, captures, replays = [], [], [], []
     graphs = lm._oscar_graphs
 
     class Stamp(LogitsProcessor):
@@ -55,6 +55,7 @@ def run(model: str, layers: int, context: int, batch: int, steps: int, key_bits:
             stamps.append(time.perf_counter())
             files.append(_entries(triton_dir))
             captures.append(graphs.captures)
+            replays.append(graphs.replays)
             return scores
 
     ids = torch.randint(0, lm.config.vocab_size, (batch, context), device=dev)
@@ -67,26 +68,32 @@ def run(model: str, layers: int, context: int, batch: int, steps: int, key_bits:
     times = [(b - a) * 1e3 for a, b in zip([t0] + stamps[:-1], stamps)]
     return {"model": model, "layers": layers, "context": context, "batch": batch, "steps": steps,
             "key_bits": key_bits, "key_block": key_block, "path": path, "device": torch.cuda.get_device_name(),
-            "times_ms": times, "triton_files": files, "captures": captures}
+            "times_ms": times, "triton_files": files, "captures": captures,
+            "replays": replays}
 
 
 def summary(r: dict) -> dict:
     """prefill (ms), the first decode step, and over the later ones: median, p99, max, where the max fell, the
-    Triton cache files added after the first decode step, and (graph path) the steps that captured a CUDA graph — the
-    plain step and the demoting one, once each — apart: the slowest of them, and the slowest of the other steps."""
+    Triton cache files added after the first decode step; on the graph path the steps that did not replay (each
+    kind's first step, run eagerly, and its capture, at the start and again after the history grew past its reserve)
+    apart from the replays: which they were and the slowest of them, and the slowest steady step (eager path: every
+    later step; graph path: the replays)."""
     later = r["times_ms"][2:]
     ordered = sorted(later)
     slowest = max(range(len(later)), key=later.__getitem__) + 2 if later else None
-    files, caps = r["triton_files"], r["captures"]
-    captured = [i for i in range(2, len(caps)) if caps[i] > caps[i - 1]]
-    replays = [t for i, t in enumerate(later, start=2) if i not in captured]
+    files, reps = r["triton_files"], r["replays"]
+    graph = r["path"] == "graph"
+    transitions = [i for i in range(2, len(reps)) if graph and reps[i] == reps[i - 1]]
+    steady = [t for i, t in enumerate(later, start=2) if i not in transitions]
     return {"prefill_ms": r["times_ms"][0], "first_step_ms": r["times_ms"][1] if len(r["times_ms"]) > 1 else None,
             "median_ms": statistics.median(later) if later else None,
+            "steady_median_ms": statistics.median(steady) if steady else None,
             "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if later else None,
             "max_ms": ordered[-1] if later else None, "slowest_step": slowest,
             "builds_after_first_step": files[-1] - files[1] if len(files) > 1 else 0,
-            "capture_steps": captured, "max_capture_ms": max((r["times_ms"][i] for i in captured), default=None),
-            "max_other_ms": max(replays) if replays else None}
+            "transition_steps": transitions,
+            "max_transition_ms": max((r["times_ms"][i] for i in transitions), default=None),
+            "max_steady_ms": max(steady) if steady else None}
 
 
 def main(argv=None) -> dict:
@@ -113,8 +120,9 @@ def main(argv=None) -> dict:
           f"{args.path}: prefill {s['prefill_ms']:.0f} ms, first step {s['first_step_ms']:.0f} ms, later steps "
           f"median {s['median_ms']:.2f} / p99 {s['p99_ms']:.2f} / max {s['max_ms']:.1f} ms (step "
           f"{s['slowest_step']}), Triton builds after the first step: {s['builds_after_first_step']}"
-          + (f"; graph captures at steps {s['capture_steps']} (slowest {s['max_capture_ms']:.1f} ms), the other steps "
-             f"max {s['max_other_ms']:.1f} ms" if s["capture_steps"] else ""))
+          + (f"; steps that did not replay: {s['transition_steps']} (slowest {s['max_transition_ms']:.1f} ms), the "
+             f"replays median {s['steady_median_ms']:.2f} / max {s['max_steady_ms']:.1f} ms"
+             if s["transition_steps"] else ""))
     return r
 
 

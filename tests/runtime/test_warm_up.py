@@ -99,8 +99,8 @@ def test_fresh_process_builds_nothing_after_the_first_decode_step(tmp_path, path
     """A new process, empty Triton and inductor caches: a generate() across ≥ 2 demotions of each kind (rows every 8
     steps at d = 64; 128-token key blocks at d = 128, one 3-bit and one 2-bit layer) builds no Triton kernel after
     its first decode step, and its slowest later step is at most twice the median — on the graph path, of the steps
-    that replay: those that capture a CUDA graph (the plain step and the demoting one, again after the history grows
-    past its reserve; tens of ms, no build) are bounded apart, at 25 × the median."""
+    that replay; the few that do not (each step kind's first run, eager, and its capture, again after the history
+    grows past its reserve: milliseconds, no build) are bounded apart, at 25 × the median."""
     model, layers, key_block, key_bits = shape
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind"),
            "PYTHONPATH": str(ROOT)}
@@ -112,5 +112,5 @@ def test_fresh_process_builds_nothing_after_the_first_decode_step(tmp_path, path
     assert done.returncode == 0, done.stderr[-3000:]
     s = json.loads(out.read_text())["summary"]
     assert s["builds_after_first_step"] == 0, (s, done.stdout)
-    assert s["max_other_ms"] <= 2 * s["median_ms"], (s, done.stdout)
-    assert (s["max_capture_ms"] or 0) <= 25 * s["median_ms"], (s, done.stdout)
+    assert s["max_steady_ms"] <= 2 * s["steady_median_ms"], (s, done.stdout)
+    assert (s["max_transition_ms"] or 0) <= 25 * s["steady_median_ms"], (s, done.stdout)
