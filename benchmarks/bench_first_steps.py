@@ -74,16 +74,16 @@ def run(model: str, layers: int, context: int, batch: int, steps: int, key_bits:
 
 def summary(r: dict) -> dict:
     """prefill (ms), the first decode step, and over the later ones: median, p99, max, where the max fell, the
-    Triton cache files added after the first decode step; on the graph path the steps that did not replay (each
+    Triton cache files added after the first decode step; on the graph path the steps that did not only replay (each
     kind's first step, run eagerly, and its capture, at the start and again after the history grew past its reserve)
-    apart from the replays: which they were and the slowest of them, and the slowest steady step (eager path: every
-    later step; graph path: the replays)."""
+    apart: which they were and the slowest of them, and the slowest steady step (eager path: every later step; graph
+    path: the plain replays)."""
     later = r["times_ms"][2:]
     ordered = sorted(later)
     slowest = max(range(len(later)), key=later.__getitem__) + 2 if later else None
-    files, reps = r["triton_files"], r["replays"]
-    graph = r["path"] == "graph"
-    transitions = [i for i in range(2, len(reps)) if graph and reps[i] == reps[i - 1]]
+    files, reps, caps = r["triton_files"], r["replays"], r["captures"]
+    graph = r["path"] == "graph"  # (a capturing step replays its new graph at once: it counts as a capture)
+    transitions = [i for i in range(2, len(reps)) if graph and (reps[i] == reps[i - 1] or caps[i] > caps[i - 1])]
     steady = [t for i, t in enumerate(later, start=2) if i not in transitions]
     return {"prefill_ms": r["times_ms"][0], "first_step_ms": r["times_ms"][1] if len(r["times_ms"]) > 1 else None,
             "median_ms": statistics.median(later) if later else None,
