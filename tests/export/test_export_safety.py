@@ -199,7 +199,7 @@ def test_a_failing_move_puts_everything_back(art, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     for name in ALL_FILES:
-        (out / name).write_bytes(b"previous " + name.encode())
+        (out / name).write_bytes(staging.stamp(b"previous " + name.encode()))  # an earlier export's files
     (out / "notes.txt").write_bytes(b"kept")
     before = _snapshot(out)
     real = os.replace
@@ -228,7 +228,7 @@ def test_an_undo_that_fails_keeps_the_replaced_files_and_says_where(art, tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     for name in (K_FILE, V_FILE):
-        (out / name).write_bytes(b"previous " + name.encode())
+        (out / name).write_bytes(staging.stamp(b"previous " + name.encode()))  # an earlier export's files
     real = os.replace
     calls = []
 
@@ -251,7 +251,7 @@ def test_an_undo_that_fails_keeps_the_replaced_files_and_says_where(art, tmp_pat
     assert "nothing was changed" not in raised.value.message
     assert sorted(p.name for p in aside.iterdir()) == [K_FILE, V_FILE]  # V was set aside before its move failed
     for name in (K_FILE, V_FILE):
-        assert (aside / name).read_bytes() == b"previous " + name.encode()
+        assert (aside / name).read_bytes() == staging.stamp(b"previous " + name.encode())
 
 
 def test_a_killed_exports_set_aside_files_are_put_back(art, tmp_path):
@@ -281,11 +281,11 @@ def test_export_over_a_previous_one_replaces_only_its_files(art, run_cli, tmp_pa
     out = tmp_path / "a" / "b" / "sg"
     assert run_cli("export", art, "--format", "sglang", "--out", out)[0] == 0
     (out / "notes.txt").write_bytes(b"kept")
-    (out / K_FILE).write_bytes(b"stale")
+    (out / K_FILE).write_bytes(staging.stamp(b"stale"))  # an earlier export's file
     code, _, err = run_cli("export", art, "--format", "sglang", "--out", out)
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == sorted([*ALL_FILES, "notes.txt"])
-    assert (out / "notes.txt").read_bytes() == b"kept" and (out / K_FILE).read_bytes() != b"stale"
+    assert (out / "notes.txt").read_bytes() == b"kept" and (out / K_FILE).read_bytes() != staging.stamp(b"stale")
     umask = os.umask(0o022)
     os.umask(umask)
     assert (out / K_FILE).stat().st_mode & 0o777 == 0o666 & ~umask
