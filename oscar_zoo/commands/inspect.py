@@ -29,7 +29,7 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
                   f"{shown(m.architecture)} · {m.num_layers} layers · {m.num_q_heads} query / {m.num_kv_heads} KV "
                   f"heads · head_dim {m.head_dim}")
     console.print(f"rotation {manifest.rotation.composition} {manifest.rotation.granularity.value}, value target "
-                  f"{manifest.rotation.value_target.value}, mixing {manifest.rotation.hadamard}; clip "
+                  f"{manifest.rotation.value_target.value}, mixing {shown(manifest.rotation.hadamard)}; clip "
                   f"{manifest.clip.mode.value}; {manifest.codec}, group {q.group_size}, sink {q.sink}, recent "
                   f"{q.recent}, pinned {manifest.pin}; "
                   f"{'centred (K/V means removed)' if manifest.centred else 'uncentred'} · schema "

@@ -32,7 +32,7 @@ def list_command(json_output: Json = False) -> None:
         where = "\n".join(shown(f"{loc.hub}:{loc.spec}")
                           + ("" if loc.published else " [yellow](planned, not published)[/]") for loc in e.locations)
         table.add_row(shown(e.name), shown(e.manifest.model.id), e.manifest.rotation.granularity.value,
-                      f"{bpe_128k(e.manifest):.2f}", verification_summary(e.manifest.verification), where)
+                      f"{bpe_128k(e.manifest):.2f}", shown(verification_summary(e.manifest.verification)), where)
     console.print(table)
     if not entries:
         console.print("the catalog is empty")

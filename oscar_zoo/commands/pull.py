@@ -29,8 +29,8 @@ def pull_command(
     """Download the manifest, then exactly the files it lists, pinned to one commit; every sha256 is checked before
     the destination appears. Works offline from the hub cache (HF_HUB_OFFLINE=1)."""
     src = resolve_source(source, hub, revision)
-    with err_console.status(f"pulling {src.hub}:{src.repo_id}") as status:
-        result = pull(src, dest, force_download=force_download, progress=lambda msg: status.update(msg))
+    with err_console.status(f"pulling {src.hub}:{shown(src.repo_id)}") as status:
+        result = pull(src, dest, force_download=force_download, progress=lambda msg: status.update(shown(msg)))
     if json_output:
         console.print_json(json.dumps({
             "hub": src.hub, "repo_id": src.repo_id, "subfolder": src.subfolder, "commit": result.commit,
@@ -38,7 +38,7 @@ def pull_command(
             "model": result.manifest.model.id,
             "files": [{"path": p, "bytes": b, "sha256": s} for p, b, s in result.files]}))
         return
-    table = Table(title=f"{src.hub}:{src.repo_id}/{src.subfolder}".rstrip("/") + f" @ {result.commit[:12]}")
+    table = Table(title=shown(f"{src.hub}:{src.repo_id}/{src.subfolder}".rstrip("/") + f" @ {result.commit[:12]}"))
     table.add_column("file")
     table.add_column("bytes", justify="right")
     table.add_column("sha256")

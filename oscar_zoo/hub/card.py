@@ -22,17 +22,31 @@ CONTEXTS = (32768, 131072)
 _MARKDOWN = re.compile(r"([\\`*{}\[\]()#!|~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")  # `_` inside a word is text
 
 
-def md(value) -> str:
-    """Text from a manifest or zoo.json (someone else's) as plain Markdown text in a table cell: one line, HTML
-    escaped (`<`, `>`, `&`), Markdown punctuation backslash-escaped, so `|`, links, images or tags stay text."""
+MAX_CELL = 4096  # characters of one value from someone else's file that a card shows
+
+
+def visible(value) -> str:
+    """Text from a manifest, a report or zoo.json (someone else's) on one line with nothing a terminal or a renderer
+    acts on: runs of whitespace become one space, and every other character that is not printable (ESC and the other
+    controls, DEL, C1 controls, bidi overrides, separators) is written as its escape (`\\x1b`, `\\u202e`): a card
+    printed with `cat` changes no terminal, and a reader sees what the file holds. At most MAX_CELL characters of it
+    (then `… (N characters in all)`)."""
     flat = " ".join(str(value).split())
-    return _MARKDOWN.sub(r"\\\1", html.escape(flat, quote=False))
+    more = f"… ({len(flat):,} characters in all)" if len(flat) > MAX_CELL else ""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in flat[:MAX_CELL]) + more
+
+
+def md(value) -> str:
+    """Text from a manifest or zoo.json (someone else's) as plain Markdown text in a table cell: one line, controls
+    escaped (`visible`), HTML escaped (`<`, `>`, `&`), Markdown punctuation backslash-escaped, so `|`, links, images
+    or tags stay text."""
+    return _MARKDOWN.sub(r"\\\1", html.escape(visible(value), quote=False))
 
 
 def code(value) -> str:
-    """A value as inline code in a table cell (`|` escaped, as GFM tables need even in code); one holding a backtick
-    is shown as escaped plain text instead (it would end the code span)."""
-    flat = " ".join(str(value).split())
+    """A value as inline code in a table cell (controls escaped by `visible`; `|` escaped, as GFM tables need even in
+    code); one holding a backtick is shown as escaped plain text instead (it would end the code span)."""
+    flat = visible(value)
     return md(flat) if "`" in flat else "`" + flat.replace("|", "\\|") + "`"
 
 
@@ -82,7 +96,7 @@ def render_model_card(manifest: Manifest, repo_id: str, subfolder: str, hub: str
     out += [f"| `{a.path}` | {a.bytes:,} | `{a.sha256}` |" for a in manifest.artifacts]
     out += ["| `manifest.json` | | lists every file with its checksum |", ""]
     out += ["## Use\n", "```bash", "pip install oscar-zoo",
-            f"oscar-zoo pull {source}{hub_flag} --dest rotations/   # checks every sha256",
+            f"oscar-zoo pull {visible(source)}{hub_flag} --dest rotations/   # checks every sha256",
             "oscar-zoo inspect rotations/",
             "oscar-zoo export rotations/ --format sglang --out sglang/   # reference-runtime .pt files + settings",
             "```", "",
@@ -124,5 +138,5 @@ def render_zoo_card(index: ZooIndex, repo_id: str, hub: str) -> str:
            "| folder | model | granularity | bits/element @128K | verification |", "|---|---|---|---:|---|"]
     out += [f"| [{code(m.subfolder)}]({m.subfolder}) | {code(m.model_id)} | {md(m.granularity)} | "
             f"{m.bits_per_element_128k:.2f} | {md(m.verification)} |" for m in index.models]
-    out += ["", "```bash", f"oscar-zoo pull {repo_id}/<folder>{hub_flag} --dest rotations/", "```", ""]
+    out += ["", "```bash", f"oscar-zoo pull {visible(repo_id)}/<folder>{hub_flag} --dest rotations/", "```", ""]
     return "\n".join(out)
