@@ -18,6 +18,8 @@ from .runtime.artifact import (  # noqa: F401
     ARTIFACT_FILES,
     MANIFEST_MAX_BYTES,
     MANIFEST_NAME,
+    MAX_CALIBRATION_TOKENS,
+    MAX_WALL_SECONDS,
     READ_VERSIONS,
     ROTATIONS_NAME,
     SCHEMA_VERSION,
@@ -139,17 +141,24 @@ class ClipSpec(_Frozen):
 class CalibrationRecord(_Frozen):
     dataset: str
     token_ids_sha256: str
-    tokens: int
-    sequences: int
-    seq_len: int
-    heldout_tokens: int
+    tokens: int = Field(ge=0, le=MAX_CALIBRATION_TOKENS)  # sequences × seq_len (`_whole_sequences`)
+    sequences: int = Field(ge=0, le=MAX_CALIBRATION_TOKENS)
+    seq_len: int = Field(ge=0, le=MAX_CALIBRATION_TOKENS)
+    heldout_tokens: int = Field(ge=0, le=MAX_CALIBRATION_TOKENS)
     chat_template: bool
     seed: int
     device: str
     dtype: str
     versions: dict[str, str]
     created: str
-    wall_seconds: float
+    wall_seconds: float = Field(ge=0, le=MAX_WALL_SECONDS)
+
+    @model_validator(mode="after")
+    def _whole_sequences(self) -> CalibrationRecord:
+        if self.tokens != self.sequences * self.seq_len:
+            raise ValueError(f"calibration.tokens {self.tokens} is not sequences × seq_len = {self.sequences} × "
+                             f"{self.seq_len}")
+        return self
 
 
 class ArtifactFile(_Frozen):
@@ -203,6 +212,10 @@ class Manifest(_Frozen):
         if m.head_dim % 4 or m.head_dim % q.group_size:
             raise ValueError(f"quant.group_size {q.group_size} does not fit model.head_dim {m.head_dim} (the head dim "
                              "must be a multiple of 4 and the group size divide it)")
+        try:
+            layout.check_windows(q.sink, q.recent, q.flush, q.pin or 0, q.key_block or 0)
+        except ValueError as exc:
+            raise ValueError(f"quant: {exc}") from None
         outside = [i for i in self.rotation.layer_ids if i >= m.num_layers]
         if outside:
             raise ValueError(f"rotation.layer_ids {outside[:4]} reach past model.num_layers {m.num_layers}")

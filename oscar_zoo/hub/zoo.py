@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import IntegrityError
 from ..evaluation.report import (
@@ -24,6 +24,7 @@ from .base import check_subfolder
 ZOO_NAME = "zoo.json"
 ZOO_SCHEMA_VERSION = 1
 CONTEXT_128K = 131072
+MAX_BITS_PER_ELEMENT = 64.0  # above any codec's: 16-bit windows, 3-bit codes with a float16 pair per 1-dim group
 PREFERRED_METRICS = ("kl", "top1", "ppl_increase", "bits_per_element")  # shown first, and in one-line summaries
 
 
@@ -35,7 +36,7 @@ class ZooModel(BaseModel):
     model_revision: str | None = None
     granularity: str
     manifest_sha256: str
-    bits_per_element_128k: float
+    bits_per_element_128k: float = Field(ge=0, le=MAX_BITS_PER_ELEMENT)
     verification: str  # one-line summary, "unverified" when the manifest has none
     updated: str  # ISO time of the push that wrote this entry
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import layout
 from .layout import Centring
 from .validate import MEAN_NAMES, TENSOR_NAMES, check_rotation_tensors, check_tensor_names
 
@@ -34,6 +35,12 @@ JSON_MAX_DEPTH = 32  # a manifest nests 4 deep, a catalog entry with a verificat
 QUANT_KEYS = ("group_size", "sink", "recent", "flush", "pin", "key_block")  # what the runtime reads of a manifest
 TENSOR_DTYPES = {name: torch.int32 if name == "layer_ids" else torch.float32 for name in (*TENSOR_NAMES, *MEAN_NAMES)}
 SHA256_HEX = frozenset("0123456789abcdef")
+# Bounds of a manifest's calibration record (the schema's; the runtime does not read the record): more tokens than any
+# corpus a calibration reads, and a year of wall time. Larger values are a damaged or forged manifest.
+MAX_CALIBRATION_TOKENS = 1 << 40
+MAX_WALL_SECONDS = 365 * 24 * 3600.0
+LAYER_SPREAD = 2  # without a model record (no manifest, or one of settings only), layer ids stay below
+# LAYER_SPREAD × the rotation layers: every family oscar-zoo calibrates rotates all layers, or every other one
 
 
 class ArtifactError(ValueError):
@@ -109,8 +116,11 @@ def read_artifact(folder: str | Path, parse: Callable[[bytes], Any] | None = Non
     except ValueError as exc:
         raise ArtifactError(f"{ROTATIONS_NAME}: {exc}") from None
     tensors = {n: tensors[n] for n in names}
+    check_dtypes(tensors)
     if doc is not None:
         check_against_manifest(tensors, doc, path)
+    if doc is None or geometry(doc, path) is None:  # no model record: bound what a cache builds by the tensors
+        check_layer_spread(tensors["layer_ids"])
     check_values(tensors)
     return Artifact(doc, manifest, tensors, settings)
 
@@ -227,6 +237,12 @@ def quant_settings(doc: dict, source: Path) -> dict[str, int | list[int]]:
         if not _integer(value):
             raise ArtifactError(f"{source}: quant.{key} is {str(value)[:40]!r}, expected an integer")
         settings[key] = value
+    try:
+        layout.check_windows(settings.get("sink", layout.SINK), settings.get("recent", layout.RECENT),
+                             settings.get("flush", settings.get("key_block") or layout.FLUSH), settings.get("pin", 0),
+                             settings.get("key_block", 0))
+    except ValueError as exc:
+        raise ArtifactError(f"{source}: quant: {exc}") from None
     key_bits = quant.get("key_bits")
     if key_bits is not None:  # schema 3: per rotation layer, 2 or 3
         if not isinstance(key_bits, list) or any(b not in (2, 3) or isinstance(b, bool) for b in key_bits):
@@ -344,11 +360,6 @@ def check_against_manifest(tensors: Mapping[str, Tensor], doc: dict, source: Pat
         raise ArtifactError(f"{ROTATIONS_NAME} {has} k_mean/v_mean but the manifest (schema_version "
                             f"{one_line(repr(doc.get('schema_version')), 12)}) says quant.centring {centring!r}: the "
                             "two files do not belong together", "re-calibrate or re-download")
-    for name, dtype in TENSOR_DTYPES.items():
-        got = tensors[name].dtype if name in tensors else dtype
-        if got != dtype:
-            raise ArtifactError(f"{ROTATIONS_NAME}: {name} has dtype {str(got).removeprefix('torch.')}, the format "
-                                f"stores {str(dtype).removeprefix('torch.')}")
     shape = geometry(doc, source)
     if shape is None:
         return
@@ -360,6 +371,29 @@ def check_against_manifest(tensors: Mapping[str, Tensor], doc: dict, source: Pat
                                 f"{list(expected)}")
     if tensors["layer_ids"].tolist() != ids:
         raise ArtifactError(f"{ROTATIONS_NAME}: layer_ids differ from the manifest's rotation.layer_ids")
+    layers = _object(doc, "model", source).get("num_layers")
+    if not (_integer(layers) and 1 <= layers) or any(not 0 <= i < layers for i in ids):
+        raise ArtifactError(f"{source}: rotation.layer_ids must lie in [0, model.num_layers); model.num_layers is "
+                            f"{one_line(repr(layers), 24)}, the largest id {max(ids, default=None)}")
+
+
+def check_dtypes(tensors: Mapping[str, Tensor]) -> None:
+    """Every tensor has the format's dtype (float32; layer_ids int32), with or without a manifest."""
+    for name, dtype in TENSOR_DTYPES.items():
+        got = tensors[name].dtype if name in tensors else dtype
+        if got != dtype:
+            raise ArtifactError(f"{ROTATIONS_NAME}: {name} has dtype {str(got).removeprefix('torch.')}, the format "
+                                f"stores {str(dtype).removeprefix('torch.')}")
+
+
+def check_layer_spread(layer_ids: Tensor) -> None:
+    """Without a model record, the layers a cache builds (the largest id + 1) stay below LAYER_SPREAD × the rotation
+    layers the file holds; a folder for a model with sparser attention layers needs its manifest."""
+    ids = layer_ids.flatten().tolist()
+    if ids and max(ids) >= LAYER_SPREAD * len(ids):
+        raise ArtifactError(f"{ROTATIONS_NAME}: layer_ids reach layer {max(ids)} with {len(ids)} rotation layers, and "
+                            "no manifest says the model has that many layers",
+                            "use the artifact folder's manifest.json (oscar-zoo pull or calibrate writes it)")
 
 
 def check_values(tensors: Mapping[str, Tensor]) -> None:

@@ -33,6 +33,8 @@ RECENT = 256  # last positions kept full precision
 FLUSH = 8  # tokens demoted together from the recent tier into the history
 MAX_WINDOW = 1 << 20  # sink, recent and flush are each at most this many tokens (a larger one is a damaged
 # manifest, not a setting: the tiers are allocated at that size for every layer and sequence)
+MAX_WINDOWS = 32768  # a manifest's BF16 tiers, sink + pin + recent, hold fewer tokens than this: beyond it a 32K
+# context keeps no INT2 history, and every layer would allocate that many BF16 rows per KV head (`check_windows`)
 
 # Keys per channel over token blocks (docs/format.md §6d): a float16 scale/zero per channel and block of KEY_BLOCK
 # consecutive history tokens; the history then holds whole blocks and demotes one block at a time (flush = block).
@@ -108,6 +110,23 @@ def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_cont
     if tokens_contiguous:
         return torch.zeros(B, H, packed_dim(head_dim), T_cap, dtype=CODE_DTYPE, device=device).transpose(2, 3)
     return torch.zeros(B, H, T_cap, packed_dim(head_dim, bits), dtype=CODE_DTYPE, device=device)
+
+
+def check_windows(sink: int, recent: int, flush: int, pin: int = 0, key_block: int = 0) -> None:
+    """The tiers a manifest may prescribe (docs/format.md §7): each window within [0, MAX_WINDOW] (flush ≥ 1), the
+    BF16 tiers sink + pin + recent below MAX_WINDOWS (what `calibrate` accepts), and flush at most the largest key
+    block (`KEY_BLOCKS`; per row, calibrate writes FLUSH): the recent tier holds recent + flush rows of every layer.
+    The one check of these bounds for the manifest schema and the runtime's reader; ValueError otherwise."""
+    if min(sink, recent, pin) < 0 or flush < 1 or max(sink, recent, flush, pin) > MAX_WINDOW:
+        raise ValueError(f"need 0 ≤ sink, recent, pin ≤ {MAX_WINDOW} and 1 ≤ flush ≤ {MAX_WINDOW}, "
+                         f"got sink={sink} recent={recent} flush={flush} pin={pin}")
+    if not sink + pin + recent < MAX_WINDOWS:
+        raise ValueError(f"sink + pin + recent = {sink} + {pin} + {recent} tokens: expected fewer than "
+                         f"{MAX_WINDOWS:,} (beyond that a 32K context keeps no INT2 history, and every layer "
+                         "allocates that many BF16 rows per KV head)")
+    if flush > max(KEY_BLOCKS[-1], key_block):
+        raise ValueError(f"flush {flush}: expected at most {KEY_BLOCKS[-1]} tokens demoted at a time (the largest "
+                         "key block; calibrate writes 8 per row)")
 
 
 def check_key_block(key_block: int) -> int:
