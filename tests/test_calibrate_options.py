@@ -21,7 +21,8 @@ def cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("extra, words", [
     (["--sink", "-5", "--recent", "-1"], "--sink -5: expected a number of full-precision sink tokens ≥ 0"),
     (["--recent", "-1"], "--recent -1: expected"),
-    (["--sink", "100000"], "--sink + --recent 100000 + 256: expected less than 32,768 tokens"),
+    (["--sink", "100000"], "--sink + --pin + --recent 100000 + 0 + 256: expected less than 32,768 tokens"),
+    (["--key-block", "0", "--pin", "32600"], "--sink + --pin + --recent 64 + 32600 + 256: expected less than 32,768"),
     (["--tokens", "0"], "--tokens 0: expected at least one sequence"),
     (["--seq-len", "3"], "--seq-len 3: expected at least 16"),
     (["--batch-size", "0"], "--batch-size 0: expected at least 1"),

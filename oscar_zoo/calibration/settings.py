@@ -22,7 +22,6 @@ from . import clip_search, distributed
 from .data import check_dataset_options, check_seq_len
 
 DEFAULT_KEY_BITS = 2.7  # QUALITY.md "Retrieval": 2.98 bits/element at 32K for D = 64 (≤ 3.0), needle 57 → 72 %
-MAX_WINDOWS = 32768  # sink + recent must stay below the 32K context of the BPE summary, so long contexts are INT2
 
 
 class AccumulateOn(Choice):
@@ -88,8 +87,8 @@ class CalibrationSettings:
     def __post_init__(self) -> None:
         """The sink and recent windows are not used by the calibration itself (the clip search scores every held-out
         position); they are the cache tiers the manifest prescribes to runtimes. So they are checked for sanity, not
-        against the sequence length: each ≥ 0, and together below MAX_WINDOWS so that a long context has INT2
-        history at all."""
+        against the sequence length: each ≥ 0, and together (with the pinned tokens) below layout.MAX_WINDOWS so that
+        a long context has INT2 history at all (`layout.check_windows`, the bound every reader applies)."""
         if self.key_block is not None and self.key_block != 0 and self.key_block not in layout.KEY_BLOCKS:
             raise SettingError.bound("key_block", self.key_block, "0 (keys per row) or a block of "
                                      + ", ".join(map(str, layout.KEY_BLOCKS)) + " tokens")
@@ -122,9 +121,10 @@ class CalibrationSettings:
                                        f"{self.key_block if self.key_block is not None else 'default'}): its keys are "
                                        "unclipped and its history holds whole token blocks (docs/format.md §6d)",
                                        "add {key_block} 0 for the per-row codec, or leave it out")
-        if not self.sink + self.recent < MAX_WINDOWS:
-            raise SettingError("sink", f"{{sink}} + {{recent}} {self.sink} + {self.recent}: expected less than "
-                               f"{MAX_WINDOWS:,} tokens (beyond that a 32K context keeps no INT2 history)")
+        if not self.sink + self.pin + self.recent < layout.MAX_WINDOWS:
+            raise SettingError("sink", f"{{sink}} + {{pin}} + {{recent}} {self.sink} + {self.pin} + {self.recent}: "
+                               f"expected less than {layout.MAX_WINDOWS:,} tokens (beyond that a 32K context keeps no "
+                               "INT2 history)")
         _need(self.batch_size >= 1, "batch_size", self.batch_size, "at least 1 sequence per forward pass")
         if self.centred_value_target and self.value_target != ValueTarget.WEIGHTED:
             raise SettingError("centred_value_target", "a centred value target ({centred_value_target}) is defined "

@@ -30,7 +30,7 @@ from ..calibration.settings import (
     Granularity,
     ValueTarget,
 )
-from ..console import console, err_console, progress_reporter
+from ..console import console, err_console, progress_reporter, shown
 from ..errors import SettingError
 from ..models import DEMO, model_id_of
 from ..runtime import layout
@@ -113,7 +113,7 @@ def calibrate_command(
             max_memory=max_memory, offload_folder=offload_folder, nproc=nproc,
             argv=tuple(distributed.without_option(sys.argv[1:], "--nproc")))
         check_destination(request.out, "--out")  # before any model work: refuse to replace someone else's folder
-        say = None if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
+        say = None if json_output else (lambda msg: err_console.print(f"[dim]{shown(msg)}[/]"))
         outcome = run_calibration(request, say,
                                   lambda enabled: progress_reporter(enabled=enabled and not json_output))
     except SettingError as exc:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from ..console import console, err_console
+from ..console import console, err_console, shown
 from ..export.oscar_pt import export_oscar_pt
 from ..runtime import layout
 from ..runtime.layout import Choice
@@ -78,12 +78,12 @@ def export_command(
     if json_output:
         console.print_json(json.dumps(doc))
         return
-    console.print(f"wrote {result.k_path}")
-    console.print(f"wrote {result.v_path}")
+    console.print(f"wrote {shown(result.k_path)}")
+    console.print(f"wrote {shown(result.v_path)}")
     if format == Format.SGLANG:
-        console.print(f"wrote {doc['env_file']} and {doc['launch_script']}; serve with:")
-        console.print(f"  {shlex.quote(str(sh_path))}   (or, in {out}: set -a; . ./sglang.env; set +a; "
-                      f"{doc['launch_command']})", highlight=False, soft_wrap=True)
+        console.print(f"wrote {shown(doc['env_file'])} and {shown(doc['launch_script'])}; serve with:")
+        console.print(f"  {shown(shlex.quote(str(sh_path)))}   (or, in {shown(out)}: set -a; . ./sglang.env; set +a; "
+                      f"{shown(doc['launch_command'])})", highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..console import console, err_console
+from ..console import console, err_console, shown
 from ..hub.base import Hub
 from ..hub.publish import plan_push, push
 from .options import ArtifactsArg, Json
@@ -45,7 +45,7 @@ def push_command(
         rows = plan.rows()
         if not dry_run:
             with err_console.status("pushing") as status:
-                push(plan, private, Path(tmp), progress=lambda msg: status.update(msg))
+                push(plan, private, Path(tmp), progress=lambda msg: status.update(shown(msg)))
     target = f"{hub}:{repo_id}/{plan.subfolder}".rstrip("/")
     if json_output:
         console.print_json(json.dumps({
@@ -66,7 +66,8 @@ def push_command(
     if dry_run:
         console.print("dry run: nothing was uploaded")
     else:
-        console.print(f"[green]pushed[/] {plan.manifest.model.id} → {plan.url}  (zoo: {', '.join(plan.zoo_models)})")
+        zoo = ", ".join(shown(m) for m in plan.zoo_models)
+        console.print(f"[green]pushed[/] {shown(plan.manifest.model.id)} → {shown(plan.url)}  (zoo: {zoo})")
 
 
 def register(app: typer.Typer) -> None:

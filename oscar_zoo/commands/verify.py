@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..calibration.data import check_dataset_options
-from ..console import console, err_console, progress_reporter
+from ..console import console, err_console, progress_reporter, shown
 from ..errors import InputError, SettingError, VerificationFailed
 from ..evaluation.harness import DEFAULT_THRESHOLDS, MAX_GENERATE, VerifySettings
 from ..evaluation.needle import (
@@ -141,7 +141,7 @@ def verify_command(
                             text_field=text_field, split=split, seed=seed, device=device, dtype=dtype,
                             needle=needle_settings, needle_quick=needle_quick, as_exported=as_exported, plot=plot,
                             needle_plot=needle_plot, write=write)
-    say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
+    say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{shown(msg)}[/]"))
     try:
         report = verify_artifacts(request, say, lambda: progress_reporter(enabled=not json_output))
     except SettingError as exc:  # a library setting, spelled as this command's option (seq_len is --context here)
