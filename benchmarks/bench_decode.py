@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from oscar_zoo.runtime import layout, ops
+from oscar_zoo.format import layout
+from oscar_zoo.runtime import ops
 
 SHAPES = [(32, 8, 128), (9, 3, 64)]  # (H_q, H_kv, D): Llama-3-8B/Qwen3-8B class, SmolLM2-135M
 BATCHES = [1, 8, 32]

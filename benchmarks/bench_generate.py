@@ -42,7 +42,8 @@ from transformers import (
 )
 from transformers.cache_utils import Cache
 
-from oscar_zoo.runtime import cache as cache_mod, layout
+from oscar_zoo.format import layout
+from oscar_zoo.runtime import cache as cache_mod
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation
 from oscar_zoo.runtime.cache import OscarCache
 from oscar_zoo.runtime.graph import install

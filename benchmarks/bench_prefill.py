@@ -29,7 +29,8 @@ from unittest import mock
 
 import torch
 
-from oscar_zoo.runtime import reference, rotate_op
+from oscar_zoo.format import reference
+from oscar_zoo.runtime import rotate_op
 
 if __package__:  # imported: `from benchmarks import bench_prefill`
     from .bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention

@@ -23,7 +23,8 @@ import torch
 import triton
 
 from benchmarks.bench_decode import IN_GRAPH, copy_bandwidth, time_rotating
-from oscar_zoo.runtime import layout, ops, reference
+from oscar_zoo.format import layout, reference
+from oscar_zoo.runtime import ops
 
 ROWS = [  # (B, H_kv, T, D)
     (1, 8, 32768, 128),

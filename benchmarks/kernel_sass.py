@@ -27,7 +27,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from oscar_zoo.runtime import layout, ops
+from oscar_zoo.format import layout
+from oscar_zoo.runtime import ops
 from oscar_zoo.runtime.kernels import decode
 
 

@@ -28,8 +28,8 @@ from oscar_zoo.calibration.data import EVALUATION_PLAYS, bundled_files, load_tex
 from oscar_zoo.evaluation.attention import cache_argument
 from oscar_zoo.evaluation.needle import QUESTION, build_prompt
 from oscar_zoo.evaluation.stats import wilson
+from oscar_zoo.format import layout, reference as ref
 from oscar_zoo.models import load_model
-from oscar_zoo.runtime import layout, reference as ref
 
 # ------------------------------------------------------------------------------------------- debiased attention
 # BIAS[layer]: [H_kv, T] coefficients c_t (0 outside the INT2 history); the logit of key t is scaling·q·k̂_t minus

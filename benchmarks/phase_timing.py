@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 import torch
 
-from oscar_zoo.runtime import cache as cache_mod, ops, reference, rotate_op
+from oscar_zoo.format import reference
+from oscar_zoo.runtime import cache as cache_mod, ops, rotate_op
 
 if __package__:  # imported: `from benchmarks import phase_timing`
     from .bf16_caches import GraphBF16Layer, PreallocLayer, bf16_split_attention

@@ -11,7 +11,8 @@ import argparse
 
 import torch
 
-from oscar_zoo.runtime import layout, ops
+from oscar_zoo.format import layout
+from oscar_zoo.runtime import ops
 
 
 def main():

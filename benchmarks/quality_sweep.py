@@ -54,8 +54,8 @@ from oscar_zoo.evaluation.baselines import (
 from oscar_zoo.evaluation.harness import Attender, _logits, quantizer
 from oscar_zoo.evaluation.peers import PeerCache
 from oscar_zoo.evaluation.registry import ARTIFACT, BASELINES, PEERS, Setup, check_baselines
+from oscar_zoo.format import layout, reference
 from oscar_zoo.models import cache_root, load_model
-from oscar_zoo.runtime import layout, reference
 
 DOC_CALIBRATION_MODULES = (
     "argparse", "collections", "functools", "logging", "os", "pathlib", "re", "shutil", "subprocess", "tarfile",

@@ -28,7 +28,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from benchmarks.kernel_sass import _cuobjdump, _specialise, resources
-from oscar_zoo.runtime import layout, ops
+from oscar_zoo.format import layout
+from oscar_zoo.runtime import ops
 from oscar_zoo.runtime.kernels import quantize_pack as qp
 
 HALF_RATE = ("FMNMX", "IMNMX", "FSETP", "ISETP", "FSET", "FSEL", "SEL", "LOP3", "SHF", "IADD3", "PRMT", "LEA", "VIMNMX",

@@ -13,7 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .errors import IntegrityError
-from .runtime import artifact, layout
+from .format import layout
+from .format.layout import MAX_WINDOW, Centring, Choice  # noqa: F401 -- Centring: the format's, re-exported
+from .runtime import artifact
 from .runtime.artifact import (  # noqa: F401
     ARTIFACT_FILES,
     MANIFEST_MAX_BYTES,
@@ -26,7 +28,6 @@ from .runtime.artifact import (  # noqa: F401
     ArtifactError,
     one_line as _one_line,
 )
-from .runtime.layout import MAX_WINDOW, Centring, Choice  # noqa: F401 -- Centring: the format's, re-exported
 
 # The format's file names, size limits and schema versions live in `runtime/artifact.py` (the runtime reads folders
 # too); they are imported here for the schema and for the modules that read them from `manifest`.

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from .errors import InputError, SettingError, literal
+from .format import layout
+from .format.layout import Choice
 from .manifest import ModelIdentity, line_breaker
-from .runtime import layout
-from .runtime.layout import Choice
 
 DEMO = "demo"
 DEMO_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

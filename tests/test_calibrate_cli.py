@@ -11,9 +11,9 @@ from oscar_zoo.artifacts import check_model_matches, load_artifacts, load_tensor
 from oscar_zoo.calibration.data import corpus_dir, make_sequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, calibrate
 from oscar_zoo.errors import IntegrityError
+from oscar_zoo.format import reference as R
 from oscar_zoo.manifest import Manifest
 from oscar_zoo.models import load_model
-from oscar_zoo.runtime import reference as R
 
 SMALL = ["--tokens", "256", "--seq-len", "64", "--heldout", "1", "--device", "cpu", "--dtype", "float32"]
 
@@ -323,7 +323,7 @@ def test_calibrate_pin_writes_schema_4_pins_and_the_runtime_reads_them(calibrate
     """The default pins nothing (no `pin` field, a cache that pins nothing); `--pin 32` writes quant.pin (schema 4,
     docs/format.md §6c), counted as BF16 in its bits per element, and `OscarCache.from_folder` builds a cache that pins
     them; export refuses the pinning artifact without --accept-degraded, and warns with it."""
-    from oscar_zoo.runtime import layout
+    from oscar_zoo.format import layout
     from oscar_zoo.runtime.cache import OscarCache
 
     out, _ = calibrated

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..runtime import layout, reference
+from ..format import layout, reference
 
 DEFAULT_GRID = (0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
 OBJECTIVES = ("attention", "reconstruction")

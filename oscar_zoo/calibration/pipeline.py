@@ -22,6 +22,7 @@ import torch
 
 from .. import __version__
 from ..artifacts import Rotations, load_tensors, save_tensors
+from ..format import layout, reference
 from ..manifest import (
     CalibrationRecord,
     Centring,
@@ -34,7 +35,6 @@ from ..manifest import (
     ValueTarget,
 )
 from ..models import LoadedModel, cache_root
-from ..runtime import layout, reference
 from . import clip_search
 from .capture import capturing, forward_batches
 from .data import TokenSequences

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from ..errors import OscarZooError
+from ..format import reference
 from ..manifest import Granularity
-from ..runtime import reference
 from .targets import per_layer
 
 ORTHOGONALITY_TOLERANCE = 1e-6  # max |MᵀM − I| in float32 (docs/format.md §3)

@@ -14,10 +14,10 @@ from enum import Enum
 from pathlib import Path
 
 from ..errors import SettingError, literal
+from ..format import layout
+from ..format.layout import Choice
 from ..manifest import Centring, ClipMode, Granularity, ValueTarget
 from ..models import DEMO, check_revision_applies
-from ..runtime import layout
-from ..runtime.layout import Choice
 from . import clip_search, distributed
 from .data import check_dataset_options, check_seq_len
 

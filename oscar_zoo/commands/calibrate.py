@@ -32,8 +32,8 @@ from ..calibration.settings import (
 )
 from ..console import console, err_console, progress_reporter, shown
 from ..errors import SettingError
+from ..format import layout
 from ..models import DEMO, model_id_of
-from ..runtime import layout
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
 
 TOKENS_HELP = ("Calibration tokens (rounded down to whole sequences; fewer lose long-context retrieval: "

@@ -12,8 +12,8 @@ import typer
 
 from ..console import console, err_console, shown
 from ..export.oscar_pt import export_oscar_pt
-from ..runtime import layout
-from ..runtime.layout import Choice
+from ..format import layout
+from ..format.layout import Choice
 from .options import ArtifactsArg, Json
 
 

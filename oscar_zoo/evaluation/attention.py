@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..attention_binding import attention_bound, bound_value
-from ..runtime import reference
+from ..format import reference
 
 VERIFY_IMPL = "oscar_verify"
 QUERY_BLOCK = 256

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..runtime import layout, reference
+from ..format import layout, reference
 from .attention import causal_attention, windowed_attention
 
 KIVI_GROUP = 32  # KIVI-2: keys per channel over groups of 32 tokens, values per token over groups of 32 channels

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from .. import __version__
 from ..errors import InputError
+from ..format import layout, reference
 from ..models import LoadedModel
-from ..runtime import layout, reference
 from . import metrics
 from .attention import cache_argument, verifying
 from .baselines import Method, QuantizePack, Windows

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from ..runtime import layout
+from ..format import layout
 from .baselines import Exact, Kivi, Method, RotatedInt2, hadamard_rotation
 from .peers import PeerCache, PeerSpec, require_installed
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ..runtime.layout import Choice
+from ..format.layout import Choice
 
 REPORT_VERSION = 1
 

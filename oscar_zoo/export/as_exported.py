@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..artifacts import Rotations
+from ..format import layout
 from ..manifest import Centring, ClipMode, Granularity, Manifest
-from ..runtime import layout
 from .oscar_pt import is_per_head, layer_rotations
 from .sglang import reference_clip_ratios
 

@@ -28,6 +28,7 @@ import torch
 
 from ..artifacts import Rotations, load_artifacts, sha256_file, write_artifacts
 from ..errors import InputError, IntegrityError
+from ..format import layout
 from ..manifest import (
     CalibrationRecord,
     ClipMode,
@@ -39,7 +40,6 @@ from ..manifest import (
     RotationSpec,
     ValueTarget,
 )
-from ..runtime import layout
 from ..runtime.validate import check_finite, check_rotation
 from .sglang import ENV_FILE, LAUNCH_SCRIPT, SglangSettings, sglang_file_texts, sglang_settings
 from .staging import check_out, write_export_files

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import HubError, InputError
-from ..runtime.layout import Choice
+from ..format.layout import Choice
 
 
 class Hub(Choice):

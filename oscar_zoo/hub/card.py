@@ -11,8 +11,8 @@ import json
 import re
 
 from ..evaluation.report import describe_thresholds
+from ..format import layout
 from ..manifest import Manifest
-from ..runtime import layout
 from .zoo import ZooIndex, format_value, non_default_gate, parse_report, verification_rows, verification_summary
 
 TAGS = ["oscar-zoo", "kv-cache", "quantization", "int2", "rotation"]

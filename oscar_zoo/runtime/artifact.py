@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import layout
-from .layout import Centring
+from ..format import layout
+from ..format.layout import Centring
 from .validate import MEAN_NAMES, TENSOR_NAMES, check_rotation_tensors, check_tensor_names
 
 SCHEMA_VERSION = 5  # what this oscar-zoo writes; 2 adds quant.centring and the tensors k_mean, v_mean; 3 adds

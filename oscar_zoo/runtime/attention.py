@@ -26,7 +26,8 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import compiled, layout, ops, reference, rotate_op
+from ..format import layout, reference
+from . import compiled, ops, rotate_op
 from .cache import CACHE_ARGS, OscarCache, OscarLayer
 from .graph import install
 

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import compiled, layout, ops, reference, rotate_op
+from ..format import layout, reference
+from . import compiled, ops, rotate_op
 from .artifact import read_artifact
 from .history import _STORAGE_IDS, HISTORY_CHUNK, QuantizedHistory
 from .pinning import PinnedTokens

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import layout
+from ..format import layout
 
 
 def check(cond: bool, msg) -> None:

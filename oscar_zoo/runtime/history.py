@@ -9,7 +9,8 @@ import itertools
 import torch
 from torch import Tensor
 
-from . import layout, ops, reference
+from ..format import layout, reference
+from . import ops
 
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
 _STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too

@@ -20,7 +20,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import layout, reference
+from ..format import layout, reference
 from .checks import check, codes_key_bits, validate_bf16, validate_int2
 
 LOG2E = 1.4426950408889634

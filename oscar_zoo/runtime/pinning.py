@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import layout, ops, reference
+from ..format import layout, reference
+from . import ops
 
 
 class PinnedTokens:

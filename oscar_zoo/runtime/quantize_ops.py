@@ -11,7 +11,8 @@ import functools
 import torch
 from torch import Tensor
 
-from . import layout, ops, reference
+from ..format import layout, reference
+from . import ops
 from .checks import check
 
 

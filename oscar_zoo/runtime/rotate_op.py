@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import layout, ops, reference
+from ..format import layout, reference
+from . import ops
 from .checks import check, check_tensor
 
 ROTATE_ROWS = 8  # rows (batch entries) of one head a program serves with the block of M it loaded

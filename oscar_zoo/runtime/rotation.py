@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import layout
+from ..format import layout
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 
 from oscar_zoo.calibration import clip_search
 from oscar_zoo.calibration.targets import group_heads
-from oscar_zoo.runtime import reference as R
+from oscar_zoo.format import reference as R
 
 
 def _sample(seed=0, S=2, H_q=6, H_kv=2, T=33, D=64):

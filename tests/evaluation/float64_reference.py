@@ -21,7 +21,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from oscar_zoo.runtime import reference
+from oscar_zoo.format import reference
 
 IMPL = "float64_tier_reference"
 

@@ -6,7 +6,7 @@ import torch
 
 from oscar_zoo.evaluation.attention import windowed_attention
 from oscar_zoo.evaluation.baselines import Kivi, RotatedInt2, hadamard_rotation
-from oscar_zoo.runtime import layout, reference
+from oscar_zoo.format import layout, reference
 
 
 @pytest.mark.parametrize("T,sink,recent,block", [(1, 4, 8, 16), (15, 4, 8, 4), (333, 16, 32, 64), (700, 64, 256, 256)])

@@ -101,8 +101,8 @@ def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_fil
     the grid's order."""
     from oscar_zoo.evaluation.attention import cache_argument
     from oscar_zoo.evaluation.needle import NeedleProtocol
+    from oscar_zoo.format.reference import random_orthogonal
     from oscar_zoo.runtime.attention import enable_oscar
-    from oscar_zoo.runtime.reference import random_orthogonal
 
     model, L, D = loaded.model, loaded.info.num_layers, loaded.info.head_dim
     sink, recent = 16, 32

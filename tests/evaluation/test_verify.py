@@ -15,7 +15,7 @@ from oscar_zoo.evaluation import baselines, registry
 from oscar_zoo.evaluation.attention import verifying
 from oscar_zoo.evaluation.harness import Attender, VerifySettings, run_verification
 from oscar_zoo.evaluation.report import Thresholds, VerifyReport, check_thresholds
-from oscar_zoo.runtime import reference
+from oscar_zoo.format import reference
 
 from ..hub.helpers import rewrite_rotations
 from .conftest import CONTEXT, KL_RTOL, PPL_ATOL, RECENT, SINK, TOP1_POSITIONS, outlier_model

@@ -16,8 +16,8 @@ from oscar_zoo.evaluation.harness import VerifySettings, run_verification
 from oscar_zoo.evaluation.report import VerifyReport
 from oscar_zoo.export.as_exported import as_exported
 from oscar_zoo.export.oscar_pt import K_FILE, K_OBJECTIVE, V_FILE, V_OBJECTIVE, read_oscar_pt
+from oscar_zoo.format import layout
 from oscar_zoo.manifest import Centring, Granularity
-from oscar_zoo.runtime import layout
 
 from .conftest import CONTEXT, KL_RTOL, PPL_ATOL, RECENT, SINK, TOP1_POSITIONS
 from .float64_reference import expected_metrics

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from oscar_zoo.runtime import layout, reference
+from oscar_zoo.format import layout, reference
 from oscar_zoo.runtime.cache import OscarCache
 
 B, H, D = 2, 3, 64

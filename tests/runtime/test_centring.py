@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
-from oscar_zoo.runtime import layout, reference
+from oscar_zoo.format import layout, reference
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache
 

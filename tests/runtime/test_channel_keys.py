@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_zoo.runtime import layout, ops, reference
+from oscar_zoo.format import layout, reference
+from oscar_zoo.runtime import ops
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.cache import OscarCache, OscarLayer
 

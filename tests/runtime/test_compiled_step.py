@@ -13,7 +13,8 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
-from oscar_zoo.runtime import compiled, graph, layout
+from oscar_zoo.format import layout
+from oscar_zoo.runtime import compiled, graph
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.compiled import CompiledLayers
 from oscar_zoo.runtime.graph import ROUTED_TYPES, static_experts

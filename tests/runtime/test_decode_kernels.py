@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from oscar_zoo.runtime import layout, ops, reference
+from oscar_zoo.format import layout, reference
+from oscar_zoo.runtime import ops
 
 SINK_CAP, RECENT_CAP = layout.SINK, layout.RECENT + layout.FLUSH
 

@@ -6,7 +6,8 @@ bfloat16 output must be it rounded once to nearest even (torch's `.to(torch.bflo
 import pytest
 import torch
 
-from oscar_zoo.runtime import layout, ops, reference
+from oscar_zoo.format import layout, reference
+from oscar_zoo.runtime import ops
 from oscar_zoo.runtime.cache import OscarCache
 
 from .test_static_step import _rotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_zoo.runtime import reference as R
+from oscar_zoo.format import reference as R
 
 
 @pytest.mark.parametrize("group_size", [0, 16])

@@ -11,7 +11,8 @@ import math
 import torch
 from transformers import DynamicCache
 
-from oscar_zoo.runtime import layout, reference, rotate_op
+from oscar_zoo.format import layout, reference
+from oscar_zoo.runtime import rotate_op
 from oscar_zoo.runtime.attention import enable_oscar, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache
 

@@ -10,7 +10,8 @@ become channels whose block holds those values along its tokens."""
 import pytest
 import torch
 
-from oscar_zoo.runtime import layout, ops, reference
+from oscar_zoo.format import layout, reference
+from oscar_zoo.runtime import ops
 
 from .test_quantize_pack_kernel import FRAGILE_ENDS, _boundary_rows, _codes_in_row, _every_value, _midpoint_rows
 

@@ -6,7 +6,8 @@ test takes `bits`."""
 import pytest
 import torch
 
-from oscar_zoo.runtime import layout, ops, reference
+from oscar_zoo.format import layout, reference
+from oscar_zoo.runtime import ops
 
 
 def _rows(B, H, T, D, dtype, device, seed):

@@ -24,8 +24,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface
 
 from oscar_zoo.calibration.data import corpus_dir
+from oscar_zoo.format import layout, reference
 from oscar_zoo.models import ensure_demo_model
-from oscar_zoo.runtime import layout, reference
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.cache import OscarCache
 

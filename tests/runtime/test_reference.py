@@ -1,4 +1,4 @@
-"""Properties of the format reference (runtime/reference.py) against independent float64 / hand-made references."""
+"""Properties of the format reference (format/reference.py) against independent float64 / hand-made references."""
 
 import itertools
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from oscar_zoo.runtime import layout, reference as R
+from oscar_zoo.format import layout, reference as R
 
 
 def test_hadamard_small_cases_and_orthogonality():

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
 
-from oscar_zoo.runtime import layout, ops, reference
+from oscar_zoo.format import layout, reference
+from oscar_zoo.runtime import ops
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache, OscarLayer
 from oscar_zoo.runtime.graph import DecodeGraphs, _Step

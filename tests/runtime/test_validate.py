@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_zoo.runtime import reference
+from oscar_zoo.format import reference
 from oscar_zoo.runtime.validate import ORTHOGONALITY_TOL, check_rotation_tensors
 
 L, H, D = 3, 2, 16
