@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 
 from oscar_zoo.format import layout
-from oscar_zoo.runtime import ops
+from oscar_zoo.runtime import config, ops
 
 SHAPES = [(32, 8, 128), (9, 3, 64)]  # (H_q, H_kv, D): Llama-3-8B/Qwen3-8B class, SmolLM2-135M
 BATCHES = [1, 8, 32]
@@ -115,8 +115,8 @@ def int2_bytes(B, H_q, H_kv, D, L, key_bits=layout.BITS, key_block=0) -> int:
     row += (4 * D // key_block - 4) if key_block else 0
     cache = B * H_kv * (hist * row + 2 * (L - hist) * D * 2)
     cuda = torch.device("cuda")
-    S = (ops._int2_splits(B, H_kv, H_q // H_kv, D, hist, cuda, None) + ops._bf16_splits(layout.SINK, cuda)
-         + ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda))  # the splits tiered_decode_attention launches
+    S = (ops.int2_splits(B, H_kv, H_q // H_kv, D, hist, cuda) + ops.bf16_splits(layout.SINK, cuda)
+         + ops.bf16_splits(layout.RECENT + layout.FLUSH, cuda))  # the splits tiered_decode_attention launches
     partials = 2 * B * H_q * S * (D + 1) * 4  # written once, read once by the merge
     return cache + partials + B * H_q * D * 2
 
@@ -164,8 +164,9 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS, key_block=
     )  # fmt: skip
 
 
-C = ops.DecodeConfig
-# ops.DECODE_CONFIGS candidates (tile tokens, warps, stages, programs per SM, register cap), each for both dims
+C = config.DecodeConfig
+# RuntimeConfig.decode_64 / decode_128 candidates (tile tokens, warps, stages, programs per SM, register cap), each for
+# both dims
 SWEEP = [
     # (the one-warp settings with 4–12 programs per SM are measured in RESULTS.md, "Launch settings re-checked")
     C(64, 1, 3, 8, None), C(64, 1, 3, 12, 168), C(64, 2, 3, 8, 128), C(64, 2, 2, 8, 128), C(64, 2, 3, 10, 96),
@@ -186,13 +187,10 @@ def _bench_rows(rows, label: str, setting: dict, gen, copy_bw, out: list) -> Non
 
 def sweep(gen, copy_bw):
     """Try launch settings of the decode kernel on the headline rows (each setting for every head dim)."""
-    out, defaults = [], dict(ops.DECODE_CONFIGS)
-    try:
-        for cfg in SWEEP:
-            ops.DECODE_CONFIGS.update({d: cfg for d in defaults})
+    out, base = [], config.current()
+    for cfg in SWEEP:
+        with config.use(dataclasses.replace(base, decode_64=cfg, decode_128=cfg)):
             _bench_rows(SWEEP_ROWS, f"sweep {cfg}", dataclasses.asdict(cfg), gen, copy_bw, out)
-    finally:
-        ops.DECODE_CONFIGS.update(defaults)
     return out
 
 
@@ -201,15 +199,12 @@ TILES_ROWS = [((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 16384), ((9, 3, 64), 1, 327
 
 
 def sweep_tiles(gen, copy_bw, values=(2, 4, 8, 16)):
-    """Try `ops.DECODE_MIN_TILES` (history tiles per split at least; it sets the split count at short contexts) on
-    short-context rows, mostly batch 1."""
-    out, default = [], ops.DECODE_MIN_TILES
-    try:
-        for tiles in values:
-            ops.DECODE_MIN_TILES = tiles
+    """Try `RuntimeConfig.decode_min_tiles` (history tiles per split at least; it sets the split count at short
+    contexts) on short-context rows, mostly batch 1."""
+    out, base = [], config.current()
+    for tiles in values:
+        with config.use(dataclasses.replace(base, decode_min_tiles=tiles)):
             _bench_rows(TILES_ROWS, f"tiles {tiles}", dict(min_tiles=tiles), gen, copy_bw, out)
-    finally:
-        ops.DECODE_MIN_TILES = default
     return out
 
 
@@ -220,32 +215,24 @@ QUICK_ROWS = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128)
 def sweep_variants(gen, copy_bw, slacks=(0.0, 8.0)):
     """Programmatic dependent launch off/on × `DecodeConfig.rescale_slack` values (both head dims), on the headline
     rows; each variant's rows in one pass, the variants interleaved twice so drift shows."""
-    out, pdl0, cfg0 = [], ops.DECODE_PDL, dict(ops.DECODE_CONFIGS)
-    try:
-        for rep in range(2):
-            for pdl in (False, True):
-                for slack in slacks:
-                    ops.DECODE_PDL = pdl
-                    ops.DECODE_CONFIGS.update({d: dataclasses.replace(c, rescale_slack=slack) for d, c in cfg0.items()})
+    out, base = [], config.current()
+    for rep in range(2):
+        for pdl in (False, True):
+            for slack in slacks:
+                with config.use(dataclasses.replace(base, pdl=pdl).with_decode(rescale_slack=slack)):
                     setting = dict(pdl=pdl, rescale_slack=slack, rep=rep)
                     _bench_rows(QUICK_ROWS, f"variant pdl={pdl} slack={slack}", setting, gen, copy_bw, out)
-    finally:
-        ops.DECODE_PDL = pdl0
-        ops.DECODE_CONFIGS.update(cfg0)
     return out
 
 
 def sweep_merge(gen, copy_bw, values):
-    """Try `ops.MERGE_TILE` (elements per merge step: how many splits one step takes) on the headline rows, the values
-    interleaved twice so drift shows."""
-    out, default = [], ops.MERGE_TILE
-    try:
-        for rep in range(2):
-            for tile in values:
-                ops.MERGE_TILE = tile
+    """Try `RuntimeConfig.merge_tile` (elements per merge step: how many splits one step takes) on the headline rows,
+    the values interleaved twice so drift shows."""
+    out, base = [], config.current()
+    for rep in range(2):
+        for tile in values:
+            with config.use(dataclasses.replace(base, merge_tile=tile)):
                 _bench_rows(QUICK_ROWS, f"merge tile {tile}", dict(merge_tile=tile, rep=rep), gen, copy_bw, out)
-    finally:
-        ops.MERGE_TILE = default
     return out
 
 
@@ -254,11 +241,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="headline rows only")
     ap.add_argument("--sweep", action="store_true", help="try launch settings first")
     ap.add_argument("--sweep-tiles", type=int, nargs="*", metavar="N",
-                    help="try these ops.DECODE_MIN_TILES values (default 2 4 8 16) on short-context rows, then stop")
+                    help="try these RuntimeConfig.decode_min_tiles values (default 2 4 8 16) on short-context rows, "
+                         "then stop")
     ap.add_argument("--sweep-variants", action="store_true",
                     help="programmatic dependent launch off/on × rescale slack 0/8 on the headline rows, then stop")
     ap.add_argument("--sweep-merge", type=int, nargs="+", metavar="N",
-                    help="try these ops.MERGE_TILE values on the headline rows, then stop")
+                    help="try these RuntimeConfig.merge_tile values on the headline rows, then stop")
     ap.add_argument("--key-bits", type=int, nargs="+", default=[layout.BITS], choices=layout.KEY_BITS,
                     help="time each row with history keys of these bit widths (docs/format.md §6b; default 2)")
     ap.add_argument("--key-block", type=int, nargs="+", default=[0], choices=(0, *layout.KEY_BLOCKS),

@@ -63,7 +63,7 @@ def main():
             exact = torch.equal(codes, codes_ref) and torch.equal(sz.view(torch.int16), sz_ref.view(torch.int16))
             calls = [functools.partial(ops.quantize_pack, x, clip, min_ratio=bound, bits=bits) for x in xs]
             eager, ms, in_graph = time_rotating(calls)
-            build = ops._max_m_build(D, bound)
+            build = ops.max_m_build(D, bound)
             r = dict(B=B, H_kv=H, T=T, D=D, bits=bits, build=f"top-{build}" if build else "dispatch",
                      kernel_us=ms * 1e3, in_graph_us=in_graph * 1e3, eager_us=eager * 1e3, torch_ref_us=ms_ref * 1e3,
                      bytes=nbytes, bw_frac=nbytes / (ms * 1e-3) / copy_bw, bit_exact=exact)  # fmt: skip

@@ -136,7 +136,7 @@ def bf16_split_attention(module, query, key, value, attention_mask, scaling=None
     zero = torch.zeros_like(layer.length)
     B, H_kv, T_cap = layer.keys.shape[:3]
     # the INT2 split rule
-    splits = ops._int2_splits(B, H_kv, query.shape[1] // H_kv, query.shape[-1], T_cap, query.device, None)
+    splits = ops.int2_splits(B, H_kv, query.shape[1] // H_kv, query.shape[-1], T_cap, query.device)
     o, lse = ops.decode_bf16_partial(query[:, :, 0], layer.empty, layer.empty, zero, layer.keys, layer.values,
                                      layer.length, scale, num_splits=splits, softcap=softcap)  # fmt: skip
     o, _ = ops.merge_partials(o, lse)  # [B, H_q, D] fp32

@@ -28,8 +28,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from oscar_zoo.format import layout
-from oscar_zoo.runtime import ops
-from oscar_zoo.runtime.kernels import decode
+from oscar_zoo.runtime import config, dispatch, ops
+from oscar_zoo.runtime.kernels import KernelTable, decode
 
 
 def _specialise(fn, values: dict, constexprs: dict):
@@ -84,25 +84,26 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
         recent=(torch.empty(batch, H_kv, layout.RECENT + layout.FLUSH, D, dtype=torch.bfloat16),) * 2
                + (torch.empty(batch, dtype=torch.int32),),
     )  # fmt: skip
-    orig = (ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n)
+    # the launch on CPU stand-in tensors as an H100/H200 (132 SMs) makes it: stand-ins for the kernels and the device
+    orig = (dispatch.kernels, ops._programs_target, dispatch.dot_dtype, ops._block_n)
     try:
         skip = type("Skip", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})()  # the block-query prepass
-        ops._kernels = lambda: (None, type("M", (), {"_decode_kernel": Grab()}), None, None, None,
-                                type("B", (), {"_block_query_kernel": skip}))
+        table = dataclasses.replace(KernelTable(*(None,) * 8), decode=Grab(), block_query=skip)
+        dispatch.kernels = lambda: table
         ops._programs_target = lambda device, D: ops.decode_config(D).programs_per_sm * 132
-        ops._dot_dtype = lambda: tl.bfloat16
+        dispatch.dot_dtype = lambda: tl.bfloat16
         ops._block_n = lambda device, D, G=None: ops.gpu_block_n(D, G)
-        s_hist = ops._int2_splits(batch, H_kv, H_q // H_kv, D, hist, cuda, None)
-        s_sink, s_recent = ops._bf16_splits(layout.SINK, cuda), ops._bf16_splits(layout.RECENT + layout.FLUSH, cuda)
+        s_hist = ops.int2_splits(batch, H_kv, H_q // H_kv, D, hist, cuda)
+        s_sink, s_recent = ops.bf16_splits(layout.SINK, cuda), ops.bf16_splits(layout.RECENT + layout.FLUSH, cuda)
         S = s_sink + s_hist + s_recent
         o, lse = torch.empty(batch, H_q, S, D), torch.empty(batch, H_q, S)
-        ops._launch_decode(q, o, lse, D**-0.5, sink=tiers["sink"], hist=tiers["hist"], recent=tiers["recent"],
-                           s_sink=s_sink, s_hist=s_hist, s_recent=s_recent, key_block=key_block)  # fmt: skip
+        ops.launch_decode(q, o, lse, D**-0.5, sink=tiers["sink"], hist=tiers["hist"], recent=tiers["recent"],
+                          s_sink=s_sink, s_hist=s_hist, s_recent=s_recent, key_block=key_block)  # fmt: skip
     finally:
-        ops._kernels, ops._programs_target, ops._dot_dtype, ops._block_n = orig
+        dispatch.kernels, ops._programs_target, dispatch.dot_dtype, ops._block_n = orig
     kw = dict(captured["kw"])
-    kw["USE_ASM"] = ops.INT2_ASM_UNPACK
-    kw["PDL"] = ops.DECODE_PDL  # as an sm_90 launch has it (the CPU stand-in tensors made `ops` pass False)
+    kw["USE_ASM"] = config.current().int2_asm
+    kw["PDL"] = config.current().pdl  # as an sm_90 launch has it (the CPU stand-in tensors made `ops` pass False)
     warps, maxnreg = kw.pop("num_warps"), kw.pop("maxnreg")
     kw.pop("launch_pdl")
     fn = decode._decode_kernel
@@ -224,11 +225,11 @@ def main():
                               warps=args.warps or cfg.warps, stages=args.stages or cfg.stages,
                               maxnreg=cfg.maxnreg if args.maxnreg is None else args.maxnreg or None,
                               rescale_slack=cfg.rescale_slack if args.slack is None else args.slack)  # fmt: skip
-    ops.DECODE_CONFIGS.update({d: cfg for d in ops.DECODE_CONFIGS})
     import tempfile
 
-    compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch, args.group_size,
-                                           args.key_block)
+    with config.use(dataclasses.replace(config.current(), decode_64=cfg, decode_128=cfg)):
+        compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch, args.group_size,
+                                               args.key_block)
     with tempfile.TemporaryDirectory() as tmp:
         found = loops(compiled.asm["cubin"], Path(tmp))
         res = resources(compiled.asm["cubin"], Path(tmp))

@@ -8,11 +8,12 @@ Usage (GPU machine, repository root):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 from bench_decode import int2_cache
-from oscar_zoo.runtime import ops
+from oscar_zoo.runtime import config, ops
 
 
 def main():
@@ -21,18 +22,21 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=100_000)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--config", help="ops.DecodeConfig for every head dim: block_n,warps,stages,programs_per_sm,"
+    ap.add_argument("--config", help="config.DecodeConfig for every head dim: block_n,warps,stages,programs_per_sm,"
                     "maxnreg (maxnreg 0: none); default: the settings in force")
     args = ap.parse_args()
+    cfg = config.current()
     if args.config:
         n, w, st, p, r = (int(x) for x in args.config.split(","))
-        ops.DECODE_CONFIGS.update({d: ops.DecodeConfig(n, w, st, p, r or None) for d in ops.DECODE_CONFIGS})
+        decode = config.DecodeConfig(n, w, st, p, r or None)
+        cfg = dataclasses.replace(cfg, decode_64=decode, decode_128=decode)
     H_q, H_kv, D = (int(x) for x in args.shape.split("/"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache = int2_cache(args.batch, H_kv, D, args.context, gen)
     q = torch.randn(args.batch, H_q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    for _ in range(args.iters):
-        ops.tiered_decode_attention(q, **cache, sm_scale=D**-0.5)
+    with config.use(cfg):
+        for _ in range(args.iters):
+            ops.tiered_decode_attention(q, **cache, sm_scale=D**-0.5)
     torch.cuda.synchronize()
 
 

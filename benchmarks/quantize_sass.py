@@ -17,6 +17,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import tempfile
@@ -29,15 +30,16 @@ from triton.backends.compiler import GPUTarget
 
 from benchmarks.kernel_sass import _cuobjdump, _specialise, resources
 from oscar_zoo.format import layout
-from oscar_zoo.runtime import ops
-from oscar_zoo.runtime.kernels import quantize_pack as qp
+from oscar_zoo.runtime import config, dispatch, ops
+from oscar_zoo.runtime.kernels import KernelTable, quantize_pack as qp
 
 HALF_RATE = ("FMNMX", "IMNMX", "FSETP", "ISETP", "FSET", "FSEL", "SEL", "LOP3", "SHF", "IADD3", "PRMT", "LEA", "VIMNMX",
              "IMAD", "BMSK", "SGXT", "P2R", "R2P", "PLOP3")  # fmt: skip
 CONVERSIONS = ("F2I", "I2F", "FRND", "F2F", "I2FP", "F2IP")  # 16 lanes per SM per clock
 
 
-def compile_quantize(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_WARPS, asm: bool = ops.QUANT_ASM,
+def compile_quantize(D: int, ratio, group_size: int = 0, warps: int = config.DEFAULT.quant_warps,
+                     asm: bool = config.DEFAULT.quant_asm,
                      rows: int = 1 << 20):
     """The kernel as `ops.quantize_pack` launches it for bf16 rows [1, 8, rows/8, D] (no rotation)."""
     captured = {}
@@ -46,17 +48,18 @@ def compile_quantize(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_
         def __getitem__(self, grid):
             return lambda *args, **kw: captured.update(args=args, kw=kw, grid=grid)
 
-    mod = type("M", (), {"_quantize_pack_kernel": Grab(), "ROUND_THRESHOLDS": qp.ROUND_THRESHOLDS})
-    orig = (ops._kernels, ops._use_kernel, ops.QUANT_WARPS, ops.QUANT_ASM)
+    table = KernelTable(*(None,) * 8)
+    table = dataclasses.replace(table, quantize_pack=Grab(), round_thresholds=qp.ROUND_THRESHOLDS)
+    orig = (dispatch.kernels, dispatch.use_kernel)  # the launch on CPU stand-in tensors, as a GPU makes it
     try:
-        ops._kernels = lambda: (mod, None, None)
-        ops._use_kernel = lambda t: True
-        ops.QUANT_WARPS, ops.QUANT_ASM = warps, asm
+        dispatch.kernels = lambda: table
+        dispatch.use_kernel = lambda t: True
         x = torch.empty(1, 8, rows // 8, D, dtype=torch.bfloat16)
         clip = torch.full((8, 1), 0.96) if ratio == "tensor" else float(ratio)
-        ops.quantize_pack(x, clip, group_size)
+        with config.use(dataclasses.replace(config.current(), quant_warps=warps, quant_asm=asm)):
+            ops.quantize_pack(x, clip, group_size)
     finally:
-        ops._kernels, ops._use_kernel, ops.QUANT_WARPS, ops.QUANT_ASM = orig
+        dispatch.kernels, dispatch.use_kernel = orig
     kw = dict(captured["kw"])
     warps = kw.pop("num_warps")
     fn = qp._quantize_pack_kernel
@@ -79,7 +82,8 @@ def sass_ops(cubin: bytes, tmp: Path) -> Counter:
     return ops_
 
 
-def profile(D: int, ratio, group_size: int = 0, warps: int = ops.QUANT_WARPS, asm: bool = ops.QUANT_ASM) -> dict:
+def profile(D: int, ratio, group_size: int = 0, warps: int = config.DEFAULT.quant_warps,
+            asm: bool = config.DEFAULT.quant_asm) -> dict:
     compiled, kw, warps = compile_quantize(D, ratio, group_size, warps, asm)
     with tempfile.TemporaryDirectory() as tmp:
         counts = sass_ops(compiled.asm["cubin"], Path(tmp))
@@ -104,8 +108,9 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--ratio", default="0.96", help="float clip ratio, or 'tensor' (per-head ratios)")
     ap.add_argument("--group-size", type=int, default=0)
-    ap.add_argument("--warps", type=int, default=ops.QUANT_WARPS)
-    ap.add_argument("--asm", type=int, default=int(ops.QUANT_ASM), help="1: sort |x| as packed 16-bit pairs (PTX)")
+    ap.add_argument("--warps", type=int, default=config.DEFAULT.quant_warps)
+    ap.add_argument("--asm", type=int, default=int(config.DEFAULT.quant_asm),
+                    help="1: sort |x| as packed 16-bit pairs (PTX)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     r = profile(args.d, args.ratio, args.group_size, args.warps, bool(args.asm))

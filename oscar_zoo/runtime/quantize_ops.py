@@ -1,8 +1,7 @@
 """Host wrappers of quantize/pack (the prefill history, the demotion step and the pinned tokens): validate inputs,
 then run the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or fall back to the pure-PyTorch
-reference (`reference.quantize_pack_ref`, `reference.quantize_pack_channel_ref`). The dispatch, the buffers and the
-knobs are `ops`'s (read as its attributes at call time, so that what a test sets there holds here too); callers reach
-these as `ops.quantize_pack` and `ops.quantize_pack_channel`."""
+reference (`reference.quantize_pack_ref`, `reference.quantize_pack_channel_ref`). The dispatch and the buffers are
+`dispatch`'s, the launch settings `config.current()`'s; `ops` re-exports both ops."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..format import layout, reference
-from . import ops
+from . import config, dispatch
 from .checks import check
 
 
@@ -55,12 +54,12 @@ def quantize_pack(
                 lambda: f"rotation has {rotation.shape[0]} heads but x {tuple(x.shape)} has no matching head dim (-3)",
             )
     kernel_ok = layout.is_power_of_two(D) and D >= 16 and x.numel() > 0
-    if not (ops._use_kernel(x) and kernel_ok):
+    if not (dispatch.use_kernel(x) and kernel_ok):
         return reference.quantize_pack_ref(x, clip_ratio, group_size, rotation, bits)
 
     # view x as [B, H, T, D] (leading dims folded into B)
     x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
-    x4 = ops._last_contiguous(x4, 1)
+    x4 = dispatch.last_contiguous(x4, 1)
     B, H, T, _ = x4.shape
     check(rotation is not None or B * H * T < 2**31, lambda: f"{B * H * T} rows exceed the kernel's int32 row index")
     # the kernel computes the clip index per row from a ratio tensor (no host op, no extra launch); a float ratio goes
@@ -68,7 +67,7 @@ def quantize_pack(
     # top-8 or top-16 path alone, or the per-row dispatch (whose general path holds 255 registers; the two others 167)
     if not isinstance(clip_ratio, Tensor):  # a float ratio ≤ 0 clips nothing: any build serves it, the smallest best
         min_ratio = float(clip_ratio) if clip_ratio > 0 else 1.0
-    max_m = _max_m_build(D, min_ratio)
+    max_m = max_m_build(D, min_ratio)
     ratio = clip_ratio if isinstance(clip_ratio, Tensor) else _ratio_scalar(float(clip_ratio), x.device)
     ratio = ratio if ratio.device == x.device else ratio.to(x.device)
     ratio = ratio.float() if ratio.dtype == torch.bool else ratio
@@ -78,10 +77,10 @@ def quantize_pack(
         raise ValueError(
             f"clip_ratio of shape {tuple(ratio.shape)} does not broadcast to the rows of x {tuple(x.shape[:-1])}"
         ) from err
-    codes = ops._alloc((B, H, T, layout.packed_dim(D, bits)), layout.CODE_DTYPE, x.device)
-    scale_zero = ops._alloc((B, H, T, D // G, 2), layout.SCALE_DTYPE, x.device)
+    codes = dispatch.alloc((B, H, T, layout.packed_dim(D, bits)), layout.CODE_DTYPE, x.device)
+    scale_zero = dispatch.alloc((B, H, T, D // G, 2), layout.SCALE_DTYPE, x.device)
 
-    qp = ops._kernels()[0]
+    table, cfg = dispatch.kernels(), config.current()
     import triton
     import triton.language as tl
 
@@ -90,17 +89,17 @@ def quantize_pack(
     stride_rh = (rot.stride(0) if rot.dim() == 3 else 0) if rotate else 0
     x_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}.get(x.dtype)
     check(x_dtype is not None, lambda: f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    warps = 8 if rotate else ops.QUANT_WARPS
-    block_t = 16 if rotate else 32 * ops.QUANT_WARPS  # one row per thread
+    warps = 8 if rotate else cfg.quant_warps
+    block_t = 16 if rotate else 32 * cfg.quant_warps  # one row per thread
     grid = (triton.cdiv(T, block_t), B * H) if rotate else (triton.cdiv(B * H * T, block_t),)
-    qp._quantize_pack_kernel[grid](
+    table.quantize_pack[grid](
         x4, rot, r3, codes, scale_zero,
         B * H * T, H, T,
         x4.stride(0), x4.stride(1), x4.stride(2), stride_rh, *r3.stride(),
         D=D, G=G, BLOCK_T=block_t, ROTATE=rotate, X_DTYPE=x_dtype,
-        MAX_M=max_m, NET16=ops.QUANT_ASM and not ops._interpret() and x.dtype != torch.float32,
+        MAX_M=max_m, NET16=cfg.quant_asm and not dispatch.interpret() and x.dtype != torch.float32,
         REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
-        C1=qp.ROUND_THRESHOLDS[0], C2=qp.ROUND_THRESHOLDS[1], C3=qp.ROUND_THRESHOLDS[2], BITS=bits,
+        C1=table.round_thresholds[0], C2=table.round_thresholds[1], C3=table.round_thresholds[2], BITS=bits,
         num_warps=warps,
     )  # fmt: skip
     out_shape = tuple(x.shape[:-1])
@@ -131,24 +130,24 @@ def quantize_pack_channel(x: Tensor, block: int, bits: int = layout.BITS) -> tup
     check(D % layout.CODES_PER_BYTE == 0, lambda: f"head dim {D} must be a multiple of {layout.CODES_PER_BYTE}")
     check(bits == 2 or D % 8 == 0, lambda: f"3-bit codes need a head dim that is a multiple of 8, got {D}")
     kernel_ok = layout.is_power_of_two(D) and 16 <= D <= 256 and x.dtype in _CHANNEL_DTYPES and x.numel() > 0
-    if not (ops._use_kernel(x) and kernel_ok):
+    if not (dispatch.use_kernel(x) and kernel_ok):
         return reference.quantize_pack_channel_ref(x, block, bits)
 
     # view x as [B, H, T, D] (leading dims folded into B; a view where the strides allow)
     x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x.reshape(-1, *x.shape[-3:])
-    x4 = ops._last_contiguous(x4, 1)
+    x4 = dispatch.last_contiguous(x4, 1)
     B, H = x4.shape[:2]
     NB = T // block
     check(B * H * NB < 2**31, lambda: f"{B * H * NB} blocks exceed the kernel's grid")
-    codes = ops._alloc((B, H, T, layout.packed_dim(D, bits)), layout.CODE_DTYPE, x.device)
-    scale_zero = ops._alloc((B, H, NB, D, 2), layout.SCALE_DTYPE, x.device)
+    codes = dispatch.alloc((B, H, T, layout.packed_dim(D, bits)), layout.CODE_DTYPE, x.device)
+    scale_zero = dispatch.alloc((B, H, NB, D, 2), layout.SCALE_DTYPE, x.device)
 
-    qp = ops._kernels()[4]
+    cfg = config.current()
     cpt = min(4, max(1, D // 32))  # channels per thread: a warp a program up to D = 128 (two at 256)
-    flat = ops._interpret() and not ops.QUANT_CHANNEL_INTERPRET_GPU_BUILD
-    qp._quantize_pack_channel_kernel[(B * H * NB,)](
+    flat = dispatch.interpret() and not cfg.quant_channel_interpret_gpu_build
+    dispatch.kernels().quantize_pack_channel[(B * H * NB,)](
         x4, codes, scale_zero, H, NB, x4.stride(0), x4.stride(1), STRIDE_T=x4.stride(2),
-        D=D, KB=block, TC=block if flat else min(block, ops.QUANT_CHANNEL_CHUNK), CPT=cpt, FLAT=flat, BITS=bits,
+        D=D, KB=block, TC=block if flat else min(block, cfg.quant_channel_chunk), CPT=cpt, FLAT=flat, BITS=bits,
         REL_FLOOR=layout.RANGE_REL_FLOOR, ABS_FLOOR=layout.RANGE_ABS_FLOOR,
         num_warps=max(1, D // cpt // 32),
     )  # fmt: skip
@@ -156,7 +155,7 @@ def quantize_pack_channel(x: Tensor, block: int, bits: int = layout.BITS) -> tup
     return codes.reshape(*lead, T, layout.packed_dim(D, bits)), scale_zero.reshape(*lead, NB, D, 2)
 
 
-def _max_m_build(D: int, min_ratio: float | None) -> int:
+def max_m_build(D: int, min_ratio: float | None) -> int:
     """The quantize kernel's top-k build (MAX_M) for rows whose positive clip ratios are all ≥ `min_ratio`: 8 or 16
     when every clipped row's m = D − clip_index fits that path (a ratio ≤ 0 clips nothing), else 0 (the dispatch)."""
     if min_ratio is None:

@@ -1,5 +1,6 @@
 """`rotate_rows`: the decode step's rotate / centre / file launch (x·M − μ·M per head, optionally written into a
-tier slot), on the Triton kernel of `kernels/rotate.py` or `reference.rotate_rows_ref`; `ops`' dispatch and checks.
+tier slot), on the Triton kernel of `kernels/rotate.py` or `reference.rotate_rows_ref` (`dispatch`; the block
+sizes are `config.current()`'s rotate_rows and rotate_block_e).
 `rotate_chunk`: the same rows for a prompt chunk, as one tensor-core GEMM on a GPU."""
 
 from __future__ import annotations
@@ -8,11 +9,8 @@ import torch
 from torch import Tensor
 
 from ..format import layout, reference
-from . import ops
+from . import config, dispatch
 from .checks import check, check_tensor
-
-ROTATE_ROWS = 8  # rows (batch entries) of one head a program serves with the block of M it loaded
-ROTATE_BLOCK_E = 32  # output columns per program: M is read in [D, ROTATE_BLOCK_E] blocks, once per ROTATE_ROWS rows
 
 
 def rotate_rows(
@@ -51,24 +49,24 @@ def rotate_rows(
         check(isinstance(slot, Tensor) and slot.numel() >= 1 and not slot.is_floating_point()
               and slot.device == x.device, "slot must be an integer tensor on x's device")  # fmt: skip
     identity = M is None and mean_rot is None and out_dtype == x.dtype
-    if not (ops._use_kernel(x) and layout.is_power_of_two(D) and D >= 16 and B > 0):
+    if not (dispatch.use_kernel(x) and layout.is_power_of_two(D) and D >= 16 and B > 0):
         y = x if identity else reference.rotate_rows_ref(x, M, mean_rot, out_dtype)
         if dest is not None:
             dest.index_copy_(2, slot.reshape(-1)[:1].long(), y.to(dest.dtype).unsqueeze(2))
         return y
-    x = ops._last_contiguous(x, 1)
-    out = x if identity else ops._alloc((B, H, D), out_dtype, x.device)
+    x = dispatch.last_contiguous(x, 1)
+    out = x if identity else dispatch.alloc((B, H, D), out_dtype, x.device)
     mean = mean_rot.contiguous() if mean_rot is not None else out  # placeholders where a pointer is unused
-    rot = ops._kernels()[3]
-    block_e = min(D, ROTATE_BLOCK_E)
-    grid = (H, D // block_e, -(-B // ROTATE_ROWS))
-    rot._rotate_rows_kernel[grid](
+    cfg = config.current()
+    block_e = min(D, cfg.rotate_block_e)
+    grid = (H, D // block_e, -(-B // cfg.rotate_rows))
+    dispatch.kernels().rotate_rows[grid](
         x, M if M is not None else out, mean, out, dest if dest is not None else out,
         slot if slot is not None else x,
         B, H // (M.shape[0] if M is not None else 1), H // (mean_rot.shape[0] if mean_rot is not None else 1),
         x.stride(0), x.stride(1), *(M.stride() if M is not None else (0, 0, 0)), mean.stride(0),
         out.stride(0), out.stride(1), *(dest.stride()[:3] if dest is not None else (0, 0, 0)),
-        D=D, ROWS=ROTATE_ROWS, BLOCK_E=block_e, ROTATE=M is not None, CENTRE=mean_rot is not None,
+        D=D, ROWS=cfg.rotate_rows, BLOCK_E=block_e, ROTATE=M is not None, CENTRE=mean_rot is not None,
         STORE_OUT=not identity, WRITE=dest is not None, num_warps=4,
     )  # fmt: skip
     return out

@@ -5,7 +5,7 @@ Kernel tests request the `device` fixture: "cpu" (interpreter, skipped when CUDA
 import pytest
 import torch
 
-from oscar_zoo.runtime import ops
+from oscar_zoo.runtime import dispatch
 
 from ..conftest import INTERPRETER
 
@@ -18,7 +18,7 @@ def device(request, monkeypatch):
             pytest.skip("interpreter tests run on CPU-only machines (this one has CUDA: see the cuda copies)")
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(ops, "_alloc", _poisoned_alloc)
+    monkeypatch.setattr(dispatch, "alloc", _poisoned_alloc)
     return torch.device(request.param)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from oscar_zoo.format import layout, reference
-from oscar_zoo.runtime import ops
+from oscar_zoo.runtime import config, ops
 
 SINK_CAP, RECENT_CAP = layout.SINK, layout.RECENT + layout.FLUSH
 
@@ -207,12 +207,11 @@ def test_growing_scores_rescale(device, monkeypatch, D, slack, group_size):
     tokens dominate the softmax; a running sum (l, Σp·s, Σp·s·z, an accumulator) left unrescaled, or a maximum never
     stored, breaks the rule by far (checked by editing each out). No dropped-token check: logits this large make the
     bf16 run, and so the tolerance, coarse."""
-    for d, c in dict(ops.DECODE_CONFIGS).items():
-        monkeypatch.setitem(ops.DECODE_CONFIGS, d, dataclasses.replace(c, rescale_slack=slack))
     H_kv, group = 2, 4
     clean, dirty = _cache([1100, 700], H_kv, D, device, seed=D, group_size=group_size, key_ramp=(0.1, 4.0))
     q = _query(2, H_kv * group, D, device, D)
-    _check_against_reference(q, clean, dirty, D**-0.5)
+    with config.use(config.current().with_decode(rescale_slack=slack)):
+        _check_against_reference(q, clean, dirty, D**-0.5)
 
 
 def test_head_dim_128_ragged_batch(device):
@@ -606,7 +605,7 @@ def test_channel_keys_partials(device, num_splits):
     args = [dirty[k] for k in ("codes_k", "scale_zero_k", "codes_v", "scale_zero_v", "hist_len")]
     args[-1] = torch.stack([args[-1], -args[-1]], 1)[:, 0]  # lengths as a strided view (`check_lengths` copies it)
     o, lse = ops.decode_int2_partial(q, *args, sm_scale=D**-0.5, num_splits=num_splits, key_block=key_block)
-    default = ops._int2_splits(2, H_kv, group, D, args[0].shape[2], q.device, None)  # 2 interpreted, 3 on a GPU
+    default = ops.int2_splits(2, H_kv, group, D, args[0].shape[2], q.device)  # 2 interpreted, 3 on a GPU
     assert o.shape[2] == (num_splits or default) and default >= 2
     if num_splits:
         assert torch.isinf(lse[1, :, -1]).all() and (o[1, :, -1] == 0).all()  # 192 = 4 splits of 48: the last empty

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from oscar_zoo.runtime import ops
+from oscar_zoo.runtime import config, ops
 
 
 def _attention_splits(q, k, v, bounds, sm_scale):
@@ -38,13 +38,13 @@ def test_merge_equals_full_softmax_for_any_split(device, D):
 
 
 def test_merge_matches_reference_with_empty_and_all_empty(device):
-    """Three chunks of partials per program (the kernel's split block is MERGE_TILE // 16 splits with 6 rows of D = 64,
+    """Three chunks of partials per program (the kernel's split block is merge_tile // 16 splits with 6 rows of D = 64,
     16 dims per program), each row's maximum in a later chunk by only 0.7–1.3 (so dropping or mis-scaling an earlier
     chunk moves the result far beyond the tolerance), a row whose first chunk is all empty, an all-empty row, and NaN
     garbage in empty partials; against a float64 merge."""
     g = torch.Generator().manual_seed(0)
     B, H, D = 2, 3, 64
-    block = ops.MERGE_TILE // 16
+    block = config.current().merge_tile // 16
     S = 2 * block + 44
     o = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
     lse = torch.randn(B, H, S, generator=g, dtype=torch.float64)

@@ -7,11 +7,13 @@ on the interpreter; input errors; and a realistic-size check and a CUDA-graph ca
 Channels are rows transposed: the row kernel's constructions (`_midpoint_rows`, `_boundary_rows`, `FRAGILE_ENDS`)
 become channels whose block holds those values along its tokens."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from oscar_zoo.format import layout, reference
-from oscar_zoo.runtime import ops
+from oscar_zoo.runtime import config, ops
 
 from .test_quantize_pack_kernel import FRAGILE_ENDS, _boundary_rows, _codes_in_row, _every_value, _midpoint_rows
 
@@ -182,20 +184,21 @@ def test_known_answer_float64(device, bits):
 @pytest.mark.parametrize("D, block, bits", [(128, 32, 2), (128, 32, 3), (64, 32, 2), (64, 16, 3), (256, 16, 3),
                                             (32, 16, 2), (16, 16, 3)])  # fmt: skip
 def test_gpu_build_on_the_interpreter(device, monkeypatch, D, block, bits):
-    """The build the GPU runs (per-token loads joined in registers, chunks of QUANT_CHANNEL_CHUNK tokens in two
+    """The build the GPU runs (per-token loads joined in registers, chunks of quant_channel_chunk tokens in two
     passes) rather than the interpreter's flat one: every split of a pack group over lanes (4, 2 or 1 channels a
     thread; 2-bit groups on 1, 2 or 4 lanes, 3-bit ones on 2, 4 or 8), blocks of one and of two chunks."""
-    monkeypatch.setattr(ops, "QUANT_CHANNEL_INTERPRET_GPU_BUILD", True)
-    _assert_bit_exact(_keys(1, 2, 2 * block, D, torch.bfloat16, device, seed=D + block, block=block), block, bits)
+    with config.use(dataclasses.replace(config.current(), quant_channel_interpret_gpu_build=True)):
+        _assert_bit_exact(_keys(1, 2, 2 * block, D, torch.bfloat16, device, seed=D + block, block=block), block, bits)
 
 
 _COMPILE_FOR_SM90 = r"""
-import json, sys, tempfile
+import dataclasses, json, sys, tempfile
 from pathlib import Path
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernel_sass import _specialise, resources
-from oscar_zoo.runtime import ops
+from oscar_zoo.runtime import dispatch, ops
+from oscar_zoo.runtime.kernels import KernelTable
 from oscar_zoo.runtime.kernels import quantize_channel as qp
 
 D, KB, bits = map(int, sys.argv[1:4])
@@ -203,8 +206,9 @@ captured = {}
 class Grab:  # stands in for the kernel: records the launch as ops makes it
     def __getitem__(self, grid):
         return lambda *args, **kw: captured.update(args=args, kw=kw)
-ops._kernels = lambda: (None, None, None, None, type("M", (), {"_quantize_pack_channel_kernel": Grab()}))
-ops._use_kernel = lambda t: True
+table = KernelTable(*(None,) * 8)
+dispatch.kernels = lambda: dataclasses.replace(table, quantize_pack_channel=Grab())
+dispatch.use_kernel = lambda t: True
 ops.quantize_pack_channel(torch.empty(1, 8, 4096, D, dtype=torch.bfloat16), KB, bits)
 kw = dict(captured["kw"])
 warps = kw.pop("num_warps")
@@ -235,7 +239,7 @@ def test_kernel_compiles_for_sm90(D, block, bits):
                           capture_output=True, text=True, env=env, timeout=600, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.splitlines()[-1])
-    assert not r["FLAT"] and r["TC"] == ops.QUANT_CHANNEL_CHUNK
+    assert not r["FLAT"] and r["TC"] == config.current().quant_channel_chunk
     assert r["stack"] == 0, "register spills"
     assert r["registers"] <= 168 and r["shared"] <= 4096
     assert r["warps"] == 1  # D / 4 channels a program's threads, one warp up to D = 128

@@ -136,7 +136,7 @@ def test_bit_exact_with_a_host_bound_on_the_ratios(device, D, m_max):
     assert torch.equal(codes.cpu(), codes_ref)
     assert torch.equal(sz.cpu().view(torch.int16), sz_ref.view(torch.int16))
     # the build it was meant to run
-    assert ops._max_m_build(D, bound) == (8 if m_max <= 8 else 16 if m_max <= 16 else 0)
+    assert ops.max_m_build(D, bound) == (8 if m_max <= 8 else 16 if m_max <= 16 else 0)
 
 
 @pytest.mark.parametrize("D, bits", [(64, 2), (128, 2), (128, 3)])

@@ -79,8 +79,8 @@ def test_static_step_equals_general_path(backend, B, steps, tiers, centred, key_
     else:  # the reference ops, also when the whole run has TRITON_INTERPRET=1
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kernel_calls = []
-    real = ops._launch_decode
-    monkeypatch.setattr(ops, "_launch_decode", lambda *a, **k: kernel_calls.append(1) or real(*a, **k))
+    real = ops.launch_decode
+    monkeypatch.setattr(ops, "launch_decode", lambda *a, **k: kernel_calls.append(1) or real(*a, **k))
     static_writes = []
     real_write = OscarLayer.write_token
     monkeypatch.setattr(OscarLayer, "write_token", lambda self, *a: static_writes.append(1) or real_write(self, *a))
