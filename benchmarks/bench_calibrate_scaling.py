@@ -283,7 +283,7 @@ def run(args) -> dict | None:
 
 def compare(a: str, b: str) -> dict:
     """Max abs difference of every tensor the two files share (relative: over the max |A|)."""
-    from oscar_zoo.artifacts import load_tensors
+    from oscar_zoo.format.io import load_tensors
 
     ta, tb = load_tensors(Path(a)), load_tensors(Path(b))
     rows = {}

@@ -439,7 +439,7 @@ def main() -> None:
     # transformers' QuantizedCache (its defaults, only nbits set): only when asked for (extra `peers`)
     peers = tuple(n for n in PEERS if keep is not None and n in keep)
     check_baselines(peers)
-    methods += [BASELINES[n].build(Setup(None, L, D, 0, SINK, RECENT, config=model.config)) for n in peers]
+    methods += [BASELINES[n].build(Setup(None, L, D, 0, SINK, RECENT, [2] * L, config=model.config)) for n in peers]
     centred = next((m for m in methods if m.name == "centred"), None)
     if centred is not None and (keep is None or "centred-lm" in keep):
         methods.append(LloydMax(centred, cal_large))

@@ -1,8 +1,8 @@
 """Artifact folders: atomic writes, sha256 of every file, manifest ↔ files ↔ model consistency, safetensors I/O.
 
-Nothing is pickled. Loading (`load_artifacts`) is the runtime's one reader (`runtime.artifact.read_artifact`: every
-listed file's size and sha256, the tensors against the format and the manifest, their values) with the manifest's
-pydantic schema on top; a model is checked against the manifest by `check_model_matches`. Writing replaces a destination
+Nothing is pickled. Loading (`load_artifacts`) is the format's one reader (`format.io.read_artifact`: the manifest's
+schema, every listed file's size and sha256, the tensors against the format and the manifest, their values), the
+runtime's too; a model is checked against the manifest by `check_model_matches`. Writing replaces a destination
 only if it is absent, empty, or recognisably an artifact folder (`check_destination`): never someone else's files.
 """
 
@@ -18,18 +18,17 @@ import re
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import torch
 
 from .errors import InputError, IntegrityError
-from .manifest import MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
-from .runtime import artifact
-from .runtime.artifact import ArtifactError, sha256_file  # noqa: F401 (sha256_file: for the modules that read it here)
-from .runtime.validate import MEAN_NAMES, TENSOR_NAMES
+from .format import io
+from .format.io import sha256_file
+from .format.schema import MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest
+from .format.validate import MEAN_NAMES, TENSOR_NAMES
 
 
 @dataclass(frozen=True)
@@ -53,17 +52,6 @@ class Rotations:
     def tensors(self) -> dict[str, torch.Tensor]:
         names = (*TENSOR_NAMES, *(n for n in MEAN_NAMES if getattr(self, n) is not None))
         return {name: getattr(self, name).contiguous() for name in names}
-
-
-@contextmanager
-def integrity() -> Iterator[None]:
-    """The runtime reader's ArtifactError as an IntegrityError (exit 4), message and advice unchanged."""
-    try:
-        yield
-    except IntegrityError:
-        raise
-    except ArtifactError as exc:
-        raise IntegrityError(exc.message, exc.advice) from None
 
 
 # -- writing: usual modes, and disk failures a user can act on --------------------------------------------------------
@@ -166,11 +154,6 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     atomic_write_bytes(path, save({k: v.contiguous().cpu() for k, v in tensors.items()}))
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with integrity():
-        return artifact.load_tensors(path)
-
-
 def describe_file(folder: Path, name: str) -> ArtifactFile:
     path = Path(folder) / name
     return ArtifactFile(path=name, sha256=sha256_file(path), bytes=path.stat().st_size)
@@ -193,7 +176,7 @@ def write_artifacts(out_dir: Path, manifest: Manifest, rotations: Rotations, lab
         raise (write_failure(exc, out_dir) or exc) from None
     try:
         save_tensors(tmp / ROTATIONS_NAME, rotations.tensors())
-        manifest = manifest.model_copy(update={"artifacts": [describe_file(tmp, ROTATIONS_NAME)]})
+        manifest = manifest.replace(artifacts=[describe_file(tmp, ROTATIONS_NAME)])
         atomic_write_text(tmp / MANIFEST_NAME, manifest.to_json())
         check_destination(out_dir, label)  # the folder may have changed while this run worked
         swap_into_place(tmp, out_dir)
@@ -276,8 +259,8 @@ def artifact_folder_problem(folder: Path) -> str | None:
     if not path.is_file():
         return f"it has no {MANIFEST_NAME}"
     try:
-        manifest = Manifest.from_json(artifact.read_manifest_bytes(path), source=MANIFEST_NAME)
-    except ArtifactError as exc:
+        manifest = io.load_manifest(path, source=MANIFEST_NAME)
+    except IntegrityError as exc:
         return f"its {exc.message}"
     listed = {MANIFEST_NAME} | {a.path for a in manifest.artifacts}
     if any(PurePosixPath(p).is_absolute() or ".." in PurePosixPath(p).parts for p in listed):
@@ -417,8 +400,7 @@ def read_manifest(folder: Path) -> Manifest:
     path = artifact_folder(folder) / MANIFEST_NAME
     if not path.is_file():
         raise IntegrityError(f"{folder} has no {MANIFEST_NAME}; it is not an oscar-zoo artifact folder")
-    with integrity():
-        return Manifest.from_json(artifact.read_manifest_bytes(path), source=str(path))
+    return io.load_manifest(path)
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
@@ -429,43 +411,36 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
 
 def check_files(folder: Path, manifest: Manifest) -> None:
     """Every file the manifest lists exists with its recorded size and sha256; raises IntegrityError naming the file."""
-    with integrity():
-        artifact.check_files(folder, manifest.artifacts)
+    io.check_files(folder, manifest.artifacts)
 
 
 def check_file(path: Path, entry: ArtifactFile) -> None:
     """The file at `path` has the size and sha256 the manifest's `entry` records (the size first: it costs nothing)."""
-    with integrity():
-        artifact.check_file(path, entry)
+    io.check_file(path, entry)
 
 
 def load_artifacts(folder: Path) -> tuple[Manifest, Rotations]:
-    """Read and fully check an artifact folder through the runtime's one reader (`runtime.artifact.read_artifact`, the
-    reader of `OscarCache.from_folder` too) with the pydantic schema: schema, checksums, tensor names, dtypes and
-    shapes, and the values. Every command that reads an artifact folder (inspect, verify, export, push, pull) reads it
-    here; what it refuses is an IntegrityError (exit 4) with the reader's message."""
-    folder = artifact_folder(folder)
-    source = str(folder / MANIFEST_NAME)
-    with integrity():
-        art = artifact.read_artifact(folder, parse=lambda data: Manifest.from_json(data, source=source))
+    """Read and fully check an artifact folder through the format's one reader (`format.io.read_artifact`, the reader
+    of `OscarCache.from_folder` too): schema, checksums, tensor names, dtypes and shapes, and the values. Every command
+    that reads an artifact folder (inspect, verify, export, push, pull) reads it here; what it refuses is an
+    IntegrityError (exit 4) with the reader's message."""
+    art = io.read_artifact(artifact_folder(folder), require_manifest=True)
     return art.manifest, Rotations(**art.tensors)
 
 
 def check_rotations(r: Rotations, manifest: Manifest) -> None:
     """The tensors are what the format and the manifest say and values a runtime may use: the reader's own checks
-    (`runtime.artifact.check_against_manifest`, `check_values`), for what is about to be written. IntegrityError
-    (exit 4) naming the tensor, layer and head otherwise."""
-    with integrity():
-        tensors = {name: getattr(r, name) for name in (*TENSOR_NAMES, *MEAN_NAMES) if getattr(r, name) is not None}
-        artifact.check_against_manifest(tensors, manifest.model_dump(mode="json"), Path(MANIFEST_NAME))
-        artifact.check_values(tensors)
+    (`format.io.check_against_manifest`, `check_values`), for what is about to be written. IntegrityError (exit 4)
+    naming the tensor, layer and head otherwise."""
+    tensors = {name: getattr(r, name) for name in (*TENSOR_NAMES, *MEAN_NAMES) if getattr(r, name) is not None}
+    io.check_against_manifest(tensors, manifest)
+    io.check_values(tensors)
 
 
 def expected_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of `rotations.safetensors`, as the manifest's model and rotation spec imply."""
-    m = manifest.model
-    H = m.num_kv_heads if manifest.rotation.granularity.value == "per-head" else 1
-    return artifact.expected_shapes(len(manifest.rotation.layer_ids), H, m.head_dim, manifest.centred)
+    ids, H, D = io.geometry(manifest)
+    return io.expected_shapes(len(ids), H, D, manifest.centred)
 
 
 SAFETENSORS_HEADER_MAX = 1 << 16  # the JSON header of 7 tensors takes well under 1 KiB

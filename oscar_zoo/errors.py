@@ -1,24 +1,13 @@
-"""Typed errors, each carrying its exit code (README, "Commands") and the advice a user needs; `cli.main` maps them."""
+"""Typed errors, each carrying its exit code (README, "Commands") and the advice a user needs; `cli.main` maps them.
+The base and IntegrityError are the format's (`format/errors.py`), named here with the rest."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .runtime.artifact import ArtifactError
+from .format.errors import IntegrityError, OscarZooError
 
-
-class OscarZooError(Exception):
-    """Base of every error oscar-zoo reports to a user as one line (plus optional advice) instead of a traceback."""
-
-    exit_code = 1
-
-    def __init__(self, message: str, advice: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.advice = advice
-
-    def __str__(self) -> str:
-        return self.message if not self.advice else f"{self.message} ({self.advice})"
+__all__ = ["HubError", "InputError", "IntegrityError", "OscarZooError", "SettingError", "VerificationFailed", "literal"]
 
 
 class InputError(OscarZooError):
@@ -70,12 +59,6 @@ class VerificationFailed(OscarZooError):
 
     exit_code = 3
 
-
-class IntegrityError(OscarZooError, ArtifactError):
-    """Artifact integrity: checksum mismatch, invalid or unknown-version manifest, manifest/model mismatch, refused
-    pickle. An ArtifactError (a ValueError): what `OscarCache.from_folder` raises for the same folder, same message."""
-
-    exit_code = 4
 
 
 class HubError(OscarZooError):

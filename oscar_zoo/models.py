@@ -20,7 +20,7 @@ import torch
 from .errors import InputError, SettingError, literal
 from .format import layout
 from .format.layout import Choice
-from .manifest import ModelIdentity, line_breaker
+from .format.schema import ModelIdentity, line_breaker
 
 DEMO = "demo"
 DEMO_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -1,7 +1,7 @@
 """Values no runtime may use (NaN/Inf, clips outside (0, 1], non-orthogonal rotations, non-finite or unmatched means of
 the centred codec), re-checksummed so that only
 validation can catch them: refused with exit 4 by every command that reads an artifact folder, and by
-`OscarCache.from_folder` (the same reader) with an ArtifactError, a ValueError, of the same message; nothing is
+`OscarCache.from_folder` (the same reader) with an IntegrityError, a ValueError, of the same message; nothing is
 exported. So are files changed behind the manifest's sha256."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_zoo.runtime.artifact import ArtifactError
+from oscar_zoo.errors import IntegrityError
 from oscar_zoo.runtime.cache import OscarCache
 
 from .hub.helpers import make_artifacts, random_rotations, rewrite_rotations, run_cli
@@ -96,11 +96,11 @@ def test_every_reader_refuses_with_exit_4(poisoned, tmp_path):
 
 
 def test_from_folder_refuses_as_the_cli_does(poisoned):
-    """One reader: `OscarCache.from_folder` refuses every poisoned folder with an ArtifactError (a ValueError) whose
+    """One reader: `OscarCache.from_folder` refuses every poisoned folder with an IntegrityError (a ValueError) whose
     message is the very line the CLI prints."""
     folder, words = poisoned
     code, _, err = run_cli("inspect", str(folder))
-    with pytest.raises(ArtifactError) as exc:
+    with pytest.raises(IntegrityError) as exc:
         OscarCache.from_folder(folder)
     assert isinstance(exc.value, ValueError) and words in exc.value.message
     assert code == 4 and _one_line_error(err) == f"error: {exc.value.message}"
@@ -125,7 +125,7 @@ def test_tampered_rotations_are_refused_by_the_runtime_too(tmp_path):
     (the runtime's value checks pass them), yet `from_folder` refuses the folder as the CLI does."""
     from safetensors.torch import load_file
 
-    from oscar_zoo.runtime.validate import check_rotation_tensors
+    from oscar_zoo.format.validate import check_rotation_tensors
 
     folder = tmp_path / "art"
     make_artifacts(folder, L=L, H_kv=H_KV, D=D)
@@ -136,7 +136,7 @@ def test_tampered_rotations_are_refused_by_the_runtime_too(tmp_path):
     check_rotation_tensors(after)  # nothing but the checksum can catch it
     code, _, err = run_cli("inspect", str(folder))
     assert code == 4 and "sha256" in err and "does not match the manifest's" in err
-    with pytest.raises(ArtifactError, match="rotations.safetensors sha256 .* does not match the manifest's") as exc:
+    with pytest.raises(IntegrityError, match="rotations.safetensors sha256 .* does not match the manifest's") as exc:
         OscarCache.from_folder(folder)
     assert _one_line_error(err) == f"error: {exc.value.message}"
 
@@ -148,7 +148,7 @@ def test_resized_rotations_are_refused_by_the_runtime_too(tmp_path):
     size = path.stat().st_size
     path.write_bytes(path.read_bytes() + b" ")  # one byte more: the size recorded in the manifest catches it first
     code, _, err = run_cli("inspect", str(folder))
-    with pytest.raises(ArtifactError, match=f"has {size + 1} bytes, the manifest says {size}") as exc:
+    with pytest.raises(IntegrityError, match=f"has {size + 1} bytes, the manifest says {size}") as exc:
         OscarCache.from_folder(folder)
     assert code == 4 and _one_line_error(err) == f"error: {exc.value.message}"
 

@@ -7,12 +7,13 @@ import shutil
 import pytest
 import torch
 
-from oscar_zoo.artifacts import check_model_matches, load_artifacts, load_tensors, read_manifest
+from oscar_zoo.artifacts import check_model_matches, load_artifacts, read_manifest
 from oscar_zoo.calibration.data import corpus_dir, make_sequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, calibrate
 from oscar_zoo.errors import IntegrityError
 from oscar_zoo.format import reference as R
-from oscar_zoo.manifest import Manifest
+from oscar_zoo.format.io import load_tensors
+from oscar_zoo.format.schema import Manifest
 from oscar_zoo.models import load_model
 
 SMALL = ["--tokens", "256", "--seq-len", "64", "--heldout", "1", "--device", "cpu", "--dtype", "float32"]
@@ -157,7 +158,7 @@ def test_manifest_round_trip_and_tampering(calibrated, run_cli):
 def test_manifest_for_another_model_is_refused(calibrated):
     out, _ = calibrated
     manifest = read_manifest(out)
-    other = manifest.model.model_copy(update={"num_kv_heads": 8, "head_dim": 128, "id": "other"})
+    other = manifest.model.replace(num_kv_heads=8, head_dim=128, id="other")
     with pytest.raises(IntegrityError) as exc:
         check_model_matches(manifest, other)
     assert exc.value.exit_code == 4 and "num_kv_heads" in str(exc.value) and "head_dim" in str(exc.value)
@@ -337,10 +338,10 @@ def test_calibrate_pin_writes_schema_4_pins_and_the_runtime_reads_them(calibrate
     manifest, _ = load_artifacts(pinned)
     G = manifest.quant.group_size
     assert manifest.schema_version == 5 and manifest.quant.pin == manifest.pin == 32
-    want = layout.kv_bits_per_element(32768, G, 64, 256, manifest.mean_key_bits, 32)
+    want = layout.kv_bits_per_element(32768, G, 64, 256, manifest.key_bits, 32)
     assert manifest.bits_per_element["32768"] == round(want, 4) == round(manifest.bits_at(32768), 4)
     # 32 BF16 tokens in place of 32 INT2 history tokens (2 + 32/64 bits): (16 − 2.5) · 32 / 32768 more per element
-    unpinned = layout.kv_bits_per_element(32768, G, 64, 256, manifest.mean_key_bits)
+    unpinned = layout.kv_bits_per_element(32768, G, 64, 256, manifest.key_bits)
     assert want - unpinned == pytest.approx((16 - 2.5) * 32 / 32768)
     assert {layer.pin for layer in OscarCache.from_folder(pinned).layers} == {32}
 

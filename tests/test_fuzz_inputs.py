@@ -19,10 +19,10 @@ import typing
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel
 from safetensors.torch import load_file, save
 
-from oscar_zoo.manifest import Manifest
+from oscar_zoo.format.records import Record
+from oscar_zoo.format.schema import Manifest
 from oscar_zoo.runtime.cache import OscarCache
 
 from .hub.helpers import make_artifacts, random_rotations, rewrite_rotations, run_cli
@@ -64,17 +64,17 @@ def _check_runtime(folder: Path, name: str, poison: bool, failures: list[str]) -
 
 
 # -- manifests --------------------------------------------------------------------------------------------------------
-def _required_paths(model: type[BaseModel], doc: dict, prefix: tuple = ()) -> list[tuple]:
-    """Paths of every key the schema requires (dropping one must fail), descending into nested models and lists."""
+def _required_paths(model: type[Record], doc: dict, prefix: tuple = ()) -> list[tuple]:
+    """Paths of every key the schema requires (dropping one must fail), descending into nested records and lists."""
     paths = []
-    for key, field in model.model_fields.items():
+    required = set(model.required())
+    for key, ann in model.field_types().items():
         if key not in doc:
             continue
-        if field.is_required():
+        if key in required:
             paths.append((*prefix, key))
-        ann = field.annotation
         inner = typing.get_args(ann)[0] if typing.get_origin(ann) is list else ann
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
+        if isinstance(inner, type) and issubclass(inner, Record):
             value = doc[key]
             for i, item in enumerate(value if isinstance(value, list) else [value]):
                 sub = (*prefix, key, i) if isinstance(value, list) else (*prefix, key)

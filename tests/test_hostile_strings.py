@@ -10,9 +10,9 @@ import re
 
 import pytest
 
+from oscar_zoo.format.schema import Manifest
 from oscar_zoo.hub.card import render_model_card, render_zoo_card
 from oscar_zoo.hub.zoo import ZooIndex, ZooModel
-from oscar_zoo.manifest import Manifest
 
 from .hub.helpers import make_artifacts, run_cli
 
@@ -135,7 +135,7 @@ def test_every_catalog_string_is_escaped_in_list_and_pull(name, tmp_path, monkey
         bad = json.loads(json.dumps(entry))
         _set(bad, path, False, value)
         if path[0] == "manifest":
-            bad["manifest_sha256"] = manifest_sha256(Manifest.model_validate(bad["manifest"]))
+            bad["manifest_sha256"] = manifest_sha256(Manifest.from_dict(bad["manifest"]))
         (folder / "entry.json").write_text(json.dumps(bad), encoding="utf-8")
         for args in (["list"], ["list", "--json"], ["pull", entry["name"], "--dest", str(tmp_path / "d")]):
             code, out, err = run_cli(*args)

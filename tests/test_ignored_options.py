@@ -61,7 +61,7 @@ def test_verify_refuses_a_revision_of_the_demo_model_and_a_split_of_the_plays(ru
     from .hub.helpers import make_manifest, make_rotations
 
     m = make_manifest(model_id=DEMO_HF_ID)
-    m = m.model_copy(update={"model": m.model.model_copy(update={"revision": DEMO_REVISION})})
+    m = m.replace(model=m.model.replace(revision=DEMO_REVISION))
     write_artifacts(tmp_path / "art", m, make_rotations(m))  # names the demo model: verify loads `demo` for it
     _refused(run_cli("verify", tmp_path / "art", "--split", "train"), "--split train", "bundled plays")
     _refused(run_cli("verify", tmp_path / "art", "--revision", "main"), "--revision main", "demo model")

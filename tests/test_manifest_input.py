@@ -9,8 +9,8 @@ import json
 import pytest
 
 from oscar_zoo.errors import IntegrityError
+from oscar_zoo.format.schema import Manifest
 from oscar_zoo.hub.zoo import ZooIndex
-from oscar_zoo.manifest import Manifest
 from oscar_zoo.runtime.cache import OscarCache
 
 from .hub.helpers import make_artifacts, run_cli

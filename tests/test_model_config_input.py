@@ -145,7 +145,7 @@ def test_model_names_a_manifest_cannot_record_are_refused_before_loading(run_cli
     one line, exit 2, before any weight is read; names with joiners (emoji, Persian) are recorded as they are."""
     import shutil
 
-    from oscar_zoo.manifest import line_breaker
+    from oscar_zoo.format.schema import line_breaker
 
     assert line_breaker("/data/مدل‌ها/llama") is None and line_breaker("models/👨‍💻/llama") is None
     assert line_breaker("org/\u202etiny") == "\u202e" and line_breaker("a\nb") == "\n"

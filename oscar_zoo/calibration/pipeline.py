@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..artifacts import Rotations, load_tensors, save_tensors
+from ..artifacts import Rotations, save_tensors
 from ..format import layout, reference
-from ..manifest import (
+from ..format.io import load_tensors
+from ..format.layout import Centring
+from ..format.schema import (
     CalibrationRecord,
-    Centring,
     ClipMode,
     ClipSpec,
     Granularity,
@@ -452,20 +453,20 @@ def calibrate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSe
 
 
 def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, grid: list[float],
-                   mixing: str, wall_seconds: float, key_bits: list[int] | None = None) -> Manifest:
+                   mixing: str, wall_seconds: float, key_bits: list[int]) -> Manifest:
+    """The manifest of a calibration; `key_bits`: the bits of each rotation layer's history keys (2 or 3)."""
     import transformers
 
     info, param = loaded.info, next(loaded.model.parameters())
     device = model_device(loaded.model)
     G = settings.group_for(info.head_dim)
     key_block = settings.key_block_for(info.head_dim)
-    key_bits = key_bits if key_bits and max(key_bits) > 2 else None  # 2-bit keys everywhere: the field stays absent
-    mean_key_bits = sum(key_bits) / len(key_bits) if key_bits else layout.BITS
+    stored_bits = key_bits if max(key_bits) > layout.BITS else None  # 2-bit keys everywhere: the field stays absent
     search, (k_default, v_default) = settings.clip == ClipMode.SEARCH, settings.fixed_clips
     return Manifest(
         model=loaded.identity,
         quant=QuantSpec(group_size=G, sink=settings.sink, recent=settings.recent, flush=key_block or settings.flush,
-                        centring=settings.centring, key_bits=key_bits, pin=settings.pin or None,
+                        centring=settings.centring, key_bits=stored_bits, pin=settings.pin or None,
                         key_block=key_block or None),
         rotation=RotationSpec(granularity=settings.granularity, value_target=settings.value_target, hadamard=mixing,
                               layer_ids=list(range(info.num_layers))),
@@ -483,6 +484,6 @@ def build_manifest(loaded: LoadedModel, seqs: TokenSequences, settings: Calibrat
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_seconds=round(wall_seconds, 3),
         ),
         bits_per_element={str(c): round(layout.kv_bits_per_element(c, G, settings.sink, settings.recent,
-                                                                   mean_key_bits, settings.pin, key_block), 4)
+                                                                   key_bits, settings.pin, key_block), 4)
                           for c in BPE_CONTEXTS},
     )

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..errors import OscarZooError
 from ..format import reference
-from ..manifest import Granularity
+from ..format.schema import Granularity
 from .targets import per_layer
 
 ORTHOGONALITY_TOLERANCE = 1e-6  # max |MᵀM − I| in float32 (docs/format.md §3)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..artifacts import check_writable, nearest_existing, write_artifacts
 from ..errors import SettingError
-from ..manifest import Manifest
+from ..format.schema import Manifest
 from ..models import arch_info, cache_root, load_model, resolve_device, resolve_dtype
 from . import distributed, memory
 from .data import load_texts, make_sequences
@@ -93,8 +93,7 @@ def run_calibration(request: CalibrationRequest, say: Callable[[str], None] | No
     if result is None:  # a rank other than 0: its share is in rank 0's sums, rank 0 writes
         return CalibrationOutcome()
     wall = time.perf_counter() - start
-    manifest = result.manifest.model_copy(
-        update={"calibration": result.manifest.calibration.model_copy(update={"wall_seconds": round(wall, 3)})})
+    manifest = result.manifest.replace(calibration=result.manifest.calibration.replace(wall_seconds=round(wall, 3)))
     manifest = write_artifacts(request.out, manifest, result.rotations)
     return CalibrationOutcome(result, manifest, wall)
 

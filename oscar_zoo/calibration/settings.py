@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ..errors import SettingError, literal
 from ..format import layout
-from ..format.layout import Choice
-from ..manifest import Centring, ClipMode, Granularity, ValueTarget
+from ..format.layout import Centring, Choice
+from ..format.schema import ClipMode, Granularity, ValueTarget
 from ..models import DEMO, check_revision_applies
 from . import clip_search, distributed
 from .data import check_dataset_options, check_seq_len

@@ -32,7 +32,7 @@ def import_oscar_command(
     if json_output:
         console.print_json(json.dumps({"out": str(out), "model": manifest.model.id,
                                        "layers": len(manifest.rotation.layer_ids), "head_dim": manifest.model.head_dim,
-                                       "artifacts": [a.model_dump() for a in manifest.artifacts]}))
+                                       "artifacts": [a.to_dict() for a in manifest.artifacts]}))
         return
     console.print(f"imported {len(manifest.rotation.layer_ids)} layers of {manifest.model.head_dim}×"
                   f"{manifest.model.head_dim} K and V rotations for {manifest.model.id} into {out} (per-layer, clips "

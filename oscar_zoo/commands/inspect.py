@@ -21,7 +21,7 @@ def inspect_command(artifacts: ArtifactsArg, json_output: Json = False) -> None:
     m, q = manifest.model, manifest.quant
     bpe = {c: manifest.bits_at(c) for c in CONTEXTS}
     if json_output:
-        console.print_json(json.dumps({"manifest": manifest.model_dump(mode="json"), "integrity": "ok",
+        console.print_json(json.dumps({"manifest": manifest.to_dict(), "integrity": "ok",
                                        "bits_per_element": {str(c): round(v, 4) for c, v in bpe.items()}}))
         return
     c = manifest.calibration

@@ -22,7 +22,7 @@ def list_command(json_output: Json = False) -> None:
             "bits_per_element_128k": bpe_128k(e.manifest),
             "verification": verification_summary(e.manifest.verification),
             "manifest_sha256": e.manifest_sha256,
-            "locations": [loc.model_dump(mode="json") for loc in e.locations]} for e in entries]))
+            "locations": [loc.to_dict() for loc in e.locations]} for e in entries]))
         return
     table = Table(title="oscar-zoo catalog")
     for col, justify in (("name", "left"), ("model", "left"), ("granularity", "left"), ("bits/elem @128K", "right"),

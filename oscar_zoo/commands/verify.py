@@ -25,7 +25,7 @@ from ..evaluation.needle import (
 )
 from ..evaluation.pipeline import VerifyRequest, verify_artifacts
 from ..evaluation.registry import BASELINES, DEFAULT_BASELINES, SHORT, check_baselines
-from ..evaluation.report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
+from ..format.verification import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
 from .options import ArtifactsArg, Dataset, Device, Dtype, Json, Revision, Split, TextField
 
 
@@ -147,7 +147,7 @@ def verify_command(
     except SettingError as exc:  # a library setting, spelled as this command's option (seq_len is --context here)
         raise exc.spelled(lambda name: "--context" if name == "seq_len" else "--" + name.replace("_", "-")) from None
     if json_output:
-        console.print_json(report.model_dump_json())
+        console.print_json(report.to_json())
     else:
         _print(report, [p for p in (plot, needle_plot if report.needle is not None else None) if p is not None],
                write, artifacts)

@@ -125,7 +125,7 @@ class RotatedInt2(Method):
 
     k_rotation/v_rotation float32 [L, H, D, D] (H = H_kv or 1) indexed by model layer; clips float32 [L, H] (0 = none);
     k_mean/v_mean float32 [L, H, D] in the model's basis (None: uncentred; needs rotations); key_bits: the history
-    keys' bits per model layer (None: 2 everywhere); flush and pin: the settings of its OscarCache (`make_cache`);
+    keys' bits per model layer (None: 2 in every layer); flush and pin: the settings of its OscarCache (`make_cache`);
     key_block > 0: history keys per channel over blocks of that many tokens from the sink's end, unclipped
     (docs/format.md §6d; a last partial block is coded over the tokens it has — the runtime would still hold those in
     its recent tier, so teacher forcing is slightly harder on this codec than the cache is)."""
@@ -137,7 +137,8 @@ class RotatedInt2(Method):
                  k_mean: Tensor | None = None, v_mean: Tensor | None = None, key_bits: list[int] | None = None,
                  flush: int = layout.FLUSH, pin: int = 0, key_block: int = 0):
         self.name, self.label, self.kind = name, label, kind
-        self.key_bits, self.flush, self.pin, self.key_block = key_bits, flush, pin, key_block
+        self.key_bits = [layout.BITS] * k_clip.shape[0] if key_bits is None else list(key_bits)  # per layer, resolved
+        self.flush, self.pin, self.key_block = flush, pin, key_block
         self.k_rotation, self.v_rotation = k_rotation, v_rotation
         self.k_mean, self.v_mean = k_mean, v_mean
         self.k_clip, self.v_clip = k_clip.float(), v_clip.float()
@@ -170,7 +171,7 @@ class RotatedInt2(Method):
             out_rotation = M_v.transpose(-1, -2).repeat_interleave(g, dim=0)  # [H_q, D, D] M_Vᵀ
             if mu_v is not None:
                 out_mean = mu_v if mu_v.shape[0] == 1 else mu_v.repeat_interleave(g, dim=0)  # [H_q, D]
-        k_bits = self.key_bits[layer] if self.key_bits else layout.BITS
+        k_bits = self.key_bits[layer]
         if self.key_block:
             k_hat = self._history(lambda x: reference.fake_quant_channel(x, self.key_block, k_bits), k)
         else:
@@ -191,7 +192,7 @@ class RotatedInt2(Method):
 
     def bits(self, context):
         G = layout.resolve_group_size(self.head_dim, self.group_size)
-        key_bits = sum(self.key_bits) / len(self.key_bits) if self.key_bits else layout.BITS
+        key_bits = sum(self.key_bits) / len(self.key_bits)  # the mean over layers: what bits per element count
         return (layout.bits_per_element(context, G, self.sink, self.recent, key_bits, key_block=self.key_block),
                 layout.bits_per_element(context, G, self.sink, self.recent))
 

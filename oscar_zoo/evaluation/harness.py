@@ -17,12 +17,19 @@ from torch import Tensor
 from .. import __version__
 from ..errors import InputError
 from ..format import layout, reference
+from ..format.verification import (
+    DEFAULT_THRESHOLDS,
+    Generation,
+    MethodResult,
+    Thresholds,
+    VerifyReport,
+    check_thresholds,
+)
 from ..models import LoadedModel
 from . import metrics
 from .attention import cache_argument, verifying
 from .baselines import Method, QuantizePack, Windows
 from .registry import DEFAULT_BASELINES, Setup, build_methods
-from .report import DEFAULT_THRESHOLDS, Generation, MethodResult, Thresholds, VerifyReport, check_thresholds
 
 Progress = Callable[..., None]
 

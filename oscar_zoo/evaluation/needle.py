@@ -30,11 +30,11 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from ..format.verification import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleProtocol, NeedleReport, needle_gate
 from ..models import LoadedModel
 from .attention import cache_argument
 from .baselines import DTYPE_NAMES
 from .registry import Setup, build_methods
-from .report import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleProtocol, NeedleReport, needle_gate
 from .stats import PairedDifference, paired_difference
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "

@@ -26,11 +26,12 @@ from ..artifacts import (
 from ..calibration.data import EVALUATION_PLAYS, load_texts, make_sequences
 from ..errors import InputError, IntegrityError
 from ..export.as_exported import as_exported as as_exported_form
-from ..manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME
+from ..format.records import MANIFEST_MAX_BYTES
+from ..format.schema import MANIFEST_NAME
+from ..format.verification import VerifyReport, binding_of
 from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, load_model
 from .harness import VerifySettings, check_positions, model_positions, resolve_backend, run_verification
 from .needle import NeedleSettings, check_filler, check_lengths, default_lengths, run_needle
-from .report import VerifyReport, binding_of
 
 ProgressScope = Callable[[], AbstractContextManager[Callable[..., None]]]
 
@@ -101,12 +102,12 @@ def verify_artifacts(request: VerifyRequest, say: Callable[[str], None] | None =
                                   dataset=source, progress=progress)
         if needle is not None:
             found = run_needle(loaded, used, used_rotations, filler, needle, settings.baselines, progress)
-            report = report.model_copy(update={"needle": found, "passed": report.passed and found.passed,
-                                               "failures": report.failures + found.failures})
+            report = report.replace(needle=found, passed=report.passed and found.passed,
+                                    failures=report.failures + found.failures)
     if exported is not None:
         report = _mark_as_exported(report, exported.describe())
-    report = report.model_copy(update={"wall_seconds": round(time.perf_counter() - start, 2),
-                                       "binding": binding_of(manifest)})  # what was verified: the artifact's files
+    report = report.replace(wall_seconds=round(time.perf_counter() - start, 2),
+                            binding=binding_of(manifest))  # what was verified: the artifact's files
     if request.plot is not None:
         from .plot import write_needle_plot, write_plot
 
@@ -142,7 +143,7 @@ def store_report(folder: Path, verified, report: VerifyReport) -> None:
     if now != verified:
         raise IntegrityError(f"{folder} was replaced while verify ran: its {MANIFEST_NAME} is no longer the one "
                              "verified; the report was not stored and the folder was left as it is", advice)
-    updated = verified.model_copy(update={"verification": report.model_dump(mode="json")})
+    updated = verified.replace(verification=report.to_dict())
     size = len(updated.to_json().encode())
     if size > MANIFEST_MAX_BYTES:
         raise InputError(f"the report makes {MANIFEST_NAME} {size:,} bytes, more than a manifest may hold "
@@ -184,12 +185,10 @@ def model_to_load(manifest, model: str | None, revision: str | None) -> tuple[st
 def _mark_as_exported(report: VerifyReport, description: str) -> VerifyReport:
     """The report flagged `as_exported`, its artifact rows (and the needle grid's) labelled with what export changed."""
     def relabel(methods):
-        return [m.model_copy(update={"label": f"{m.label}; {description}"}) if m.kind == "artifact" else m
-                for m in methods]
+        return [m.replace(label=f"{m.label}; {description}") if m.kind == "artifact" else m for m in methods]
 
-    needle = None if report.needle is None else report.needle.model_copy(
-        update={"methods": relabel(report.needle.methods)})
-    return report.model_copy(update={"as_exported": True, "methods": relabel(report.methods), "needle": needle})
+    needle = None if report.needle is None else report.needle.replace(methods=relabel(report.needle.methods))
+    return report.replace(as_exported=True, methods=relabel(report.methods), needle=needle)
 
 
 def _filler(tokenizer, texts: list[str]) -> list[int]:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ..errors import InputError
-from .report import NeedleReport, VerifyReport
+from ..format.verification import NeedleReport, VerifyReport
 
 DEFAULT_SUFFIX = ".png"  # what a --plot name without an extension gets (matplotlib's own default format)
 # what savefig raises for a format matplotlib lists but cannot write on this machine (pgf without LaTeX: RuntimeError;

@@ -26,7 +26,7 @@ K_CLIP, V_CLIP = layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP
 class Setup:
     """What methods are built from: the artifact's rotations (artifacts.Rotations, indexed by model layer once sorted)
     and quant settings, the model's geometry, config (transformers' caches need it) and dtype (the reference's label).
-    key_bits: per entry of the rotations' layer_ids (None: 2 everywhere); pin: the artifact's pinned tokens."""
+    key_bits: the history keys' bits per entry of the rotations' layer_ids; pin: the artifact's pinned tokens."""
 
     rotations: Any
     num_layers: int
@@ -34,7 +34,7 @@ class Setup:
     group_size: int
     sink: int
     recent: int
-    key_bits: list[int] | None = None
+    key_bits: list[int]
     flush: int = layout.FLUSH
     pin: int = 0
     key_block: int = 0
@@ -45,8 +45,8 @@ class Setup:
     def of(cls, manifest, rotations, model, info) -> Setup:
         """The setup `verify` runs: the manifest's quant settings, the loaded model's geometry, config and dtype."""
         q = manifest.quant
-        return cls(rotations, info.num_layers, info.head_dim, q.group_size, q.sink, q.recent, q.key_bits, q.flush,
-                   getattr(manifest, "pin", 0), getattr(manifest, "key_block", 0), model.config,
+        return cls(rotations, info.num_layers, info.head_dim, q.group_size, q.sink, q.recent, manifest.key_bits,
+                   q.flush, getattr(manifest, "pin", 0), getattr(manifest, "key_block", 0), model.config,
                    next(model.parameters()).dtype)
 
 
@@ -84,9 +84,8 @@ class Artifact(Entry):
         rot = s.rotations
         order = torch.argsort(rot.layer_ids.long())  # entries sorted by model layer
         H = rot.k_rotation.shape[1]
-        key_bits = s.key_bits
-        layer_bits = None if key_bits is None or max(key_bits) == layout.BITS else [key_bits[i] for i in order.tolist()]
-        three = f", 3-bit keys in {layer_bits.count(3)}/{len(layer_bits)} layers" if layer_bits else ""
+        layer_bits = [s.key_bits[i] for i in order.tolist()]
+        three = f", 3-bit keys in {layer_bits.count(3)}/{len(layer_bits)} layers" if max(layer_bits) > 2 else ""
         three += f", keys per channel over {s.key_block}-token blocks" if s.key_block else ""
         means = (None, None) if rot.k_mean is None else (rot.k_mean[order], rot.v_mean[order])
         oscar = RotatedInt2(

@@ -18,7 +18,8 @@ import torch
 
 from ..artifacts import Rotations
 from ..format import layout
-from ..manifest import Centring, ClipMode, Granularity, Manifest
+from ..format.layout import Centring
+from ..format.schema import ClipMode, Granularity, Manifest
 from .oscar_pt import is_per_head, layer_rotations
 from .sglang import reference_clip_ratios
 
@@ -58,14 +59,12 @@ def as_exported(manifest: Manifest, r: Rotations) -> ExportedForm:
         v_eigenvalues=r.v_eigenvalues.mean(dim=1, keepdim=True),
         k_clip=torch.full((L, 1), k_ratio), v_clip=torch.full((L, 1), v_ratio),
         layer_ids=r.layer_ids.clone(), k_mean=None, v_mean=None)
-    exported = manifest.model_copy(update={
-        "rotation": manifest.rotation.model_copy(update={"granularity": Granularity.PER_LAYER}),
-        "quant": manifest.quant.model_copy(update={"centring": Centring.NONE, "key_bits": None, "pin": None,
-                                                   "key_block": None, "flush": layout.FLUSH if manifest.key_block
-                                                   else manifest.quant.flush}),
-        "clip": manifest.clip.model_copy(update={"mode": ClipMode.FIXED, "grid": [], "k_default": k_ratio,
-                                                 "v_default": v_ratio,
-                                                 "objective": "the medians export --format sglang writes"}),
-        "verification": None})
+    exported = manifest.replace(
+        rotation=manifest.rotation.replace(granularity=Granularity.PER_LAYER),
+        quant=manifest.quant.replace(centring=Centring.NONE, key_bits=None, pin=None, key_block=None,
+                                     flush=layout.FLUSH if manifest.key_block else manifest.quant.flush),
+        clip=manifest.clip.replace(mode=ClipMode.FIXED, grid=[], k_default=k_ratio, v_default=v_ratio,
+                                   objective="the medians export --format sglang writes"),
+        verification=None)
     return ExportedForm(exported, rotations, per_head, r.k_mean is not None, max(manifest.key_bits) > 2,
                         manifest.pin > 0, manifest.key_block > 0, k_ratio, v_ratio)

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import Rotations, load_artifacts, sha256_file, write_artifacts
+from ..artifacts import Rotations, load_artifacts, write_artifacts
 from ..errors import InputError, IntegrityError
 from ..format import layout
-from ..manifest import (
+from ..format.io import sha256_file
+from ..format.schema import (
     CalibrationRecord,
     ClipMode,
     ClipSpec,
@@ -40,7 +41,7 @@ from ..manifest import (
     RotationSpec,
     ValueTarget,
 )
-from ..runtime.validate import check_finite, check_rotation
+from ..format.validate import check_finite, check_rotation
 from .sglang import ENV_FILE, LAUNCH_SCRIPT, SglangSettings, sglang_file_texts, sglang_settings
 from .staging import check_out, write_export_files
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError, IntegrityError
-from ..manifest import Manifest, line_breaker
+from ..format.schema import Manifest, line_breaker
 from .staging import write_export_files
 
 ENV_FILE, LAUNCH_SCRIPT = "sglang.env", "launch_sglang.sh"

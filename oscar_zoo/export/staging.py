@@ -36,7 +36,7 @@ from ..artifacts import (
     write_failure,
 )
 from ..errors import InputError
-from ..manifest import MANIFEST_NAME
+from ..format.schema import MANIFEST_NAME
 
 STAGING_NAME = EXPORT_STAGING  # inside an existing --out, staging folders are named `.oscar-export.<host>-<pid>.…`
 _SET_ASIDE = ".replaced"  # the files an export replaces wait here (inside the staging folder) until it succeeds

@@ -16,6 +16,7 @@ plus int32 [B] lengths per tier. All tiers hold *rotated* keys/values (k·M_K, v
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import Enum
 
 import torch
@@ -158,13 +159,14 @@ def bits_per_element(context: int, group_size: int, sink: int = SINK, recent: in
 
 
 def kv_bits_per_element(context: int, group_size: int, sink: int = SINK, recent: int = RECENT,
-                        key_bits: float = BITS, pin: int = 0, key_block: int = 0) -> float:
-    """The mean of K's and V's bits per element (`bits_per_element`): keys at `key_bits` (the mean of the layers'
-    key bit widths; per channel over `key_block`-token blocks when > 0), values at BITS per row.
-    key_bits = 2, key_block = 0 is `bits_per_element` itself. The history holds whole key blocks; the ≤ key_block − 1
-    tokens waiting in the recent tier beyond `recent` are counted as history (an upper bound of the history's
-    share)."""
-    k = bits_per_element(context, group_size, sink, recent, key_bits, pin, key_block)
+                        key_bits: Sequence[int] = (), pin: int = 0, key_block: int = 0) -> float:
+    """The mean of K's and V's bits per element (`bits_per_element`): keys at the mean of `key_bits`, the bits of each
+    layer's history keys (empty: BITS in every layer; per channel over `key_block`-token blocks when > 0), values at
+    BITS per row. 2-bit keys with key_block = 0 is `bits_per_element` itself. The history holds whole key blocks;
+    the ≤ key_block − 1 tokens waiting in the recent tier beyond `recent` are counted as history (an upper bound of
+    the history's share)."""
+    mean_key_bits = sum(key_bits) / len(key_bits) if key_bits else BITS
+    k = bits_per_element(context, group_size, sink, recent, mean_key_bits, pin, key_block)
     return (k + bits_per_element(context, group_size, sink, recent, pin=pin)) / 2
 
 

@@ -10,10 +10,10 @@ import html
 import json
 import re
 
-from ..evaluation.report import describe_thresholds
 from ..format import layout
-from ..manifest import Manifest
-from .zoo import ZooIndex, format_value, non_default_gate, parse_report, verification_rows, verification_summary
+from ..format.schema import Manifest
+from ..format.verification import describe_thresholds, read_report
+from .zoo import ZooIndex, format_value, non_default_gate, verification_rows, verification_summary
 
 TAGS = ["oscar-zoo", "kv-cache", "quantization", "int2", "rotation"]
 CONTEXTS = (32768, 131072)
@@ -111,7 +111,7 @@ def _verification_section(manifest: Manifest) -> list[str]:
         return ["Not verified: these artifacts were published with `--allow-unverified`. Run `oscar-zoo verify` "
                 "before relying on them."]
     lines = [f"Summary: **{md(verification_summary(report))}**", ""]
-    parsed, _ = parse_report(report)
+    parsed, _ = read_report(report)
     if parsed is not None:
         default = "verify's defaults" if not non_default_gate(parsed) else "**not** verify's defaults"
         needle = (f"; needle ≥ {parsed.needle.min_relative_accuracy:g} × BF16's accuracy" if parsed.needle else "")

@@ -13,10 +13,9 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from ..errors import InputError, IntegrityError
-from ..manifest import Manifest, canonical_json, parse_versioned
+from ..format.records import Record, canonical_json, parse_document, record, spec
+from ..format.schema import Manifest
 from .base import Hub, check_subfolder
 
 if TYPE_CHECKING:
@@ -26,42 +25,33 @@ CATALOG_SCHEMA_VERSION = 1
 CATALOG_ENV = "OSCAR_ZOO_CATALOG"
 
 
-class HubLocation(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+@record
+class HubLocation(Record):
     hub: Hub
     repo_id: str
-    subfolder: str = ""
+    subfolder: str = spec("", check=check_subfolder)
     revision: str | None = None  # a commit id pins the entry; None follows the default branch
     published: bool  # False: the planned location, not uploaded yet
-
-    @field_validator("subfolder")
-    @classmethod
-    def _plain_subfolder(cls, value: str) -> str:
-        return check_subfolder(value)
 
     @property
     def spec(self) -> str:
         return f"{self.repo_id}/{self.subfolder}" if self.subfolder else self.repo_id
 
 
-class CatalogEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+@record
+class CatalogEntry(Record):
     catalog_version: Literal[1] = CATALOG_SCHEMA_VERSION
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    name: str = spec(pattern=r"^[a-z0-9][a-z0-9._-]*$")
     description: str
-    locations: list[HubLocation] = Field(min_length=1)
-    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    locations: list[HubLocation] = spec(min_length=1)
+    manifest_sha256: str = spec(pattern=r"^[0-9a-f]{64}$")
     manifest: Manifest
 
-    @model_validator(mode="after")
-    def _sha_matches(self) -> CatalogEntry:
+    def check(self) -> None:
         digest = manifest_sha256(self.manifest)
         if digest != self.manifest_sha256:
             raise ValueError(f"manifest_sha256 {self.manifest_sha256[:12]}… does not match the embedded manifest "
                              f"({digest[:12]}…)")
-        return self
 
     def location(self, hub: str | None) -> HubLocation:
         """The published location on `hub` (any hub when None); InputError when there is none."""
@@ -77,7 +67,7 @@ class CatalogEntry(BaseModel):
                          f"available: {', '.join(sorted({loc.hub for loc in self.locations}))}")
 
     def to_json(self) -> str:
-        return canonical_json(self.model_dump(mode="json"))
+        return canonical_json(self.to_dict())
 
 
 def manifest_sha256(manifest: Manifest) -> str:
@@ -124,7 +114,7 @@ def _read_entry(path: Traversable, source: str) -> bytes:
 
 
 def parse_entry(text: str | bytes, source: str) -> CatalogEntry:
-    return parse_versioned(CatalogEntry, text, source, "catalog_version", CATALOG_SCHEMA_VERSION)
+    return parse_document(CatalogEntry, text, source, "catalog_version", (CATALOG_SCHEMA_VERSION,))
 
 
 def load_catalog() -> list[CatalogEntry]:

@@ -24,17 +24,18 @@ from ..artifacts import (
     load_artifacts,
     remove_stale_staging,
     rotations_size_range,
-    sha256_file,
     staging_folder,
     swap_into_place,
 )
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
-from ..evaluation.report import VerifyReport, binding_mismatch, looser_than_defaults, needle_gate
-from ..manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ROTATIONS_NAME, Manifest
+from ..format.io import sha256_file
+from ..format.records import MANIFEST_MAX_BYTES
+from ..format.schema import MANIFEST_NAME, ROTATIONS_NAME, Manifest
+from ..format.verification import VerifyReport, binding_mismatch, looser_than_defaults, needle_gate
 from .base import SUBFOLDER_RULE, Hub, HubClient, check_hub, is_plain_subfolder, split_repo_path
 from .card import render_model_card, render_zoo_card
 from .catalog import CatalogEntry, find_entry
-from .zoo import ZOO_NAME, ZooIndex, parse_report, report_verdict, zoo_entry
+from .zoo import ZOO_NAME, ZooIndex, report_verdict, zoo_entry
 
 Progress = Callable[[str], None]
 CARD_NAME = "README.md"
@@ -136,7 +137,7 @@ def check_verified(manifest: Manifest, artifacts: Path, allow_loose_thresholds: 
     advice = f"run `oscar-zoo verify {artifacts} --write`, or push with --allow-unverified"
     if manifest.verification is None:
         raise VerificationFailed(f"{artifacts} has not been verified (manifest.verification is null)", advice)
-    report, why = parse_report(manifest.verification)
+    report, why = manifest.report()
     if report is None:
         raise VerificationFailed(f"{artifacts}: manifest.verification is not a report written by `oscar-zoo verify` "
                                  f"(field {why})", advice)
@@ -147,13 +148,14 @@ def check_verified(manifest: Manifest, artifacts: Path, allow_loose_thresholds: 
     if report.as_exported:
         raise VerificationFailed(f"{artifacts}: the verification report measured the exported form "
                                  "(--as-exported), not the artifact", advice)
-    failures = report_verdict(report)
-    if report.passed != (not failures) and (report.passed or not _empty_needle(report)):
+    failures, empty = report_verdict(report), _empty_needle(report)
+    judged = [f for f in failures if f not in empty]  # a report written before the empty-needle rule passed it
+    if report.passed != (not judged) and (report.passed or not empty):
         said = "passed" if report.passed else "failed"
         raise VerificationFailed(f"{artifacts}: the verification report says it {said}, but its own metrics say "
-                                 f"otherwise ({'; '.join(failures) or 'every threshold is met'}); the report was "
+                                 f"otherwise ({'; '.join(judged) or 'every threshold is met'}); the report was "
                                  "edited", advice)
-    failures += [f for f in _empty_needle(report) if f not in failures]
+    failures += [f for f in empty if f not in failures]
     if failures:
         raise VerificationFailed(f"{artifacts} failed its verification: {'; '.join(failures)}",
                                  "re-calibrate, or push with --allow-unverified to publish it anyway")

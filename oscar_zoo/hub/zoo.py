@@ -1,24 +1,25 @@
 """`zoo.json`: the index a zoo repo keeps at its root, one entry per model subfolder (read-modify-written by push).
 
-Also the one place that turns a manifest's free-form `verification` report into a short summary and a table, so the
-model card, zoo.json and `oscar-zoo list` all say the same thing.
+Also the one place that turns a manifest's verification record into a short summary and a table, so the model card,
+zoo.json and `oscar-zoo list` all say the same thing.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
 from ..errors import IntegrityError
-from ..evaluation.report import (
+from ..format.records import Record, SchemaError, canonical_json, load_json, one_line, record, spec
+from ..format.schema import Manifest
+from ..format.verification import (
     DEFAULT_MIN_NEEDLE_ACCURACY,
     DEFAULT_THRESHOLDS,
     VerifyReport,
     check_thresholds,
     describe_thresholds,
+    needle_gate,
+    read_report,
 )
-from ..manifest import Manifest, _one_line, canonical_json, load_json
 from .base import check_subfolder
 
 ZOO_NAME = "zoo.json"
@@ -28,30 +29,23 @@ MAX_BITS_PER_ELEMENT = 64.0  # above any codec's: 16-bit windows, 3-bit codes wi
 PREFERRED_METRICS = ("kl", "top1", "ppl_increase", "bits_per_element")  # shown first, and in one-line summaries
 
 
-class ZooModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    subfolder: str  # "" when the model lives at the repo root
+@record
+class ZooModel(Record):
+    subfolder: str = spec(check=check_subfolder)  # "" when the model lives at the repo root
     model_id: str
     model_revision: str | None = None
     granularity: str
     manifest_sha256: str
-    bits_per_element_128k: float = Field(ge=0, le=MAX_BITS_PER_ELEMENT)
+    bits_per_element_128k: float = spec(ge=0, le=MAX_BITS_PER_ELEMENT)
     verification: str  # one-line summary, "unverified" when the manifest has none
     updated: str  # ISO time of the push that wrote this entry
 
-    @field_validator("subfolder")
-    @classmethod
-    def _plain_subfolder(cls, value: str) -> str:
-        return check_subfolder(value)
 
-
-class ZooIndex(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+@record
+class ZooIndex(Record):
     schema_version: Literal[1] = ZOO_SCHEMA_VERSION
     tool: Literal["oscar-zoo"] = "oscar-zoo"
-    models: list[ZooModel] = []
+    models: list[ZooModel] = spec(factory=list)
 
     def with_model(self, entry: ZooModel) -> ZooIndex:
         """A new index with `entry` replacing any entry of the same subfolder; entries sorted by subfolder."""
@@ -59,20 +53,18 @@ class ZooIndex(BaseModel):
         return ZooIndex(models=sorted([*kept, entry], key=lambda m: m.subfolder))
 
     def to_json(self) -> str:
-        return canonical_json(self.model_dump(mode="json"))
+        return canonical_json(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = ZOO_NAME) -> ZooIndex:
         advice = "fix or delete zoo.json in the repo, then push again"
         try:
-            return cls.model_validate(load_json(text, source))  # UTF-8, depth and numbers checked: IntegrityError
+            return cls.from_dict(load_json(text, source))  # UTF-8, depth and numbers checked: IntegrityError
         except IntegrityError as exc:
             raise IntegrityError(exc.message, advice) from None
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(root)"
-            raise IntegrityError(f"{source} is not a valid oscar-zoo index: field '{_one_line(where, 80)}': "
-                                 f"{_one_line(first['msg'], 200)}", advice) from None
+        except SchemaError as exc:
+            raise IntegrityError(f"{source} is not a valid oscar-zoo index: field '{one_line(exc.where, 80)}': "
+                                 f"{one_line(exc.msg, 200)}", advice) from None
 
 
 def bpe_128k(manifest: Manifest) -> float:
@@ -114,23 +106,10 @@ def verification_rows(report: dict[str, Any] | None) -> tuple[list[str], list[tu
     return columns, rows
 
 
-def parse_report(report: dict[str, Any] | None) -> tuple[VerifyReport | None, str | None]:
-    """(the report, None) when `report` is what `oscar-zoo verify --write` stores, else (None, why not: the first
-    schema error, with its field)."""
-    if report is None:
-        return None, "there is none"
-    try:
-        return VerifyReport.model_validate(report), None
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(root)"
-        return None, f"{where}: {first['msg']}"
-
-
 def report_verdict(report: VerifyReport) -> list[str]:
     """Re-check a report from its own numbers: the thresholds it states against its artifact row's metrics, and its
-    needle grid's pass rule. Returns the failures (empty: it passes); a report without exactly one artifact row
-    fails."""
+    needle grid's pass rule (`needle_gate`, verify's and push's: a reference that answered nothing passes nothing).
+    Returns the failures (empty: it passes); a report without exactly one artifact row fails."""
     artifacts = [m for m in report.methods if m.kind == "artifact"]
     if len(artifacts) != 1:
         return [f"the report has {len(artifacts)} artifact rows, not 1"]
@@ -141,20 +120,20 @@ def report_verdict(report: VerifyReport) -> list[str]:
         arts = [m for m in needle.methods if m.kind == "artifact"]
         if len(refs) != 1 or len(arts) != 1:
             failures.append("the needle grid lacks its BF16 or artifact row")
-        elif not arts[0].overall >= needle.min_relative_accuracy * refs[0].overall:
-            failures.append(f"needle accuracy {arts[0].overall:.3f} is below {needle.min_relative_accuracy:g} × "
-                            f"BF16's {refs[0].overall:.3f}")
+        else:
+            prompts = len(refs[0].answers)
+            failures += needle_gate(refs[0].overall, arts[0].overall, needle.min_relative_accuracy, prompts)
     return failures
 
 
 def verification_summary(report: dict[str, Any] | None) -> str:
-    """What a person reads: `✓ +5.1 % PPL, KL 0.052` (passed), `✗ +12.0 % PPL, KL 0.31` (failed), with
-    `(non-default thresholds: …)` when the report was judged by others than verify's defaults, `unverified`, or
-    for a record that is not a `verify` report, `not a verify report`. The mark is the report's numbers re-checked
-    against its thresholds (`report_verdict`), not its own `passed` flag."""
-    parsed, _ = parse_report(report)
+    """What a person reads of a manifest's `verification`: `✓ +5.1 % PPL, KL 0.052` (passed), `✗ +12.0 % PPL, KL 0.31`
+    (failed), with `(non-default thresholds: …)` when the report was judged by others than verify's defaults,
+    `unverified`, or for a record that is not a `verify` report, `not a verify report`. The mark is the report's
+    numbers re-checked against its thresholds (`report_verdict`), not its own `passed` flag."""
     if report is None:
         return "unverified"
+    parsed, _ = read_report(report)
     if parsed is None:
         return "not a verify report"
     art = next((m for m in parsed.methods if m.kind == "artifact"), None)

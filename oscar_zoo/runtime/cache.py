@@ -21,12 +21,12 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..format import layout, reference
+from ..format.io import read_artifact
+from ..format.validate import check_mean
 from . import compiled, ops, rotate_op
-from .artifact import read_artifact
 from .history import _STORAGE_IDS, HISTORY_CHUNK, QuantizedHistory
 from .pinning import PinnedTokens
 from .rotation import Rotation, fingerprint
-from .validate import check_mean
 
 CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cache argument of a model or its attention
 

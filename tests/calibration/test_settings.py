@@ -12,7 +12,8 @@ from oscar_zoo.calibration.pipeline import calibrate
 from oscar_zoo.calibration.settings import AccumulateOn, CalibrationRequest, CalibrationSettings
 from oscar_zoo.commands.calibrate import flag
 from oscar_zoo.errors import SettingError
-from oscar_zoo.manifest import Centring, ClipMode, Granularity, QuantSpec, ValueTarget
+from oscar_zoo.format.layout import Centring
+from oscar_zoo.format.schema import ClipMode, Granularity, QuantSpec, ValueTarget
 
 from ..test_calibrate_cli import SMALL, text_file  # noqa: F401 -- fixture
 
@@ -32,7 +33,7 @@ def test_strings_become_the_enums_the_manifest_writes():
     assert type(s.clip) is ClipMode and type(s.centring) is Centring
     # the manifest's field is the same Enum, written as its value
     quant = QuantSpec(group_size=16, sink=64, recent=256, flush=8, centring=s.centring)
-    assert quant.model_dump(mode="json")["centring"] == "mean" and quant.centring is Centring.MEAN
+    assert quant.to_dict()["centring"] == "mean" and quant.centring is Centring.MEAN
     with pytest.raises(SettingError) as err:
         CalibrationSettings(centring="median")
     assert err.value.setting == "centring" and err.value.message == "centring 'median': expected one of none, mean"

@@ -170,9 +170,9 @@ def test_cli_needle_table_json_heatmap_and_bad_options(run_cli, good_artifacts, 
     assert needle["lengths"] == [300] and needle["depths"] == [0.5] and needle["passed"]
     assert (tmp_path / "v-needle.png").stat().st_size > 1000 and (tmp_path / "v.png").is_file()
     from oscar_zoo.commands.verify import _print_needle
-    from oscar_zoo.evaluation.report import NeedleReport
+    from oscar_zoo.format.verification import NeedleReport
 
-    _print_needle(NeedleReport.model_validate(needle))
+    _print_needle(NeedleReport.from_dict(needle))
     printed = capsys.readouterr().out
     assert "needle: OSCAR" in printed and "second chunk" in printed
     # paired with the reference, named by the dtype `--dtype auto` ran: BF16, or FP32 on a CPU without native bfloat16
@@ -183,7 +183,7 @@ def test_cli_needle_table_json_heatmap_and_bad_options(run_cli, good_artifacts, 
     for short, m in (("OSCAR", needle["methods"][1]), ("naive INT2", needle["methods"][2])):
         it, ref = (100 * answer_is_right(x["answers"][0], needle["keys"][0]) for x in (m, needle["methods"][0]))
         assert f"{short} at 300: {it:.1f}% vs {dtype} {ref:.1f}% over 1 prompts" in printed, printed
-    _print_needle(NeedleReport.model_validate({**needle, "protocol": "prompt"}))  # says which path it measured
+    _print_needle(NeedleReport.from_dict({**needle, "protocol": "prompt"}))  # says which path it measured
     assert "context and question as one prompt" in capsys.readouterr().out
     for bad in (("--needle-depths", "0.5,1.5"), ("--needle-lengths", "12"), ("--needle-trials", "0"),
                 ("--min-needle-accuracy", "2"), ("--needle-lengths", "a,b"), ("--needle-batch", "0")):

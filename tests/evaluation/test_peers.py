@@ -16,7 +16,7 @@ from transformers import QuantizedCache
 from oscar_zoo.evaluation import peers
 from oscar_zoo.evaluation.peers import PeerCache, flush_chunks
 from oscar_zoo.evaluation.registry import PEERS
-from oscar_zoo.evaluation.report import VerifyReport
+from oscar_zoo.format.verification import VerifyReport
 
 from .conftest import CONTEXT, KL_RTOL, PPL_ATOL, RECENT, SINK, TOP1_POSITIONS
 from .test_verify import _args
@@ -107,7 +107,7 @@ def test_verify_reports_what_token_by_token_decoding_gives(run_cli, good_artifac
     code, out, err = run_cli("verify", *_args(good_artifacts, model_dir, heldout_file, "--json", "--baselines",
                                               ",".join(INT2)))
     assert code == 0, err
-    report = VerifyReport.model_validate_json(out)
+    report = VerifyReport.from_dict(json.loads(out))
     assert [m.name for m in report.methods] == ["bf16", "oscar", *INT2]
     assert report.positions_from == SINK + RECENT and report.context == CONTEXT
     for name in INT2:

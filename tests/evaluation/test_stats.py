@@ -83,7 +83,7 @@ def test_verify_pairs_each_method_with_the_reference_per_length():
     the first length's prompts, a baseline only the second length's last two; each length's slice is paired with the
     reference's own answers there, and a report without keys (written before they were kept) pairs nothing."""
     from oscar_zoo.evaluation.needle import paired_against_reference
-    from oscar_zoo.evaluation.report import NeedleMethod, NeedleReport
+    from oscar_zoo.format.verification import NeedleMethod, NeedleReport
 
     keys = [f"{10000 + i}" for i in range(12)]
     right = [f" {k}." for k in keys]
@@ -101,4 +101,4 @@ def test_verify_pairs_each_method_with_the_reference_per_length():
            for name, length, d in paired_against_reference(report)}
     assert got == {("oscar", 1024): (6, 0, 0, 1.0, 1.0), ("oscar", 2048): (6, 5, 0, round(5 / 6, 4), 0.0),
                    ("naive", 1024): (6, 6, 0, 1.0, 0.0), ("naive", 2048): (6, 4, 1, round(5 / 6, 4), round(2 / 6, 4))}
-    assert paired_against_reference(report.model_copy(update={"keys": []})) == []
+    assert paired_against_reference(report.replace(keys=[])) == []

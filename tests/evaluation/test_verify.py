@@ -3,6 +3,7 @@ independent float64 computation says (calibrated, broken and shared per-layer ar
 calibrated artifact at thresholds derived from that computation and fails the broken one with exit 3, JSON / plot /
 --write, integrity exits, backend agreement."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from oscar_zoo.errors import IntegrityError
 from oscar_zoo.evaluation import baselines, registry
 from oscar_zoo.evaluation.attention import verifying
 from oscar_zoo.evaluation.harness import Attender, VerifySettings, run_verification
-from oscar_zoo.evaluation.report import Thresholds, VerifyReport, check_thresholds
 from oscar_zoo.format import reference
+from oscar_zoo.format.verification import Thresholds, VerifyReport, check_thresholds
 
 from ..hub.helpers import rewrite_rotations
 from .conftest import CONTEXT, KL_RTOL, PPL_ATOL, RECENT, SINK, TOP1_POSITIONS, outlier_model
@@ -43,7 +44,8 @@ def test_identity_quantization_reproduces_bf16_logits(good_artifacts, heldout_id
     monkeypatch.setattr(baselines, "fake_quant_with", lambda quantize_pack, x, clip, group_size=0, bits=2: x.float())
     model = outlier_model()  # float32, so the rotations' rounding is negligible
     manifest, rot = load_artifacts(good_artifacts)
-    methods = registry.build_methods(registry.Setup(rot, 2, 64, 0, 16, 32), ("naive", "clip-only", "hadamard", "kivi"))
+    setup = registry.Setup(rot, 2, 64, 0, 16, 32, [2, 2])
+    methods = registry.build_methods(setup, ("naive", "clip-only", "hadamard", "kivi"))
     attend = Attender(reference.quantize_pack_ref, 16, 32)
     ids = heldout_ids[:1]
     logits = {}
@@ -70,7 +72,7 @@ def test_verify_reports_the_float64_expectation_and_gates_on_it(run_cli, good_ar
     code, out, err = run_cli("verify", *_args(good_artifacts, model_dir, heldout_file, "--json", "--generate", 0,
                                               "--baselines", "kivi", thresholds=thresholds))
     assert code == 0, err
-    report = VerifyReport.model_validate_json(out)
+    report = VerifyReport.from_dict(json.loads(out))
     _assert_matches(report.method("oscar"), good)
     assert report.passed and report.tokens_scored == good.scored
     # each gate sits where the expectation says: moved just past the calibrated artifact's value, it fails
@@ -81,7 +83,7 @@ def test_verify_reports_the_float64_expectation_and_gates_on_it(run_cli, good_ar
     for field, value, metric in (("max_kl", good.kl * (1 - 20 * KL_RTOL), "mean KL"),
                                  ("min_top1", good.top1 + 2 * TOP1_POSITIONS / good.scored, "top-1 agreement"),
                                  ("max_ppl_increase", good.ppl_increase - 5 * PPL_ATOL, "perplexity increase")):
-        failures = check_thresholds(oscar, limits.model_copy(update={field: value}))
+        failures = check_thresholds(oscar, limits.replace(**{field: value}))
         assert len(failures) == 1 and failures[0].startswith(metric), (field, failures)
 
     code, out, err = run_cli("verify", *_args(good_artifacts, model_dir, heldout_file, "--generate", 0,
@@ -91,7 +93,7 @@ def test_verify_reports_the_float64_expectation_and_gates_on_it(run_cli, good_ar
     code, out, err = run_cli("verify", *_args(bad_artifacts, model_dir, heldout_file, "--json", "--generate", 0,
                                               "--baselines", "none", thresholds=thresholds))
     assert code == 3, err
-    report = VerifyReport.model_validate_json(out)
+    report = VerifyReport.from_dict(json.loads(out))
     _assert_matches(report.method("oscar"), bad)
     assert not report.passed and [f.split(" ")[0] for f in report.failures] == ["perplexity", "mean", "top-1"]
     assert "missed the thresholds" in err
@@ -106,7 +108,7 @@ def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, t
     code, out, err = run_cli("verify", *_args(folder, model_dir, heldout_file, "--json", "--plot", png, "--write",
                                               "--baselines", "naive,clip-only,hadamard,kivi", thresholds=thresholds))
     assert code == 0, err
-    report = VerifyReport.model_validate_json(out)
+    report = VerifyReport.from_dict(json.loads(out))
     assert [m.name for m in report.methods] == ["bf16", "oscar", "naive", "clip-only", "hadamard", "kivi"]
     assert report.passed and report.context == CONTEXT and report.positions_from == 16 + 32
     oscar = report.method("oscar")
@@ -115,7 +117,7 @@ def test_json_plot_and_write(run_cli, good_artifacts, model_dir, heldout_file, t
     assert kivi.generation is None and kivi.bits_per_element_k > oscar.bits_per_element
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     manifest, _ = load_artifacts(folder)  # re-checksummed, still valid
-    assert VerifyReport.model_validate(manifest.verification) == report
+    assert VerifyReport.from_dict(manifest.verification) == report
 
     # the table mode's KL-by-position buckets: whole bins past the windows (48 → the bin at 64), doubling to the context
     from oscar_zoo.commands import verify as verify_command
@@ -188,14 +190,13 @@ def test_per_layer_artifacts_verify_through_cache_and_attention(good_artifacts, 
     expectation of the shared rotations (not the per-head ones'), and through the runtime cache."""
     import dataclasses
 
-    from oscar_zoo.manifest import Granularity
+    from oscar_zoo.format.schema import Granularity
 
     manifest, rot = load_artifacts(good_artifacts)
     shared = dataclasses.replace(rot, **{n: getattr(rot, n)[:, :1].contiguous() for n in (
         "k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")},
         k_mean=rot.k_mean.mean(1, keepdim=True), v_mean=rot.v_mean.mean(1, keepdim=True))  # per layer, as calibrate
-    manifest = manifest.model_copy(update={"rotation": manifest.rotation.model_copy(
-        update={"granularity": Granularity.PER_LAYER})})
+    manifest = manifest.replace(rotation=manifest.rotation.replace(granularity=Granularity.PER_LAYER))
     settings = VerifySettings(context=96, sequences=1, baselines=(), generate_tokens=3,
                               thresholds=Thresholds(max_ppl_increase=9, max_kl=9, min_top1=0))
     ids = heldout_ids[:1, :96]
@@ -237,7 +238,7 @@ def test_version1_artifacts_load_inspect_verify_and_serve_as_before(run_cli, mod
     uncentred artifact: its manifest round-trips byte for byte, inspect shows it, verify reports the float64
     expectation of the uncentred codec, serves it through OscarCache (greedy generation) and `--write` keeps it a
     version-1 manifest; OscarCache.from_folder builds a cache without means."""
-    from oscar_zoo.manifest import Manifest
+    from oscar_zoo.format.schema import Manifest
     from oscar_zoo.runtime.cache import OscarCache
 
     text = (V1_FIXTURE / "manifest.json").read_text()
@@ -253,7 +254,7 @@ def test_version1_artifacts_load_inspect_verify_and_serve_as_before(run_cli, mod
     code, out, err = run_cli("verify", *_args(folder, model_dir, heldout_file, "--json", "--write", "--baselines",
                                               "none"))
     assert code == 0, err
-    report = VerifyReport.model_validate_json(out)
+    report = VerifyReport.from_dict(json.loads(out))
     oscar = report.method("oscar")
     _assert_matches(oscar, expected_metrics(model64, heldout_ids, rot, SINK, RECENT))
     assert "centred" not in oscar.label and oscar.generation.path == "oscar-cache" and oscar.generation.new_tokens == 4

@@ -276,7 +276,7 @@ def test_a_folder_replaced_during_write_is_named_so_and_kept(run_cli, artifacts,
 
 def test_write_binds_the_report_to_what_it_verified(run_cli, artifacts, tiny_model_dir, text_file, tmp_path):
     from oscar_zoo.artifacts import read_manifest
-    from oscar_zoo.evaluation.report import binding_of
+    from oscar_zoo.format.verification import binding_of
 
     folder = tmp_path / "art"
     shutil.copytree(artifacts, folder)
@@ -284,7 +284,7 @@ def test_write_binds_the_report_to_what_it_verified(run_cli, artifacts, tiny_mod
                                       "--max-ppl-increase", "99", "--write"))
     assert code == 0, err
     manifest = read_manifest(folder)
-    assert manifest.verification["binding"] == binding_of(manifest).model_dump(mode="json")
+    assert manifest.verification["binding"] == binding_of(manifest).to_dict()
 
 
 # -- a needle gate with nothing to compare against -------------------------------------------------------------------
@@ -298,7 +298,7 @@ def test_a_needle_grid_whose_reference_answers_nothing_is_no_pass(run_cli, artif
 
 
 def test_the_needle_rule_in_the_library():
-    from oscar_zoo.evaluation.report import needle_gate
+    from oscar_zoo.format.verification import needle_gate
 
     assert needle_gate(0.0, 0.0, 0.9, 12) == ["needle: the reference answered none of the 12 prompts, so there is "
                                               "nothing to compare the artifact with"]

@@ -11,7 +11,7 @@ import torch
 
 from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.export.oscar_pt import K_FILE, V_FILE, average_heads, head_agreement, oscar_pt_bytes
-from oscar_zoo.manifest import Centring
+from oscar_zoo.format.layout import Centring
 
 from ..hub.helpers import make_artifacts, random_rotations, run_cli
 
@@ -133,7 +133,7 @@ def test_centred_export_needs_accept_degraded_and_warns(tmp_path):
     from ..hub.helpers import make_manifest, make_rotations
 
     manifest = make_manifest(granularity="per-layer", L=L, H_kv=H_KV, D=D)
-    manifest = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={"centring": Centring.MEAN})})
+    manifest = manifest.replace(quant=manifest.quant.replace(centring=Centring.MEAN))
     rot = make_rotations(manifest)
     rot = dataclasses.replace(rot, k_mean=torch.randn(L, 1, D), v_mean=torch.randn(L, 1, D))
     write_artifacts(tmp_path / "art", manifest, rot)
@@ -185,7 +185,7 @@ def test_sglang_window_refusal_writes_nothing(tmp_path):
     from ..hub.helpers import make_manifest, make_rotations
 
     manifest = make_manifest(granularity="per-layer", L=L, H_kv=H_KV, D=D)
-    manifest = manifest.model_copy(update={"quant": manifest.quant.model_copy(update={"sink": 60})})
+    manifest = manifest.replace(quant=manifest.quant.replace(sink=60))
     write_artifacts(tmp_path / "art", manifest, make_rotations(manifest))
     code, _, err = run_cli("export", str(tmp_path / "art"), "--format", "sglang", "--out", str(tmp_path / "sg"))
     assert code == 2 and "multiples of 8" in err and "Traceback" not in err, err

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from oscar_zoo.artifacts import Rotations, write_artifacts
-from oscar_zoo.manifest import CalibrationRecord, ClipSpec, Manifest, ModelIdentity, QuantSpec, RotationSpec
+from oscar_zoo.format.schema import CalibrationRecord, ClipSpec, Manifest, ModelIdentity, QuantSpec, RotationSpec
 
 HF_TOKEN = "hf_TestTokenDoNotLeak0123456789abcdef"
 MS_TOKEN = "ms-TestTokenDoNotLeak-9876543210fedcba"
@@ -20,7 +20,7 @@ def verify_report(kl: float = 0.0123, top1: float = 0.981, ppl_increase: float =
                   passed: bool | None = None, thresholds=None) -> dict:
     """A report of the form `oscar-zoo verify --write` stores (VerifyReport), as manifest JSON, judged by `thresholds`
     (default: verify's); `passed` defaults to what its metrics say under them."""
-    from oscar_zoo.evaluation.report import DEFAULT_THRESHOLDS, MethodResult, VerifyReport, check_thresholds
+    from oscar_zoo.format.verification import DEFAULT_THRESHOLDS, MethodResult, VerifyReport, check_thresholds
 
     def row(name, kind, kl, top1, ppl_increase):
         return MethodResult(name=name, label=name.upper(), kind=kind, bits_per_element=2.5, bits_per_element_k=2.5,
@@ -37,7 +37,7 @@ def verify_report(kl: float = 0.0123, top1: float = 0.981, ppl_increase: float =
                           backend="torch", device="cpu", attention="test", bin_size=64, methods=methods,
                           thresholds=thresholds, passed=not failures if passed is None else passed, failures=failures,
                           wall_seconds=1.0, versions={"oscar-zoo": "test"}, created="2026-01-01T00:00:00+00:00")
-    return report.model_dump(mode="json")
+    return report.to_dict()
 
 
 VERIFICATION = verify_report()
@@ -91,10 +91,10 @@ def make_artifacts(folder: Path, seed: int = 0, spread: float = 0.0, bind: bool 
     report = manifest.verification
     if bind and isinstance(report, dict) and "methods" in report and report.get("binding") is None:
         from oscar_zoo.artifacts import write_manifest
-        from oscar_zoo.evaluation.report import binding_of
+        from oscar_zoo.format.verification import binding_of
 
-        bound = {**report, "binding": binding_of(manifest).model_dump(mode="json")}
-        manifest = manifest.model_copy(update={"verification": bound})
+        bound = {**report, "binding": binding_of(manifest).to_dict()}
+        manifest = manifest.replace(verification=bound)
         write_manifest(folder, manifest)
     return manifest
 
@@ -125,7 +125,7 @@ def rewrite_rotations(folder: Path, raw: bytes | None = None, **tensors: torch.T
 
     from safetensors.torch import load_file, save
 
-    from oscar_zoo.artifacts import sha256_file
+    from oscar_zoo.format.io import sha256_file
 
     path = Path(folder) / "rotations.safetensors"
     if raw is None:

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from oscar_zoo.format.schema import Manifest
 from oscar_zoo.hub.catalog import CatalogEntry, HubLocation, manifest_sha256
-from oscar_zoo.manifest import Manifest
 
 from .helpers import HF_TOKEN, run_cli
 
@@ -54,7 +54,7 @@ def test_pull_by_catalog_name(hf_hub, artifacts, tmp_path, monkeypatch):
     data["manifest"]["calibration"]["seed"] = 1
     import hashlib
 
-    from oscar_zoo.manifest import canonical_json
+    from oscar_zoo.format.records import canonical_json
 
     data["manifest_sha256"] = hashlib.sha256(canonical_json(data["manifest"]).encode()).hexdigest()
     (other / "tiny-llama.json").write_text(json.dumps(data))

@@ -24,8 +24,8 @@ def _by_hand(context: int, key_bits: list[int], D: int = 16, sink: int = 64, rec
 def test_zoo_entry_and_card_count_three_bit_keys():
     base = make_manifest(granularity="per-layer", L=4, H_kv=2, D=16)
     assert base.quant.group_size == 16 and (base.quant.sink, base.quant.recent) == (64, 256)
-    three = base.model_copy(update={"schema_version": 3,
-                                    "quant": base.quant.model_copy(update={"key_bits": [3, 3, 2, 3]})})
+    three = base.replace(schema_version=3,
+                                    quant=base.quant.replace(key_bits=[3, 3, 2, 3]))
     expected = pytest.approx(_by_hand(131072, [2] * 4), abs=1e-4)
     assert zoo_entry(base, "", "0" * 64, "t").bits_per_element_128k == expected
     want = _by_hand(131072, [3, 3, 2, 3])

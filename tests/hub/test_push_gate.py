@@ -44,10 +44,10 @@ def test_push_accepts_a_report_verify_wrote(tmp_path, monkeypatch):
 
 def test_the_bundled_catalog_report_passes_the_gate():
     from oscar_zoo.hub.catalog import load_catalog
-    from oscar_zoo.hub.zoo import parse_report, report_verdict, verification_summary
+    from oscar_zoo.hub.zoo import report_verdict, verification_summary
 
     for entry in load_catalog():
-        report, why = parse_report(entry.manifest.verification)
+        report, why = entry.manifest.report()
         assert report is not None and report.passed and report_verdict(report) == [], why
         assert verification_summary(entry.manifest.verification) == "✓ +1.3 % PPL, KL 0.019"
 
@@ -56,10 +56,10 @@ def test_loosened_thresholds_are_refused_unless_allowed_and_then_shown(tmp_path,
     """A report judged by thresholds looser than verify's defaults is consistent, but push refuses it (exit 3) unless
     --allow-loose-thresholds; then the summary (zoo index, `list`) and the model card say which thresholds it used
     and that they are not the defaults."""
-    from oscar_zoo.evaluation.report import Thresholds
+    from oscar_zoo.format.schema import Manifest
+    from oscar_zoo.format.verification import Thresholds
     from oscar_zoo.hub.card import render_model_card
     from oscar_zoo.hub.zoo import verification_summary
-    from oscar_zoo.manifest import Manifest
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     loose = verify_report(kl=0.4, ppl_increase=0.5, thresholds=Thresholds(max_ppl_increase=10, max_kl=1, min_top1=0))
@@ -77,6 +77,6 @@ def test_loosened_thresholds_are_refused_unless_allowed_and_then_shown(tmp_path,
     assert verification_summary(default) == "✓ +2.1 % PPL, KL 0.012"
     card = render_model_card(manifest, "zoo/rotations", "", "hf")
     assert "Δ PPL ≤ 1000 %, KL ≤ 1, top-1 ≥ 0 % (**not** verify's defaults)" in " ".join(card.split())
-    plain = render_model_card(Manifest.model_validate({**manifest.model_dump(mode="json"), "verification": default}),
+    plain = render_model_card(Manifest.from_dict({**manifest.to_dict(), "verification": default}),
                               "zoo/rotations", "", "hf")
     assert "Δ PPL ≤ 10 %, KL ≤ 0.1, top-1 ≥ 82 % (verify's defaults)" in " ".join(plain.split())

@@ -92,7 +92,7 @@ def test_a_report_that_records_no_binding_is_refused(tmp_path):
 
 def test_an_edited_report_with_huge_thresholds_needs_allow_loose_thresholds(tmp_path):
     """KL 5 judged by thresholds of 1e9: consistent with itself and bound, but looser than the defaults."""
-    from oscar_zoo.evaluation.report import Thresholds
+    from oscar_zoo.format.verification import Thresholds
 
     art = tmp_path / "art"
     make_artifacts(art, verification=verify_report(kl=5.0, top1=0.1, ppl_increase=3.0, thresholds=Thresholds(
@@ -104,7 +104,7 @@ def test_an_edited_report_with_huge_thresholds_needs_allow_loose_thresholds(tmp_
 
 
 def _needle(reference: float, artifact: float, min_relative: float = 0.9, passed: bool = True) -> dict:
-    from oscar_zoo.evaluation.report import NeedleMethod, NeedleReport
+    from oscar_zoo.format.verification import NeedleMethod, NeedleReport
 
     def row(name, kind, overall):
         return NeedleMethod(name=name, label=name, kind=kind, accuracy=[[overall]], overall=overall,
@@ -113,7 +113,7 @@ def _needle(reference: float, artifact: float, min_relative: float = 0.9, passed
     return NeedleReport(lengths=[1024], depths=[0.5], trials=4, seed=0, needle="n", question="q", sink=64,
                         recent=256, methods=[row("bf16", "reference", reference), row("oscar", "artifact", artifact)],
                         min_relative_accuracy=min_relative, passed=passed, failures=[], wall_seconds=1.0,
-                        keys=["12345"] * 4).model_dump(mode="json")
+                        keys=["12345"] * 4).to_dict()
 
 
 @pytest.mark.parametrize("passed", [True, False])  # as verify wrote it before the rule, and as it writes it now

@@ -284,6 +284,7 @@ def test_bits_per_element_with_three_bit_keys():
     """Keys at a mean of 2.7 bits add 0.7/2 bits per element in the history, windows unchanged."""
     base = layout.bits_per_element(32768, 64)
     hist = (32768 - 320) / 32768
-    assert layout.kv_bits_per_element(32768, 64, key_bits=2.7) == pytest.approx(base + 0.35 * hist, abs=1e-12)
+    mean_2_7 = [3] * 7 + [2] * 3  # per-layer key bits whose mean is 2.7
+    assert layout.kv_bits_per_element(32768, 64, key_bits=mean_2_7) == pytest.approx(base + 0.35 * hist, abs=1e-12)
     assert layout.kv_bits_per_element(32768, 64) == base
     assert layout.bytes_per_token(128, 128, bits=3) == 48 + 4

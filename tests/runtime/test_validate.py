@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oscar_zoo.format import reference
-from oscar_zoo.runtime.validate import ORTHOGONALITY_TOL, check_rotation_tensors
+from oscar_zoo.format.validate import ORTHOGONALITY_TOL, check_rotation_tensors
 
 L, H, D = 3, 2, 16
 
@@ -64,7 +64,7 @@ def test_non_orthogonal_rotations_are_refused(make, words):
 
 def test_nan_cannot_pass_the_orthogonality_comparison():
     """Without the finiteness check first, the orthogonality check alone must refuse NaN too."""
-    from oscar_zoo.runtime.validate import check_orthogonal
+    from oscar_zoo.format.validate import check_orthogonal
 
     M = _tensors()["k_rotation"].clone()
     M[0, 0, 0, 0] = float("nan")

@@ -1,5 +1,6 @@
-"""The verification report (pydantic, frozen, extra fields forbidden): what `verify --json` prints and `--write` stores
-in the manifest's `verification` field; plus the threshold check that turns it into pass / fail."""
+"""The verification record (frozen records, extra fields forbidden): what `verify --json` prints and `--write` stores
+in the manifest's `verification` field (`Manifest.report` reads it back); plus the rules that turn it into pass / fail:
+the thresholds, the needle gate, and whether a record verified a given manifest (`binding_mismatch`)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,14 @@ import json
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
-from ..format.layout import Choice
+from .layout import Choice
+from .records import Record, SchemaError, record, spec
 
 REPORT_VERSION = 1
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Generation(_Frozen):
+@record
+class Generation(Record):
     """Greedy continuation of one held-out prompt compared with BF16's."""
 
     # oscar-cache: the runtime itself (OscarCache + `oscar` attention); dynamic-cache: BF16 (the model's own attention);
@@ -31,7 +28,8 @@ class Generation(_Frozen):
     matched_tokens: int  # generated tokens equal to BF16's at the same index
 
 
-class MethodResult(_Frozen):
+@record
+class MethodResult(Record):
     name: str
     label: str
     kind: Literal["reference", "artifact", "baseline"]
@@ -48,7 +46,8 @@ class MethodResult(_Frozen):
     generation: Generation | None = None
 
 
-class Thresholds(_Frozen):
+@record
+class Thresholds(Record):
     max_ppl_increase: float
     max_kl: float
     min_top1: float
@@ -96,7 +95,8 @@ def describe_thresholds(t: Thresholds) -> str:
     return f"Δ PPL ≤ {100 * t.max_ppl_increase:g} %, KL ≤ {t.max_kl:g}, top-1 ≥ {100 * t.min_top1:g} %"
 
 
-class NeedleMethod(_Frozen):
+@record
+class NeedleMethod(Record):
     name: str
     label: str
     kind: Literal["reference", "artifact", "baseline"]
@@ -113,7 +113,8 @@ class NeedleProtocol(Choice):
     PROMPT = "prompt"
 
 
-class NeedleReport(_Frozen):
+@record
+class NeedleReport(Record):
     """`verify --needle`: passkey retrieval through the runtime at several lengths and depths."""
 
     lengths: list[int]
@@ -131,13 +132,15 @@ class NeedleReport(_Frozen):
     wall_seconds: float
     protocol: NeedleProtocol = NeedleProtocol.FOLLOW_UP  # reports written before the option existed used "follow-up"
     batch: int = 1  # prompts per batch (`--needle-batch`); reports written before the option existed ran one at a time
-    keys: list[str] = []  # every prompt's passkey, in `answers`' order (empty in reports written before it was kept)
+    keys: list[str] = spec(factory=list)  # every prompt's passkey, in `answers`' order (empty in reports written
+    # before it was kept)
 
     def method(self, name: str) -> NeedleMethod:
         return next(m for m in self.methods if m.name == name)
 
 
-class ReportBinding(_Frozen):
+@record
+class ReportBinding(Record):
     """What a report verified, recorded by `verify` from the artifact's manifest: the sha256 of every file it lists
     (the rotations), the model it names, and the sha256 of its quant, rotation and clip settings. Push accepts a
     report only where `binding_of` the folder's own manifest gives the same record (`binding_mismatch`)."""
@@ -149,7 +152,8 @@ class ReportBinding(_Frozen):
     settings_sha256: str  # sha256 of the canonical JSON of the manifest's `quant`, `rotation` and `clip`
 
 
-class VerifyReport(_Frozen):
+@record
+class VerifyReport(Record):
     report_version: Literal[1] = REPORT_VERSION
     model: str
     revision: str | None
@@ -184,11 +188,36 @@ class VerifyReport(_Frozen):
     def method(self, name: str) -> MethodResult:
         return next(m for m in self.methods if m.name == name)
 
+    def to_json(self) -> str:
+        """The report as one line of JSON (`verify --json`); a metric that is not a number (NaN, ±inf) is null."""
+        return json.dumps(_finite(self.to_dict()), ensure_ascii=False, separators=(",", ":"))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def read_report(data: Any) -> tuple[VerifyReport | None, str | None]:
+    """(the report, None) when `data` (a manifest's `verification`) is what `oscar-zoo verify --write` stores, else
+    (None, why not: "there is none", or the first schema error with its field)."""
+    if data is None:
+        return None, "there is none"
+    try:
+        return VerifyReport.from_dict(data), None
+    except SchemaError as exc:
+        return None, f"{exc.where}: {exc.msg}"
+
 
 def binding_of(manifest: Any) -> ReportBinding:
     """The binding of a report to the artifact `manifest` describes (a `Manifest`; read through its JSON form, so that
     the settings hash is the same whichever schema version wrote it). `binding_mismatch` compares two."""
-    data = manifest.model_dump(mode="json")
+    data = manifest.to_dict()
     settings = json.dumps({k: data[k] for k in ("quant", "rotation", "clip")}, sort_keys=True, ensure_ascii=False,
                           separators=(",", ":"))
     model = data["model"]
