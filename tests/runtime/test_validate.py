@@ -1,4 +1,4 @@
-"""The one check of rotation tensors (`runtime.validate`): every value a runtime must not use is refused with a
+"""The one check of rotation tensors (`format.validate`): every value a runtime must not use is refused with a
 ValueError naming the tensor, layer and head, NaN included (a comparison written `err > tol` lets NaN through)."""
 
 from __future__ import annotations
