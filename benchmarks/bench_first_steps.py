@@ -35,6 +35,8 @@ def run(model: str, layers: int, context: int, batch: int, steps: int, key_bits:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    from oscar_zoo.runtime.graph import decode_graphs
+
     if __package__:
         from . import bench_generate as bg
     else:
@@ -47,7 +49,7 @@ def run(model: str, layers: int, context: int, batch: int, steps: int, key_bits:
     cache = bg.make_cache("oscar", lm, context + steps)
     triton_dir = os.environ["TRITON_CACHE_DIR"]
     stamps, files, captures, replays = [], [], [], []
-    graphs = lm._oscar_graphs
+    graphs = decode_graphs(lm)
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):

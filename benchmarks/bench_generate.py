@@ -44,9 +44,9 @@ from transformers.cache_utils import Cache
 
 from oscar_zoo.format import layout
 from oscar_zoo.runtime import cache as cache_mod
-from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation
+from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, model_binding
 from oscar_zoo.runtime.cache import OscarCache
-from oscar_zoo.runtime.graph import install
+from oscar_zoo.runtime.graph import decode_graphs, install
 
 if __package__:  # imported: `from benchmarks import bench_generate`
     from . import peer_caches
@@ -141,8 +141,9 @@ def make_cache(kind: str, model, capacity: int) -> Cache:
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if kind == "oscar":
         Mk, Mv = oscar_rotations(L, H_kv, D)
-        return OscarCache(Mk, Mv, layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP, key_bits=oscar_key_bits(model),
-                          pin=getattr(model, "_oscar_pin", 0), key_block=getattr(model, "_oscar_key_block", 0))
+        return OscarCache.from_tensors(Mk, Mv, layout.DEFAULT_K_CLIP, layout.DEFAULT_V_CLIP,
+                                       key_bits=oscar_key_bits(model), pin=getattr(model, "_oscar_pin", 0),
+                                       key_block=getattr(model, "_oscar_key_block", 0))
     if kind == "dynamic":
         return DynamicCache(config=cfg)
     if kind in ("static", "static-compiled"):
@@ -171,6 +172,7 @@ def use_attention(model, kind: str) -> None:
         AttentionInterface.register("bf16graph", bf16_split_attention)
         AttentionMaskInterface.register("bf16graph", lambda *a, **kw: None)
         model.set_attn_implementation("bf16graph")
+        model_binding(model)  # the compiled steps' state (binding.OscarBinding), as enable_oscar makes it
         install(model, compile=compile_layers)
     else:
         model.set_attn_implementation("eager" if getattr(model.config, "attn_logit_softcapping", None) else "sdpa")
@@ -275,7 +277,7 @@ def decode(model, cache: Cache, tokens: Tensor, steps: int, graph: bool = False)
     """`steps` greedy decode steps from tokens [B, 1]; returns the generated ids [B, steps]. No host syncs. With
     `graph`, each step goes through the model's DecodeGraphs (as generate() on a GPU does): replays once captured."""
     kw = cache_kwarg(model)
-    forward = model._oscar_graphs if graph else static_forward(model) if getattr(cache, "bench_compiled", 0) else model
+    forward = decode_graphs(model) if graph else static_forward(model) if getattr(cache, "bench_compiled", 0) else model
     out = []
     for _ in range(steps):
         logits = forward(input_ids=tokens, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
@@ -409,7 +411,7 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
         row["peak_bytes"] = torch.cuda.max_memory_allocated()
         row["peak_over_model_bytes"] = row["peak_bytes"] - base
     if graph:
-        row["replays"] = model._oscar_graphs.replays
+        row["replays"] = decode_graphs(model).replays
         kernel_ms, kernel_count, top, first = kernel_times(model, cache, tokens, layout.FLUSH)
         row.update(kernel_ms_per_step=kernel_ms, kernels_per_step=kernel_count, top_kernels=top, first_kernels=first)
         kernel_ms, kernel_count, top, _ = kernel_times(model, cache, tokens, layout.FLUSH, graph=True)
@@ -427,7 +429,7 @@ def run_row(model, kind: str, B: int, T: int, steps: int, warmup: int, fill: str
         row["phases_ms_per_step"] = parts
         row["phases_step_ms"] = total  # with the timing events in place (slightly slower than ms_per_step)
     if graph:
-        model._oscar_graphs.reset()  # free the graphs' pool before the next row measures its memory
+        decode_graphs(model).reset()  # free the graphs' pool before the next row measures its memory
     del cache, out
     return row
 
@@ -594,7 +596,7 @@ def main(argv=None) -> dict:
         bf = [x for x in bf if x == x]
         if bf and "oscar" in per_kind:
             per_kind["oscar"]["ratio"] = f"{per_kind['oscar'].get('tokens_per_s', math.nan) / max(bf):.2f}x"
-    graphs = getattr(model, "_oscar_graphs", None)
+    graphs = decode_graphs(model)
     if graphs is not None and graphs.compiled is not None:
         result["compile_s"] = graphs.compiled.compile_seconds
     save()

@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_zoo.runtime import compiled, ops
 from oscar_zoo.runtime.attention import dense_attention
+from oscar_zoo.runtime.binding import running_step
 
 
 class PreallocLayer(CacheLayerMixin):
@@ -79,7 +80,7 @@ class GraphBF16Layer(PreallocLayer):
         self.storage_id = next(GraphBF16Layer.STORAGE_IDS)  # unique per allocation (graphs are keyed by it)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if compiled.stepping() and torch.compiler.is_compiling():  # the step's custom op writes the token
+        if torch.compiler.is_compiling():  # only a compiled step traces it: the step's custom op writes the token
             return key_states, value_states
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -102,7 +103,7 @@ class GraphBF16Cache(Cache):
         super().__init__(layers=[GraphBF16Layer(capacity, i) for i in range(num_layers)])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        if compiled.stepping() and torch.compiler.is_compiling():  # before `self.layers[layer_idx]`: indexing it made
+        if torch.compiler.is_compiling():  # (a compiled step) before `self.layers[layer_idx]`: indexing it makes
             return key_states, value_states  # dynamo guard on layer_idx and compile every layer apart (to its limit)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -127,7 +128,7 @@ def bf16_split_attention(module, query, key, value, attention_mask, scaling=None
     prefill chunk (fill=model) through SDPA over the buffer's exact-length view. A logit softcap (Gemma2) is applied
     in the decode kernel as OSCAR's is."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if compiled.stepping() and torch.compiler.is_compiling():  # a compiled decode step: write + attend is one op
+    if torch.compiler.is_compiling():  # only a compiled decode step traces it: write + attend is one op
         return bf16_decode(query, key, value, scale, softcap), None
     layer = GraphBF16Layer.LAYERS[module.layer_idx]
     if query.shape[2] != 1:
@@ -159,8 +160,8 @@ def check_bf16graph(model, cache: GraphBF16Cache) -> float:
 def bf16_decode(query: Tensor, key: Tensor, value: Tensor, scaling: float, softcap: float | None) -> Tensor:
     """The running compiled step's layer: write this token's key/value at the device length and attend (what the
     eager step does in `GraphBF16Layer.update` + `bf16_split_attention`); [B, 1, H_q, D]."""
-    module = compiled._ACTIVE[-1].module
-    query, key, value = compiled._eager_layout(query), compiled._eager_layout(key), compiled._eager_layout(value)
+    module = running_step().module
+    query, key, value = compiled.eager_layout(query), compiled.eager_layout(key), compiled.eager_layout(value)
     GraphBF16Layer.LAYERS[module.layer_idx].update(key, value)
     out, _ = bf16_split_attention(module, query, key, value, None, scaling, softcap)
     return out.contiguous()

@@ -16,12 +16,13 @@ compiled; Gemma2's captured step was wrong".)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
-from oscar_zoo.runtime import compiled, ops
+from oscar_zoo.runtime import compiled, config
 from oscar_zoo.runtime.attention import enable_oscar
-from oscar_zoo.runtime.graph import static_experts
+from oscar_zoo.runtime.graph import decode_graphs, static_experts
 from tests.runtime.test_compiled_step import ARCH_TYPES, _arch
 from tests.runtime.test_static_step import _cache, _llama, _qwen3
 
@@ -50,9 +51,9 @@ def _run(model, B: int, mode: str) -> torch.Tensor:
     for t in range(330, 390):
         kw = {"input_ids": ids[:, t : t + 1], "use_cache": True, "past_key_values": cache}
         if mode == "graph":
-            out.append(model._oscar_graphs(**kw).logits[:, -1])
+            out.append(decode_graphs(model)(**kw).logits[:, -1])
         elif mode == "compiled":
-            with static_experts(model), model._oscar_graphs.compiled.step(cache):
+            with static_experts(model), decode_graphs(model).compiled.step(cache):
                 out.append(model(**kw).logits[:, -1])
         else:
             out.append(model(**kw).logits[:, -1])
@@ -69,24 +70,23 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the test models' 4 / 2)")
     p.add_argument("--pdl", nargs="+", type=int, default=[1, 0], choices=[0, 1])
     args = p.parse_args()
-    if args.force_compile:
-        compiled.COMPILED_TYPES = compiled.COMPILED_TYPES | set(args.archs)
     rows = []
     for arch in args.archs:
         model = _model(arch, args.device, args.layers)
+        if args.force_compile:
+            decode_graphs(model).compiled.types = compiled.COMPILED_TYPES | set(args.archs)
         for B in args.batches:
             eager = _run(model, B, "eager")
             for pdl in map(bool, args.pdl):
-                ops.DECODE_PDL = pdl
                 for mode in ("compiled", "graph"):
-                    got = _run(model, B, mode)
+                    with config.use(dataclasses.replace(config.current(), pdl=pdl)):
+                        got = _run(model, B, mode)
                     diff = (got - eager).abs()
                     err = (diff.max() / eager.abs().max()).item()
                     bad = (diff.amax(dim=(0, 2)) > 1e-2 * eager.abs().max()).nonzero()
                     first = int(bad[0]) if len(bad) else -1
                     rows.append((arch, B, pdl, mode, err, first))
                     print(f"{arch} B={B} pdl={pdl} {mode}: max rel err {err:.2e}, first bad step {first}", flush=True)
-            ops.DECODE_PDL = True
     print("| arch | batch | PDL | mode | max rel err | first step over 1 % |")
     print("|---|---|---|---|---|---|")
     for row in rows:

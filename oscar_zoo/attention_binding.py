@@ -1,6 +1,8 @@
-"""A model's attention switched, for a block, to a function registered with transformers, which finds a value bound to
-the model's modules (not a module global: two models, or nested blocks on one, each see their own). Calibration's
-capture and verify's scoring run through it. Imports torch and transformers only (the GPU machines have no pydantic)."""
+"""A value bound to a model's attention modules, which an attention function registered with transformers finds
+again (`bound_value(module)`): not a module global, so two models, or nested blocks on one, each see their own.
+`attention_bound` switches a model's attention for a block (calibration's capture, verify's scoring); `bind` keeps a
+value for the model's life (the runtime's `OscarBinding`, made by `enable_oscar`). Imports torch and transformers only
+(the GPU machines have no pydantic)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,17 @@ import torch
 _BOUND = "_oscar_bound_attention"  # attribute of a model's layer modules: the value its bound attention function reads
 
 
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "layer_idx")]
+
+
+def bind(model: torch.nn.Module, value: object) -> None:
+    """Give every layer module of `model` (those with a `layer_idx`) `value`, for as long as the model lives (or until
+    another `bind`); an `attention_bound` block on the model puts it back on exit."""
+    for m in _layers(model):
+        m.__dict__[_BOUND] = value  # a plain attribute, even for an nn.Module value (never a registered submodule)
+
+
 @contextmanager
 def attention_bound(model: torch.nn.Module, name: str, function: Callable, value: object) -> Iterator[None]:
     """Within the block, every attention layer of `model` runs `function` (registered with transformers as `name`),
@@ -21,12 +34,12 @@ def attention_bound(model: torch.nn.Module, name: str, function: Callable, value
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, function)
-    layers = [m for m in model.modules() if hasattr(m, "layer_idx")]
+    layers = _layers(model)
     saved = [m.__dict__.get(_BOUND, _BOUND) for m in layers]  # _BOUND itself: the module had none
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     for m in layers:
-        m.__dict__[_BOUND] = value  # a plain attribute, even for an nn.Module value (never a registered submodule)
+        m.__dict__[_BOUND] = value
     try:
         yield
     finally:
@@ -38,6 +51,7 @@ def attention_bound(model: torch.nn.Module, name: str, function: Callable, value
         model.set_attn_implementation(previous)
 
 
-def bound_value(module: torch.nn.Module) -> object | None:
-    """The value `attention_bound` gave `module`'s model for the current block (None outside one)."""
-    return module.__dict__.get(_BOUND)
+def bound_value(module: object) -> object | None:
+    """The value `attention_bound` or `bind` gave `module`'s model (None: none). A plain attribute read, which dynamo
+    traces (the runtime's compiled decode step reads it)."""
+    return getattr(module, _BOUND, None)

@@ -11,8 +11,10 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention_binding import attention_bound, bound_value
+from .placement import model_device
 
 CAPTURE_IMPL = "oscar_capture"
 
@@ -21,8 +23,6 @@ Observer = Callable[[int, Tensor, Tensor, Tensor, Tensor, float], None]
 
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
     observer = bound_value(module)
@@ -44,8 +44,6 @@ def forward_batches(model: torch.nn.Module, input_ids: Tensor, batch_size: int, 
                     on_batch: Callable[[int], None] | None = None) -> None:
     """Prefill-only forward passes (no cache, no logits kept) over sequences [start:], `batch_size` at a time;
     `on_batch(done)` runs after each batch with the number of sequences finished."""
-    from .placement import model_device
-
     device = model_device(model)  # with a device map: where the embeddings run; accelerate's hooks move the rest
     with torch.inference_mode():
         for i in range(start, input_ids.shape[0], batch_size):

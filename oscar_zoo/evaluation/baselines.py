@@ -205,9 +205,10 @@ class RotatedInt2(Method):
         rot_k, rot_v = self.k_rotation, self.v_rotation
         if rot_k is None:
             rot_k = rot_v = torch.eye(D).expand(L, 1, D, D).contiguous()
-        return OscarCache(rot_k, rot_v, self.k_clip, self.v_clip, torch.arange(L), group_size=self.group_size,
-                          sink=self.sink, recent=self.recent, flush=self.flush, num_layers=L, k_mean=self.k_mean,
-                          v_mean=self.v_mean, key_bits=self.key_bits, pin=self.pin, key_block=self.key_block)
+        return OscarCache.from_tensors(rot_k, rot_v, self.k_clip, self.v_clip, torch.arange(L), k_mean=self.k_mean,
+                                       v_mean=self.v_mean, group_size=self.group_size, sink=self.sink,
+                                       recent=self.recent, flush=self.flush, num_layers=L, key_bits=self.key_bits,
+                                       pin=self.pin, key_block=self.key_block)
 
 
 class Kivi(Method):

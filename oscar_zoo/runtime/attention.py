@@ -1,9 +1,10 @@
 """The "oscar" attention function for transformers: rotate q by M_K, attend over the tiers, un-rotate by M_Vᵀ.
 
 Prefill chunks attend to their own exact K/V (plus earlier tokens as their tiers present them); single-token decode
-steps go through `ops.tiered_decode_attention`. Binding is explicit: `enable_oscar` puts a pre-hook on every attention
-module that hands the attention function the OscarCache the module was called with (kwarg `oscar_cache`); the
-function reads layer `module.layer_idx` of it. Usage (Llama, Mistral, Qwen2/3, Gemma-style GQA models):
+steps go through `ops.tiered_decode_attention`. Binding is explicit: `enable_oscar` gives the model one
+`binding.OscarBinding` (on its attention modules) and a pre-hook on every attention module that hands the attention
+function the OscarCache the module was called with (kwarg `oscar_cache`, `OscarBinding.enter`); the function reads
+layer `module.layer_idx` of it. Usage (Llama, Mistral, Qwen2/3, Gemma-style GQA models):
 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
     enable_oscar(model)                                   # registers "oscar" and switches the model to it
@@ -14,6 +15,7 @@ function reads layer `module.layer_idx` of it. Usage (Llama, Mistral, Qwen2/3, G
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import sys
@@ -26,12 +28,15 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..attention_binding import bind
 from ..format import layout, reference
 from . import compiled, ops, rotate_op
-from .cache import CACHE_ARGS, OscarCache, OscarLayer
+from .binding import ATTN_IMPLEMENTATION, CACHE_ARGS, OscarBinding, binding_of, cache_argument
+from .cache import OscarCache, OscarLayer
 from .graph import install
 
-ATTN_IMPLEMENTATION = "oscar"
+__all__ = ["ATTN_IMPLEMENTATION", "dense_attention", "enable_oscar", "fold_value_rotation", "model_binding",
+           "oscar_attention", "oscar_mask", "register", "warm_up"]
 
 
 def dense_attention(
@@ -89,7 +94,9 @@ def oscar_attention(
     """transformers attention interface: query [B, H_q, n, D] post-RoPE, key/value as returned by the cache's
     `update` [B, H_kv, n, D]; `oscar_cache` the cache the module was called with (set by `enable_oscar`'s hook).
     Returns [B, n, H_q, D] in query's dtype, and no attention weights."""
-    if compiled.stepping() and torch.compiler.is_compiling():  # a compiled decode step: the cache side is one op
+    binding = binding_of(module)
+    if binding is not None and binding.stepping and torch.compiler.is_compiling():  # a compiled decode step: the
+        # cache side is one op
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return compiled.decode_attention(query, key, value, scale, softcap, sliding_window), None
     if attention_mask is not None:
@@ -119,7 +126,8 @@ def oscar_attention(
         return out.transpose(1, 2).contiguous(), None
 
     if not getattr(oscar_cache, "kernels_ready", True) and query.is_cuda:  # build before the first decode step
-        warm_up(oscar_cache, query, key.shape[1], scale, softcap, layer.v_folded)
+        warm_up(oscar_cache, query, key.shape[1], scale, softcap, layer.v_folded,
+                rehearsed=binding.rehearsed if binding is not None else None)
     n, H_q = query.shape[2], query.shape[1]
     Mk_q, Mvt_q, mu_v = layer.per_query_head(H_q)  # [H_q, D, D] (or shared [1, D, D]): M_K, M_Vᵀ; μ_V·M_V [H_q, D]
     if layer.v_folded:  # o_proj un-rotates
@@ -157,12 +165,8 @@ def oscar_attention(
     return _unrotate(o, Mvt_q, query.dtype, mu_v), None
 
 
-# the kernel builds rehearsed in this process, by `_build_key` (Triton keeps the compiled kernels process-wide too)
-_REHEARSED: set[tuple] = set()
-
-
 def warm_up(cache: OscarCache, query: Tensor, kv_heads: int, scale: float, softcap: float | None = None,
-            v_folded: bool = False) -> float:
+            v_folded: bool = False, rehearsed: set[tuple] | None = None) -> float:
     """Build every Triton kernel a generation with `cache` can launch before its first decode step: for each distinct
     kernel build among the cache's layers (key bits, clip builds, window settings, means, value fold, batch shape,
     dtype, softcap), a scratch layer of the same settings runs a prompt that fills every tier, then single-token steps
@@ -171,20 +175,23 @@ def warm_up(cache: OscarCache, query: Tensor, kv_heads: int, scale: float, softc
     are not touched. Called by the "oscar" attention at a cache's first call on a GPU (the prefill), with that call's
     query [B, H_q, n, D], its KV head count and value fold (the whole model's); layers of another head dim than D are
     not rehearsed. One line on stderr when it took over a second. Returns the seconds it took (0.0: nothing left to
-    build). Kernel split and block counts are not specialised on (`kernels/decode.py`), so a growing history builds
-    nothing more; CUDA graph capture of the static steps comes after, and compiles nothing."""
+    build). `rehearsed` holds the builds run so far, by `_build_key` (the model's `OscarBinding.rehearsed`; None: a
+    new set, every build runs); each build found there is skipped, each one run is added. Kernel split and block
+    counts are not specialised on (`kernels/decode.py`), so a growing history builds nothing more; CUDA graph capture
+    of the static steps comes after, and compiles nothing."""
     cache.kernels_ready = True
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         return 0.0
     B, H_q, _, D = query.shape
+    rehearsed = set() if rehearsed is None else rehearsed
     t0 = time.perf_counter()
     for layer in cache.layers:
         if layer.rotation is None or not layer.quantize or layer.rotation.k.shape[-1] != D:
             continue
         key = _build_key(layer, query, kv_heads, softcap, v_folded)
-        if key not in _REHEARSED:
+        if key not in rehearsed:
             _rehearse(layer, query, kv_heads, scale, softcap, v_folded)
-            _REHEARSED.add(key)
+            rehearsed.add(key)
     seconds = time.perf_counter() - t0
     if seconds > 1.0:
         print(f"oscar-zoo: built the OSCAR cache's Triton kernels in {seconds:.1f} s, before the first decode step "
@@ -205,8 +212,7 @@ def _rehearse(layer, query: Tensor, H_kv: int, scale: float, softcap: float | No
     """Run a scratch copy of `layer` (same rotation and settings, empty tiers) through a prompt and decode steps across
     two demotions, with random K/V [B, H_kv, n, D] and queries shaped as `query` [B, H_q, n, D] (see `warm_up`)."""
     B, H_q, _, D = query.shape
-    scratch = OscarLayer(layer.rotation, 0, layer.group_size, layer.sink, layer.recent, layer.flush, True,
-                         layer.pin, layer.key_block)
+    scratch = OscarLayer(layer.rotation, 0, dataclasses.replace(layer.settings, quantize=True))
     scratch.v_folded = v_folded
     cache = _Scratch([scratch])
     module = _Scratch(None)  # (layer_idx 0, not training)
@@ -334,23 +340,12 @@ def register() -> None:
 
 
 def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook of an attention module: pass the OscarCache it is called with on to the attention function.
-    (Not while a compiled step traces: its custom op binds, in the step.)"""
-    if compiled.stepping() and torch.compiler.is_compiling():
+    """Forward pre-hook of an attention module: pass the OscarCache it is called with on to the attention function
+    (`OscarBinding.enter`). Not while a compiled step traces: its custom op enters, in the step."""
+    binding = binding_of(module)
+    if binding is None or (binding.stepping and torch.compiler.is_compiling()):
         return args, kwargs
-    cache = next((kwargs[name] for name in CACHE_ARGS if kwargs.get(name) is not None), None)
-    if isinstance(cache, OscarCache):
-        kwargs["oscar_cache"] = cache
-        n_model = getattr(getattr(module, "config", None), "num_hidden_layers", None)
-        if isinstance(n_model, int) and len(cache.layers) > n_model:  # fewer: cache.update names the mismatch
-            raise ValueError(
-                f"this OscarCache has {len(cache.layers)} layers and the model {n_model}: the artifacts were made for "
-                f"another model"
-            )
-        if module.layer_idx < len(cache.layers):
-            cache.layers[module.layer_idx].bind_value_fold(getattr(module, "_oscar_v_fold", None))
-        if getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:  # not switched back since
-            cache.bound_layer = module.layer_idx  # this call's update comes from an "oscar" module (OscarCache.update)
+    kwargs.update(binding.enter(module, cache_argument(kwargs)))
     return args, kwargs
 
 
@@ -362,6 +357,15 @@ def _attention_modules(model: torch.nn.Module):
             yield module
 
 
+def model_binding(model: torch.nn.Module) -> OscarBinding:
+    """The model's `OscarBinding` (made and bound to its attention modules on first use, for the model's life)."""
+    found = next((b for m in _attention_modules(model) if (b := binding_of(m)) is not None), None)
+    if found is None:
+        found = OscarBinding(attend=oscar_attention)
+        bind(model, found)
+    return found
+
+
 def enable_oscar(model: torch.nn.Module, compile: bool | None = None) -> torch.nn.Module:
     """Register "oscar", switch `model` (a transformers PreTrainedModel) to it and bind its attention modules to the
     cache they are called with; returns the model. Rotations are applied only when an OscarCache is the cache; without
@@ -371,6 +375,7 @@ def enable_oscar(model: torch.nn.Module, compile: bool | None = None) -> torch.n
     and compiles on a first call."""
     register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model_binding(model)
     for module in _attention_modules(model):
         if not getattr(module, "_oscar_bound", False):
             module.register_forward_pre_hook(_bind_cache, with_kwargs=True)

@@ -1,10 +1,15 @@
 """OscarCache: the OSCAR three-tier KV cache (BF16 sink, INT2 history, BF16 recent) as a transformers `Cache`.
 
-Storage follows `layout.py`; all tiers hold rotated keys/values (k·M_K, v·M_V), centred when the artifacts carry
+Storage follows `format/layout.py`; all tiers hold rotated keys/values (k·M_K, v·M_V), centred when the artifacts carry
 means (k·M_K − μ_K·M_K, v·M_V − μ_V·M_V: docs/format.md §6a). `update` rotates (and centres) and files the new
 tokens, demoting the oldest recent tokens into the INT2 history with `ops.quantize_pack`; the attention function in
 `attention.py` reads the tiers back (decode through `ops.tiered_decode_attention`). Use with
 `model.generate(..., cache=OscarCache.from_folder(path))` on a model switched to attn_implementation="oscar".
+
+A cache is built from two values: `Rotations` (the calibrated tensors of every rotation layer, checked on
+construction) and `CacheSettings` (how tokens are filed: windows, group size, key bits and blocks, pinning; frozen, its
+constructor holds the checks). `OscarCache.from_folder(path, **overrides)` reads both from an artifact folder.
+The cache knows nothing of attention or compilation: the model's `binding.OscarBinding` tells it (`binding`).
 
 A single-token decode step is *static*: every tensor it touches keeps its address and shape, tier lengths live on the
 device (int32 [B], updated in place) and writes are indexed by them, so the step can be captured as a CUDA graph
@@ -13,6 +18,7 @@ device (int32 [B], updated in place) and writes are indexed by them, so the step
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +27,10 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..format import layout, reference
-from ..format.io import read_artifact
+from ..format.io import Artifact, read_artifact
 from ..format.validate import check_mean
-from . import compiled, ops, rotate_op
-from .history import _STORAGE_IDS, HISTORY_CHUNK, QuantizedHistory
+from . import ops, rotate_op
+from .history import HISTORY_CHUNK, QuantizedHistory, new_storage_version
 from .pinning import PinnedTokens
 from .rotation import Rotation, fingerprint
 
@@ -42,6 +48,128 @@ class Pending:
     past_len: int
 
 
+@dataclass(frozen=True)
+class CacheSettings:
+    """How an OscarCache files and keeps tokens (frozen: `dataclasses.replace` makes another; every check is here).
+
+    group_size: dims per scale/zero group (0: the head dim). sink, recent: the BF16 windows (tokens). flush: recent
+    rows demoted at a time (None: key_block, else `layout.FLUSH`). pin: history tokens per KV head a prompt keeps BF16
+    (docs/format.md §6c). key_block > 0: history keys per channel over blocks of that many tokens, unclipped (§6d;
+    needs flush = key_block, values per row, pin 0). key_bits: per rotation layer, 2 or 3 (None: `layout.BITS` each).
+    quantize=False keeps the history in BF16 (a test switch: with identity rotations generation then reproduces
+    DynamicCache). num_layers: the model's layer count (None: the highest layer id + 1)."""
+
+    group_size: int = 0
+    sink: int = layout.SINK
+    recent: int = layout.RECENT
+    flush: int | None = None
+    pin: int = 0
+    key_block: int = 0
+    key_bits: tuple[int, ...] | None = None
+    quantize: bool = True
+    num_layers: int | None = None
+
+    def __post_init__(self):
+        layout.check_key_block(self.key_block)
+        if self.flush is None:
+            object.__setattr__(self, "flush", self.key_block or layout.FLUSH)
+        if self.key_bits is not None:
+            object.__setattr__(self, "key_bits", tuple(int(b) for b in self.key_bits))
+            if any(b not in layout.KEY_BITS for b in self.key_bits):
+                choices = " or ".join(map(str, layout.KEY_BITS))
+                raise ValueError(f"key_bits must be entries of {choices}, got {list(self.key_bits)}")
+        sink, recent, flush, pin = self.sink, self.recent, self.flush, self.pin
+        if min(sink, recent, pin) < 0 or flush < 1 or max(sink, recent, flush, pin) > layout.MAX_WINDOW:
+            raise ValueError(f"need 0 ≤ sink, recent, pin ≤ {layout.MAX_WINDOW} and 1 ≤ flush ≤ {layout.MAX_WINDOW}, "
+                             f"got sink={sink} recent={recent} flush={flush} pin={pin}")
+
+    def check_shape(self, L: int, D: int) -> None:
+        """The checks that need the rotations' shape: L rotation layers of head dim D."""
+        G = layout.resolve_group_size(D, self.group_size)
+        if self.key_block and (self.flush != self.key_block or G != D or self.pin):
+            raise ValueError(f"keys per channel over {self.key_block}-token blocks need flush = key_block (got "
+                             f"{self.flush}), values per row (group_size 0 or {D}, got {self.group_size}) and pin 0 "
+                             f"(got {self.pin})")
+        if self.key_bits is not None and len(self.key_bits) != L:
+            choices = " or ".join(map(str, layout.KEY_BITS))
+            raise ValueError(f"key_bits must be {L} entries of {choices}, got {list(self.key_bits)}")
+
+    def layer_key_bits(self, L: int) -> tuple[int, ...]:
+        return (layout.BITS,) * L if self.key_bits is None else self.key_bits
+
+    def as_built(self) -> dict[str, int]:
+        """The settings a manifest records (`QUANT_KEYS`), as this cache files tokens (pin 0 without
+        quantization)."""
+        return {"group_size": self.group_size, "sink": self.sink, "recent": self.recent, "flush": self.flush,
+                "pin": self.pin if self.quantize else 0, "key_block": self.key_block}
+
+
+@dataclass(frozen=True)
+class Rotations:
+    """The calibrated tensors of every rotation layer, checked and normalised on construction: k_rotation, v_rotation
+    float32 [L, H, D, D] (H = H_kv per head, or 1 shared per layer); k_clip, v_clip float32 [L, H] (a float: every
+    head); layer_ids: the model layer of each entry (default 0..L-1); k_mean, v_mean float32 [L, H, D] (None:
+    uncentred, as version-1 artifacts): the centred codec's calibrated means in the model's basis (docs/format.md
+    §6a)."""
+
+    k_rotation: Tensor
+    v_rotation: Tensor
+    k_clip: Tensor | float = layout.DEFAULT_K_CLIP
+    v_clip: Tensor | float = layout.DEFAULT_V_CLIP
+    layer_ids: Tensor | Sequence[int] | None = None
+    k_mean: Tensor | None = None
+    v_mean: Tensor | None = None
+
+    def __post_init__(self):
+        set_ = self._set
+        k_rotation, v_rotation = self.k_rotation.float(), self.v_rotation.float()
+        square = k_rotation.dim() == 4 and k_rotation.shape[-1] == k_rotation.shape[-2]
+        if not square or v_rotation.shape != k_rotation.shape:
+            raise ValueError(
+                f"k_rotation/v_rotation must both be [L, H, D, D], got {tuple(k_rotation.shape)} and "
+                f"{tuple(v_rotation.shape)}"
+            )
+        set_(k_rotation=k_rotation, v_rotation=v_rotation)
+        L, H, D, _ = k_rotation.shape
+        for name in ("k_clip", "v_clip"):
+            clip = torch.as_tensor(getattr(self, name), dtype=torch.float32).clone()  # fixed from here on
+            clip = clip.expand(L, H) if clip.dim() == 0 else clip
+            if clip.shape != (L, H):
+                raise ValueError(f"{name} must be a float or [L, H] = [{L}, {H}], got {tuple(clip.shape)}")
+            set_(**{name: clip})
+        for name in ("k_mean", "v_mean"):
+            mean = getattr(self, name)
+            if mean is not None:
+                mean = torch.as_tensor(mean).float()
+                if mean.shape != (L, H, D):
+                    raise ValueError(f"{name} must be [L, H, D] = [{L}, {H}, {D}], got {tuple(mean.shape)}")
+                set_(**{name: mean})
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(L, H, D): rotation layers, heads per layer (H_kv or 1), head dim."""
+        L, H, D, _ = self.k_rotation.shape
+        return L, H, D
+
+    def ids(self) -> list[int]:
+        """The model layer of each entry, checked: L distinct non-negative indices."""
+        L = self.shape[0]
+        ids = self.layer_ids
+        ids = [int(i) for i in (range(L) if ids is None else torch.as_tensor(ids).flatten().tolist())]
+        if len(ids) != L or len(set(ids)) != L or min(ids) < 0:
+            raise ValueError(f"layer_ids must be {L} distinct non-negative model layer indices, got {ids}")
+        return ids
+
+    @property
+    def centred(self) -> bool:
+        return self.k_mean is not None or self.v_mean is not None
+
+    def _set(self, **fields) -> None:
+        """Store normalised values from `__post_init__` (the dataclass is frozen)."""
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+
 class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
     """One attention layer's tiers. Lengths are equal over the batch (padded batches are refused upstream)."""
 
@@ -51,27 +179,19 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
     _STORAGE = ("sink_k", "sink_v", "hist_k", "hist_v", "sz_k", "sz_v", "recent_k", "recent_v")
     _LENGTHS = ("sink_len", "hist_len", "recent_len")
 
-    def __init__(
-        self,
-        rotation: Rotation | None,
-        layer_idx: int,
-        group_size: int = 0,
-        sink: int = layout.SINK,
-        recent: int = layout.RECENT,
-        flush: int = layout.FLUSH,
-        quantize: bool = True,
-        pin: int = 0,
-        key_block: int = 0,
-    ):
+    def __init__(self, rotation: Rotation | None, layer_idx: int, settings: CacheSettings = CacheSettings()):
         super().__init__()
-        self.rotation, self.layer_idx, self.group_size = rotation, layer_idx, group_size
-        self.key_block = key_block  # > 0: history keys per channel over blocks of this many tokens (§6d; flush = it)
+        self.rotation, self.layer_idx, self.settings = rotation, layer_idx, settings
+        self.group_size = settings.group_size
+        self.key_block = settings.key_block  # > 0: history keys per channel over blocks of this many tokens (§6d)
         self.v_fingerprint = fingerprint(rotation.v) if rotation is not None else None  # identifies M_V for folds
-        self.sink, self.recent, self.flush, self.quantize = sink, recent, flush, quantize
-        self.pin = pin if quantize else 0  # history tokens per KV head a prompt pins in BF16 (docs/format.md §6c)
+        self.sink, self.recent, self.flush, self.quantize = settings.sink, settings.recent, settings.flush, \
+            settings.quantize
+        self.pin = settings.pin if settings.quantize else 0  # history tokens per KV head a prompt pins in BF16 (§6c)
         self.n_sink = self.n_hist = self.n_recent = self.n_pinned = 0
         self.staged: tuple[Tensor, Tensor] | None = None  # a prompt chunk's rows bound for the history, until pinned
-        self.storage_version = 0  # renewed whenever a storage tensor is replaced (a captured step must be re-captured)
+        self.storage_version = new_storage_version()  # renewed whenever a storage tensor is replaced (a captured
+        # step must be re-captured)
         self.pending: Pending | None = None
         self.v_folded = False  # the model's v_proj/o_proj carry M_V (attention.fold_value_rotation): values arrive
         # rotated and outputs leave un-rotated, so neither is done here
@@ -124,7 +244,7 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
         """(Re)allocate the int32 [B] per-tier lengths the decode kernels read, from the host mirror."""
         for name, n in zip(self._LENGTHS, self._host_tier_lengths()):
             setattr(self, name, torch.full((self.batch_size,), n, dtype=torch.int32, device=self.device))
-        self.storage_version = next(_STORAGE_IDS)
+        self.storage_version = new_storage_version()
 
     def _sync_lengths(self) -> None:
         """Write the host mirror into the device lengths, in place (their addresses stay valid for a captured step)."""
@@ -386,125 +506,91 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
 
 
 class OscarCache(Cache):
-    """The OSCAR INT2 KV cache for `model.generate(..., past_key_values=cache)` (attn_implementation="oscar").
+    """The OSCAR INT2 KV cache for `model.generate(..., past_key_values=cache)` (attn_implementation="oscar"), built
+    from `Rotations` (the calibrated tensors) and `CacheSettings`:
 
-    k_rotation, v_rotation float32 [L, H, D, D] (H = H_kv per head, or 1 shared per layer); k_clip, v_clip float32
-    [L, H]; layer_ids int32 [L]: the model layer each entry belongs to (default 0..L-1); k_mean, v_mean float32
-    [L, H, D] (None: uncentred, as version-1 artifacts): the centred codec's calibrated means in the model's basis
-    (docs/format.md §6a). key_block > 0: history keys per channel over blocks of that many tokens, unclipped (§6d;
-    flush defaults to it, values per row). `quantize=False` keeps the history in BF16 (a test switch: with identity
-    rotations generation then reproduces DynamicCache).
+        cache = OscarCache.from_folder("artifacts/")                    # an artifact folder (manifest settings)
+        cache = OscarCache.from_folder("artifacts/", recent=512)        # a setting overridden
+        cache = OscarCache(Rotations(k_rotation, v_rotation, k_clip, v_clip), CacheSettings(pin=32))
 
     One cache holds one context. Passed to a second `generate()`, it continues from the tokens it already holds (as
     transformers' DynamicCache does): the second prompt is read as a continuation of the first context, with no
     warning. Build a new cache for each independent generation (`from_folder` is cheap; storage is allocated on first
     use), or empty this one first with `cache.reset()`."""
 
-    def __init__(
-        self,
-        k_rotation: Tensor,
-        v_rotation: Tensor,
-        k_clip: Tensor | float = layout.DEFAULT_K_CLIP,
-        v_clip: Tensor | float = layout.DEFAULT_V_CLIP,
-        layer_ids: Tensor | list[int] | None = None,
-        *,
-        group_size: int = 0,
-        sink: int = layout.SINK,
-        recent: int = layout.RECENT,
-        flush: int | None = None,
-        quantize: bool = True,
-        num_layers: int | None = None,
-        k_mean: Tensor | None = None,
-        v_mean: Tensor | None = None,
-        key_bits: list[int] | None = None,
-        pin: int = 0,
-        key_block: int = 0,
-    ):
-        k_rotation, v_rotation = k_rotation.float(), v_rotation.float()
-        square = k_rotation.dim() == 4 and k_rotation.shape[-1] == k_rotation.shape[-2]
-        if not square or v_rotation.shape != k_rotation.shape:
-            raise ValueError(
-                f"k_rotation/v_rotation must both be [L, H, D, D], got {tuple(k_rotation.shape)} and "
-                f"{tuple(v_rotation.shape)}"
-            )
-        L, H, D, _ = k_rotation.shape
-        layout.resolve_group_size(D, group_size)
-        layout.check_key_block(key_block)
-        flush = (key_block or layout.FLUSH) if flush is None else flush
-        if key_block and (flush != key_block or layout.resolve_group_size(D, group_size) != D or pin):
-            raise ValueError(f"keys per channel over {key_block}-token blocks need flush = key_block (got {flush}), "
-                             f"values per row (group_size 0 or {D}, got {group_size}) and pin 0 (got {pin})")
-        if min(sink, recent, pin) < 0 or flush < 1 or max(sink, recent, flush, pin) > layout.MAX_WINDOW:
-            raise ValueError(f"need 0 ≤ sink, recent, pin ≤ {layout.MAX_WINDOW} and 1 ≤ flush ≤ {layout.MAX_WINDOW}, "
-                             f"got sink={sink} recent={recent} flush={flush} pin={pin}")
-        clips = []
-        for name, clip in (("k_clip", k_clip), ("v_clip", v_clip)):
-            clip = torch.as_tensor(clip, dtype=torch.float32).clone()  # fixed from here on (Rotation's bounds)
-            clip = clip.expand(L, H) if clip.dim() == 0 else clip
-            if clip.shape != (L, H):
-                raise ValueError(f"{name} must be a float or [L, H] = [{L}, {H}], got {tuple(clip.shape)}")
-            clips.append(clip)
-        means = []
-        for name, mean in (("k_mean", k_mean), ("v_mean", v_mean)):
-            if mean is not None:
-                mean = torch.as_tensor(mean).float()
-                if mean.shape != (L, H, D):
-                    raise ValueError(f"{name} must be [L, H, D] = [{L}, {H}, {D}], got {tuple(mean.shape)}")
-            means.append(mean)
-        key_bits = [layout.BITS] * L if key_bits is None else [int(b) for b in key_bits]
-        if len(key_bits) != L or any(b not in layout.KEY_BITS for b in key_bits):
-            choices = " or ".join(map(str, layout.KEY_BITS))
-            raise ValueError(f"key_bits must be {L} entries of {choices}, got {key_bits}")
-        ids = [int(i) for i in (range(L) if layer_ids is None else torch.as_tensor(layer_ids).flatten().tolist())]
-        if len(ids) != L or len(set(ids)) != L or min(ids) < 0:
-            raise ValueError(f"layer_ids must be {L} distinct non-negative model layer indices, got {ids}")
-        for name, mean in zip(("k_mean", "v_mean"), means):
-            if mean is not None:
-                check_mean(name, mean, ids)
-        n_layers = num_layers if num_layers is not None else max(ids) + 1
+    def __init__(self, rotations: Rotations, settings: CacheSettings = CacheSettings()):
+        if not isinstance(rotations, Rotations) or not isinstance(settings, CacheSettings):
+            raise TypeError("OscarCache(rotations, settings) takes a Rotations and a CacheSettings; "
+                            "OscarCache.from_tensors(k_rotation, v_rotation, ..., **settings) builds both")
+        L, H, D = rotations.shape
+        settings.check_shape(L, D)
+        ids = rotations.ids()
+        for name in ("k_mean", "v_mean"):
+            if getattr(rotations, name) is not None:
+                check_mean(name, getattr(rotations, name), ids)
+        n_layers = settings.num_layers if settings.num_layers is not None else max(ids) + 1
         if max(ids) >= n_layers:
             raise ValueError(f"layer_ids {ids} reach past num_layers={n_layers}")
-        by_layer = {lid: i for i, lid in enumerate(ids)}
+        key_bits, by_layer = settings.layer_key_bits(L), {lid: i for i, lid in enumerate(ids)}
         layers = []
         for idx in range(n_layers):
             i = by_layer.get(idx)
             rot = None
             if i is not None:
-                mu_k, mu_v = (None if m is None else reference.rotate_mean(m[i], r[i])
-                              for m, r in zip(means, (k_rotation, v_rotation)))
-                rot = Rotation(k_rotation[i], v_rotation[i], clips[0][i].reshape(H, 1), clips[1][i].reshape(H, 1),
-                               mu_k, mu_v, k_bits=key_bits[i])
-            layers.append(OscarLayer(rot, idx, group_size, sink, recent, flush, quantize, pin, key_block))
+                mu_k, mu_v = (None if m is None else reference.rotate_mean(m[i], r[i]) for m, r in
+                              ((rotations.k_mean, rotations.k_rotation), (rotations.v_mean, rotations.v_rotation)))
+                rot = Rotation(rotations.k_rotation[i], rotations.v_rotation[i], rotations.k_clip[i].reshape(H, 1),
+                               rotations.v_clip[i].reshape(H, 1), mu_k, mu_v, k_bits=key_bits[i])
+            layers.append(OscarLayer(rot, idx, settings))
         super().__init__(layers=layers)
-        self.quant_settings = {"group_size": group_size, "sink": sink, "recent": recent, "flush": flush,
-                               "pin": pin if quantize else 0, "key_block": key_block}  # as built (artifact.QUANT_KEYS)
-        self.quantize = quantize
-        self.bound_layer: int | None = None  # set by enable_oscar's hook just before a module's update
+        self.rotations, self.settings = rotations, settings
+        self.quantize = settings.quantize
+        self.centred = rotations.centred
+        self.binding = None  # the model's binding.OscarBinding, told by its attention modules before each update
         self.kernels_ready = False  # set by attention.warm_up at the first call on a GPU
-        self.centred = k_mean is not None or v_mean is not None
+
+    @property
+    def quant_settings(self) -> dict[str, int]:
+        """The settings as built, in a manifest's terms (`CacheSettings.as_built`)."""
+        return self.settings.as_built()
 
     @classmethod
-    def from_folder(cls, path: str | Path, *, quantize: bool = True, **overrides) -> OscarCache:
-        """Build from an artifact folder, read by the one reader every command uses (`artifact.read_artifact`): the
+    def from_tensors(cls, k_rotation: Tensor, v_rotation: Tensor, k_clip: Tensor | float = layout.DEFAULT_K_CLIP,
+                     v_clip: Tensor | float = layout.DEFAULT_V_CLIP, layer_ids: Tensor | Sequence[int] | None = None,
+                     *, k_mean: Tensor | None = None, v_mean: Tensor | None = None, **settings) -> OscarCache:
+        """`OscarCache(Rotations(k_rotation, …, v_mean), CacheSettings(**settings))`."""
+        return cls(Rotations(k_rotation, v_rotation, k_clip, v_clip, layer_ids, k_mean, v_mean),
+                   CacheSettings(**settings))
+
+    @classmethod
+    def from_artifact(cls, art: Artifact, **overrides) -> OscarCache:
+        """Build from an artifact as `read_artifact` returns it: its tensors, and its settings with keyword
+        overrides winning (any `CacheSettings` field)."""
+        t = art.tensors
+        rotations = Rotations(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"],
+                              t.get("k_mean"), t.get("v_mean"))
+        return cls(rotations, CacheSettings(**{**art.settings, **overrides}))
+
+    @classmethod
+    def from_folder(cls, path: str | Path, **overrides) -> OscarCache:
+        """Build from an artifact folder, read by the one reader every command uses (`read_artifact`): the
         manifest's listed files' sizes and sha256, `rotations.safetensors` (k/v_rotation, k/v_eigenvalues, k/v_clip,
         layer_ids; k/v_mean in centred folders) against the format and the manifest, every value (finite, orthogonal,
         clips in (0, 1]), and manifest.json's quant.{group_size, sink, recent, flush, pin, key_bits, key_block};
-        keyword overrides win. Anything it refuses raises `artifact.ArtifactError` (a ValueError) with the message the
-        CLI prints. A folder without manifest.json is read with the tensors' values checked and the layout defaults.
-        The model match is `oscar_zoo.artifacts`'s."""
-        art = read_artifact(path)
-        t, settings = art.tensors, {**art.settings, **overrides}
-        return cls(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"], quantize=quantize,
-                   k_mean=t.get("k_mean"), v_mean=t.get("v_mean"), **settings)  # fmt: skip
+        keyword overrides (any `CacheSettings` field) win. Anything it refuses raises a ValueError with the message
+        the CLI prints. A folder without manifest.json is read with the tensors' values checked and the layout
+        defaults. The model match is `oscar_zoo.artifacts`'s."""
+        return cls.from_artifact(read_artifact(path), **overrides)
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        if compiled.stepping():
+        binding = self.binding
+        if binding is not None and binding.stepping:  # a compiled decode step runs
             if torch.compiler.is_compiling():  # the step's custom op files the token
                 return key_states, value_states
-            compiled.check_filing()
-        bound, self.bound_layer = self.bound_layer, None
+            binding.check_filing()
+        bound = binding.take_layer() if binding is not None else None
         if (args or kwargs) and bound != layer_idx:  # a model's attention module (it passes its cache kwargs) that
-            # enable_oscar's hook did not mark as running "oscar" attention
+            # enable_oscar's hook did not mark as running "oscar" attention (`OscarBinding.enter`)
             raise ValueError(
                 f"model layer {layer_idx} is not running \"oscar\" attention: call "
                 f"oscar_zoo.runtime.attention.enable_oscar(model) before using an OscarCache"

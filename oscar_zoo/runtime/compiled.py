@@ -5,10 +5,11 @@
 layer's decode step — filing the token (`OscarCache.update`: rotation, tier write, the every-`flush`-steps demotion)
 and the tiered attention (q·M_K, the INT2 decode and merge, o·M_Vᵀ) — exactly as the eager step runs it. Dynamo never
 traces into it: its host-side state (the length mirror, the demotion schedule) stays Python. The op reads the cache and
-the layer from the step that is running (`CompiledLayers.step`, a context manager that restores on exit, so nothing
-lives past the step), not from its arguments, so one compiled graph serves every layer of a model. While a step
-traces, `OscarCache.update` and the binding hook step aside (`stepping()`), and the "oscar" attention function hands
-its arguments to the op.
+the layer from the step that is running (`CompiledLayers.step`, through the model's `binding.OscarBinding`: a context
+manager that restores on exit, so nothing lives past the step), not from its arguments, so one compiled graph serves
+every layer of a model. While a step traces, `OscarCache.update` and the binding hook step aside
+(`OscarBinding.stepping`), and the "oscar" attention function hands its arguments to the op, which runs the binding's
+attention function eagerly.
 
 Compilation is `dynamic=False`: one graph per layer class and batch shape; the tier lengths live on the device, so a
 later step or a demotion step reuses it. `graph.DecodeGraphs` runs the warm-up step and the capture through
@@ -22,38 +23,12 @@ import contextlib
 import functools
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-
-class _Running:
-    """A compiled step in progress: its cache, and the attention module of the layer running now."""
-
-    def __init__(self, cache):
-        self.cache = cache
-        self.module: torch.nn.Module | None = None
-        self.filing = False  # the op is inside its own cache.update
-
-
-_ACTIVE: list[_Running] = []  # the compiled steps running now, innermost last
-
-
-def stepping() -> bool:
-    """True while a compiled step runs (and while dynamo traces one): the cache side goes through the custom op.
-    `len`, not `bool`: dynamo (torch 2.11) cannot trace `bool(list)` and broke every layer's graph there."""
-    return len(_ACTIVE) > 0
-
-
-def check_filing() -> None:
-    """Called by a cache's `update` run eagerly inside a compiled step: only the op may file a token there. Anything
-    else is a graph break in a decoder layer that ran the update outside the op, and the op would file the same token
-    a second time: refused, rather than wrong logits."""
-    if _ACTIVE and not _ACTIVE[-1].filing:
-        raise RuntimeError(
-            "a compiled decode step filed a token outside its custom op (dynamo broke the decoder layer's graph): "
-            "turn compilation off with enable_oscar(model, compile=False)"
-        )
+from .binding import OscarBinding, Step, binding_of, running_step
 
 
 @torch.library.custom_op("oscar_zoo::decode_attention", mutates_args=())
@@ -62,23 +37,21 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float, 
     """File this step's key/value [B, H_kv, 1, D] into the running layer of the running step's OscarCache and attend
     query [B, H_q, 1, D] over its tiers; returns [B, 1, H_q, D] in query's dtype (what the attention function returns).
     The layer is the step's state, not an argument, so that one compiled graph serves every layer."""
-    from .attention import _bind_cache, oscar_attention
-
-    run = _ACTIVE[-1]
-    cache, module = run.cache, run.module
-    query, key, value = _eager_layout(query), _eager_layout(key), _eager_layout(value)
-    _, kwargs = _bind_cache(module, (), {"cache": cache})  # what the pre-hook does in an eager call
-    run.filing = True
+    step = running_step()
+    cache, module, binding = step.cache, step.module, step.binding
+    query, key, value = eager_layout(query), eager_layout(key), eager_layout(value)
+    kwargs = binding.enter(module, cache)  # what the pre-hook does in an eager call
+    step.filing = True
     try:
         key, value = cache.update(key, value, module.layer_idx, {})
     finally:
-        run.filing = False
-    out, _ = oscar_attention(module, query, key, value, None, scaling=scaling, softcap=softcap,
-                             sliding_window=sliding_window, **kwargs)
+        step.filing = False
+    out, _ = binding.attend(module, query, key, value, None, scaling=scaling, softcap=softcap,
+                            sliding_window=sliding_window, **kwargs)
     return out.contiguous()  # the layout the fake promises (the decode kernel's batch-major o may be strided)
 
 
-def _eager_layout(t: Tensor) -> Tensor:
+def eager_layout(t: Tensor) -> Tensor:
     """t [B, H, n, D] laid out as transformers' eager attention gets it (a transpose of a contiguous [B, n, H, D]): the
     layout the runtime's kernels were written for; inductor may pick another for the op's inputs."""
     B, H, n, D = t.shape
@@ -113,8 +86,9 @@ class CompiledLayers:
 
     MAX_SHAPES = 32  # batch shapes compiled per model; later ones run eager layers (each shape is one dynamo entry)
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, types: frozenset[str] = COMPILED_TYPES):
         self.layers = decoder_layers(model)
+        self.types = types  # the model types compiled (a probe passes others to try them)
         self.model_type = getattr(model.config, "model_type", None)
         self.compiled: dict[type, object] = {}  # made on the first step (torch.compile is lazy; dynamo imports are not)
         self.compile_seconds: float | None = None
@@ -127,38 +101,44 @@ class CompiledLayers:
         return shape in self.shapes
 
     def usable(self) -> bool:
-        """The model type is one of COMPILED_TYPES and no layer has a forward of its own (accelerate's device-map and
-        offload hooks set one: the class's forward, compiled, would skip them)."""
-        return self.model_type in COMPILED_TYPES and not any("forward" in m.__dict__ for m in self.layers)
+        """The model type is one of `types` (COMPILED_TYPES) and no layer has a forward of its own (accelerate's
+        device-map and offload hooks set one: the class's forward, compiled, would skip them)."""
+        return self.model_type in self.types and not any("forward" in m.__dict__ for m in self.layers)
 
     @contextlib.contextmanager
-    def step(self, cache):
+    def step(self, cache) -> Iterator[Step]:
         """Run the model's layers compiled, with `cache` as the one the custom op files into; restores on exit."""
         if not self.usable():
             raise RuntimeError(f"{self.model_type} layers with forwards of their own are not compiled (usable())")
+        binding = self.binding()
         for cls in {type(m) for m in self.layers} - self.compiled.keys():
             self.compiled[cls] = torch.compile(cls.forward, dynamic=False)
         # one dynamo entry per batch shape on the layer class's forward, which other models of the class share: past
         # dynamo's default limit (8) a frame would run eagerly and file its token outside the op (check_filing)
         limit = max(torch._dynamo.config.recompile_limit, 2 * self.MAX_SHAPES)
-        run = _Running(cache)
-        _ACTIVE.append(run)
-        for layer in self.layers:
-            layer.forward = functools.partial(self._layer, run, layer)
         first = self.compile_seconds is None
         t0 = time.perf_counter()
-        try:
-            with torch._dynamo.config.patch(recompile_limit=limit):
-                yield
-        finally:
+        with binding.compiled(cache) as run:
             for layer in self.layers:
-                del layer.forward  # the class's forward again
-            _ACTIVE.pop()
+                layer.forward = functools.partial(self._layer, run, layer)
+            try:
+                with torch._dynamo.config.patch(recompile_limit=limit):
+                    yield run
+            finally:
+                for layer in self.layers:
+                    del layer.forward  # the class's forward again
         if first:
             self.compile_seconds = time.perf_counter() - t0
             print(f"oscar-zoo: compiled the decode step in {self.compile_seconds:.1f} s (torch.compile, inductor; "
                   f"later processes reuse inductor's on-disk cache)", file=sys.stderr)
 
-    def _layer(self, run: _Running, layer: torch.nn.Module, *args, **kwargs):
+    def binding(self) -> OscarBinding:
+        """The model's binding (`attention.enable_oscar` makes it)."""
+        binding = binding_of(self.layers[0].self_attn) if self.layers else None
+        if binding is None:
+            raise RuntimeError("compiled decode steps need the model switched to \"oscar\" first (enable_oscar)")
+        return binding
+
+    def _layer(self, run: Step, layer: torch.nn.Module, *args, **kwargs):
         run.module = layer.self_attn  # the op's layer
         return self.compiled[type(layer)](layer, *args, **kwargs)

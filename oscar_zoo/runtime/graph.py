@@ -187,6 +187,13 @@ class _Step:
         return self.out_type(**fields)
 
 
+def decode_graphs(model: torch.nn.Module) -> DecodeGraphs | None:
+    """The `DecodeGraphs` `install` gave `model` (None: none): its `replays` and `captures` counts, its `compiled`
+    layers (`CompiledLayers`, None when compile is off; `compile_seconds`), and the callable itself, which runs a step
+    as generate() does."""
+    return getattr(model, "_oscar_graphs", None)
+
+
 def install(model: torch.nn.Module, compile: bool | None = None) -> None:
     """Make `model.get_compiled_call` (what generate() uses for decode steps with a compileable cache on a GPU) return
     a `DecodeGraphs` that replays OscarCache steps (their layers compiled unless `compile` is False; None: as set

@@ -4,8 +4,6 @@ Needs the layer's hist_k/hist_v/sz_k/sz_v, n_hist, rotation, group_size, key_blo
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import Tensor
 
@@ -13,7 +11,12 @@ from ..format import layout, reference
 from . import ops
 
 HISTORY_CHUNK = 256  # the INT2 history grows in multiples of this many tokens (and by ≥ 1/4 of its size)
-_STORAGE_IDS = itertools.count(1)  # process-wide: a storage version never repeats, across caches too
+
+
+def new_storage_version() -> object:
+    """A token naming one set of a layer's storage tensors: a new object, so it never equals another (across caches
+    too) while anything that compares it (`graph.DecodeGraphs`) holds it."""
+    return object()
 
 
 class QuantizedHistory:
@@ -32,7 +35,7 @@ class QuantizedHistory:
             live = self.n_hist // self.key_block if name == "sz_k" and self.key_block else self.n_hist
             new[:, :, :live] = old[:, :, :live]
             setattr(self, name, new)
-        self.storage_version = next(_STORAGE_IDS)
+        self.storage_version = new_storage_version()
 
     def _like(self, name: str, t: Tensor, T_cap: int) -> Tensor:
         """Zeroed storage for tier `name` shaped as t with T_cap tokens, in the tier's layout (V's codes

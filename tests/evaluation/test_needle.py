@@ -80,7 +80,7 @@ def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monke
 
     def exact_cache(method):
         eye = torch.eye(D).expand(L, 1, D, D).contiguous()
-        return OscarCache(eye, eye, quantize=False, sink=sink, recent=recent, num_layers=L)
+        return OscarCache.from_tensors(eye, eye, quantize=False, sink=sink, recent=recent, num_layers=L)
 
     monkeypatch.setattr(RotatedInt2, "make_cache", exact_cache)
     settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5, batch=batch)
@@ -109,7 +109,7 @@ def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_fil
     M = torch.stack([random_orthogonal(D, seed=i) for i in range(L)]).float().unsqueeze(1)  # [L, 1, D, D]
 
     def int2_cache(method=None):
-        return OscarCache(M, M, 0.9, 0.9, sink=sink, recent=recent, num_layers=L)
+        return OscarCache.from_tensors(M, M, 0.9, 0.9, sink=sink, recent=recent, num_layers=L)
 
     monkeypatch.setattr(RotatedInt2, "make_cache", int2_cache)
     settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5,

@@ -68,7 +68,7 @@ def test_quantized_decode_matches_dense_reference(decode_calls):
     B, prompt, steps = 2, 400, 13
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
     k_clip, v_clip = torch.tensor([[0.94, 0.96, 0.9]]), torch.full((1, H_KV), 0.92)
-    cache = OscarCache(Mk, Mv, k_clip, v_clip)
+    cache = OscarCache.from_tensors(Mk, Mv, k_clip, v_clip)
     k, v = _kv(B, prompt + steps)
     cache.update(k[:, :, :prompt], v[:, :, :prompt], 0)
     for t in range(prompt, prompt + steps):
@@ -105,7 +105,7 @@ def test_second_chunk_attends_tiers_and_its_own_exact_kv():
     dequantized, in the chunk's dtype) and its own K/V unquantized, causally."""
     B, n1, n2 = 1, 400, 150
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
-    cache = OscarCache(Mk, Mv, 0.96, 0.92)
+    cache = OscarCache.from_tensors(Mk, Mv, 0.96, 0.92)
     k, v = _kv(B, n1 + n2, seed=3)
     cache.update(k[:, :, :n1], v[:, :, :n1], 0)
     key, value = cache.update(k[:, :, n1:], v[:, :, n1:], 0)
@@ -154,7 +154,7 @@ def test_later_chunk_takes_the_flash_kernel_and_sees_the_right_keys(B, H_q, H_kv
 def test_softcap_and_scaling_are_respected():
     """Gemma-style logit softcap and a non-default scale, on the dense path (decode with softcap included)."""
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
-    cache = OscarCache(Mk, Mv, 0.96, 0.92)
+    cache = OscarCache.from_tensors(Mk, Mv, 0.96, 0.92)
     k, v = _kv(1, 101, seed=5)
     key, value = cache.update(k[:, :, :100], v[:, :, :100], 0)
     q = torch.randn(1, H_Q, 100, D) * 3
@@ -212,7 +212,7 @@ def test_identity_unquantized_generation_reproduces_dynamic_cache(arch):
     ids = _prompt()
     expected = _generate(model, ids, DynamicCache(), 20)
     enable_oscar(model)
-    cache = OscarCache(_identity(2), _identity(2), quantize=False)
+    cache = OscarCache.from_tensors(_identity(2), _identity(2), quantize=False)
     got = _generate(model, ids, cache, 20)
     assert len(set(expected[0, 400:].tolist())) > 5  # a non-degenerate continuation
     assert torch.equal(got, expected)
@@ -229,8 +229,9 @@ def test_rotated_unquantized_logits_equal_plain_model():
     ids = _prompt(T=410)
     expected = _teacher_forced_logits(model, ids, 400, DynamicCache())
     enable_oscar(model)
-    ident = _teacher_forced_logits(model, ids, 400, OscarCache(_identity(2), _identity(2), quantize=False))
-    rotated = _teacher_forced_logits(model, ids, 400, OscarCache(_rotations(2), _rotations(2, 50), quantize=False))
+    ident = _teacher_forced_logits(model, ids, 400, OscarCache.from_tensors(_identity(2), _identity(2), quantize=False))
+    rotated = _teacher_forced_logits(model, ids, 400,
+                                     OscarCache.from_tensors(_rotations(2), _rotations(2, 50), quantize=False))
     scale = expected.abs().max()
     torch.testing.assert_close(rotated[0], expected[0], rtol=0, atol=1e-5 * scale)
     err_rot, err_id = (rotated[1:] - expected[1:]).abs().max(), (ident[1:] - expected[1:]).abs().max()
@@ -259,14 +260,15 @@ def test_equal_length_batch_matches_rows_and_padding_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = enable_oscar(_model("mistral", dtype=torch.bfloat16))
     ids = _prompt(B=2, T=350)
-    both = _generate(model, ids, OscarCache(_rotations(2), _rotations(2, 50)), 10)
+    both = _generate(model, ids, OscarCache.from_tensors(_rotations(2), _rotations(2, 50)), 10)
     for b in range(2):
-        row = _generate(model, ids[b : b + 1], OscarCache(_rotations(2), _rotations(2, 50)), 10)
+        row = _generate(model, ids[b : b + 1], OscarCache.from_tensors(_rotations(2), _rotations(2, 50)), 10)
         assert torch.equal(both[b : b + 1], row)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     with pytest.raises(NotImplementedError, match="padded batches"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache=OscarCache(_rotations(2), _rotations(2)))
+        model.generate(ids, attention_mask=mask, max_new_tokens=2,
+                       cache=OscarCache.from_tensors(_rotations(2), _rotations(2)))
 
 
 def test_gemma2_scaling_softcap_and_sliding_window_guard():
@@ -281,10 +283,10 @@ def test_gemma2_scaling_softcap_and_sliding_window_guard():
     with torch.no_grad():
         expected = model(ids).logits
         enable_oscar(model)
-        got = model(ids, cache=OscarCache(_identity(2), _identity(2), quantize=False)).logits
+        got = model(ids, cache=OscarCache.from_tensors(_identity(2), _identity(2), quantize=False)).logits
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         with pytest.raises(NotImplementedError, match="sliding-window"):
-            model(_prompt(T=120), cache=OscarCache(_identity(2), _identity(2)))
+            model(_prompt(T=120), cache=OscarCache.from_tensors(_identity(2), _identity(2)))
 
 
 def test_smollm2_shaped_generation_uses_int2_decode(decode_calls):
@@ -302,7 +304,7 @@ def test_smollm2_shaped_generation_uses_int2_decode(decode_calls):
     enable_oscar(model)
     Mk = reference.compose_rotation(_rotations(L, seed=3).double()).float()  # M = U·H·P for random U
     Mv = reference.compose_rotation(_rotations(L, seed=9).double()).float()
-    cache = OscarCache(Mk, Mv, 0.96, 0.92)
+    cache = OscarCache.from_tensors(Mk, Mv, 0.96, 0.92)
     got = _generate(model, ids, cache, 20)
     assert got.shape == (1, 420) and torch.equal(got[:, :401], expected)  # prefill is exact up to rotation rounding
     assert len(decode_calls) == L * 19
@@ -327,8 +329,8 @@ def test_folded_value_rotation_equals_unfolded():
     exact = _teacher_forced_logits(model, ids, 400, DynamicCache())
     enable_oscar(model)
     Mk, Mv = _rotations(2), _rotations(2, 50)
-    unfolded = _teacher_forced_logits(model, ids, 400, OscarCache(Mk, Mv, quantize=False))
-    cache = OscarCache(Mk, Mv, quantize=False)
+    unfolded = _teacher_forced_logits(model, ids, 400, OscarCache.from_tensors(Mk, Mv, quantize=False))
+    cache = OscarCache.from_tensors(Mk, Mv, quantize=False)
     assert fold_value_rotation(model, cache) == 2
     folded = _teacher_forced_logits(model, ids, 400, cache)
     assert all(layer.v_folded for layer in cache.layers)
@@ -338,7 +340,7 @@ def test_folded_value_rotation_equals_unfolded():
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=2e-5 * plain.abs().max())
     with pytest.raises(ValueError, match="another value rotation"), torch.no_grad():
-        model(ids[:, :8], cache=OscarCache(Mk, _rotations(2, 90), quantize=False))
+        model(ids[:, :8], cache=OscarCache.from_tensors(Mk, _rotations(2, 90), quantize=False))
     with pytest.raises(ValueError, match="folded already"):
         fold_value_rotation(model, cache)
 
@@ -350,13 +352,13 @@ def test_misuses_are_refused_before_any_wrong_output():
     ids = _prompt(T=40)
     plain = _model("llama")
     with pytest.raises(ValueError, match='not running "oscar" attention'):
-        _generate(plain, ids, OscarCache(_rotations(2), _rotations(2, 50)), 1)
+        _generate(plain, ids, OscarCache.from_tensors(_rotations(2), _rotations(2, 50)), 1)
     enable_oscar(plain).set_attn_implementation("sdpa")  # hooks installed, attention switched back
     with pytest.raises(ValueError, match='not running "oscar" attention'):
-        _generate(plain, ids, OscarCache(_rotations(2), _rotations(2, 50)), 1)
+        _generate(plain, ids, OscarCache.from_tensors(_rotations(2), _rotations(2, 50)), 1)
     model = enable_oscar(_model("llama"))
     with pytest.raises(ValueError, match="has 30 layers and the model 2"):
-        _generate(model, ids, OscarCache(_rotations(30), _rotations(30, 50)), 1)
+        _generate(model, ids, OscarCache.from_tensors(_rotations(30), _rotations(30, 50)), 1)
     packed = torch.cat([torch.arange(25), torch.arange(15)])[None]
     with torch.no_grad(), pytest.raises(NotImplementedError, match="packed sequences"):
         model(ids, position_ids=packed, use_cache=False)
@@ -367,11 +369,11 @@ def test_misuses_are_refused_before_any_wrong_output():
 def test_a_reset_cache_takes_a_new_batch_size():
     """reset() empties the cache; the next generate may use another batch size and gives what a fresh cache gives."""
     model = enable_oscar(_model("llama"))
-    cache = OscarCache(_rotations(2), _rotations(2, 50))
+    cache = OscarCache.from_tensors(_rotations(2), _rotations(2, 50))
     _generate(model, _prompt(B=1, T=330), cache, 3)
     cache.reset()
     ids = _prompt(B=2, T=330, seed=2)
-    fresh = OscarCache(_rotations(2), _rotations(2, 50))
+    fresh = OscarCache.from_tensors(_rotations(2), _rotations(2, 50))
     assert torch.equal(_generate(model, ids, cache, 3), _generate(model, ids, fresh, 3))
 
 

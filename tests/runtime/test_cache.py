@@ -31,7 +31,7 @@ def _cache(L: int = 1, heads: int = H, **kw):
     Mk, Mv = _rotations(L, heads, 0), _rotations(L, heads, 100)
     k_clip = torch.linspace(0.9, 0.97, L * heads).reshape(L, heads)
     v_clip = torch.full((L, heads), 0.92)
-    return OscarCache(Mk, Mv, k_clip, v_clip, **kw), Mk, Mv, k_clip, v_clip
+    return OscarCache.from_tensors(Mk, Mv, k_clip, v_clip, **kw), Mk, Mv, k_clip, v_clip
 
 
 def _feed(cache: OscarCache, k: torch.Tensor, v: torch.Tensor, prompt: int, layer: int = 0, on_step=None) -> None:
@@ -140,7 +140,7 @@ def test_history_exact_when_head_clips_need_different_kernel_builds(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     Mk, Mv = _rotations(1), _rotations(1, seed=100)
     k_clip, v_clip = torch.tensor([[0.86, 1.0, 0.95]]), torch.tensor([[1.0, 0.95, 0.86]])
-    cache = OscarCache(Mk, Mv, k_clip, v_clip)
+    cache = OscarCache.from_tensors(Mk, Mv, k_clip, v_clip)
     want_k, want_v = k_clip.clone(), v_clip.clone()
     k_clip.fill_(0.5), v_clip.fill_(0.5)  # the caller's tensors, not the cache's
     k, v = _kv(400)
@@ -250,12 +250,12 @@ def test_from_folder_reads_rotations_and_manifest(tmp_path):
 def test_invalid_inputs_raise_clear_errors():
     M = _rotations(1)
     with pytest.raises(ValueError, match=r"\[L, H, D, D\]"):
-        OscarCache(M[0], M[0])
+        OscarCache.from_tensors(M[0], M[0])
     with pytest.raises(ValueError, match="k_clip"):
-        OscarCache(M, M, torch.ones(2, 2))
+        OscarCache.from_tensors(M, M, torch.ones(2, 2))
     with pytest.raises(ValueError, match="group_size"):
-        OscarCache(M, M, group_size=48)
-    cache = OscarCache(M, M)
+        OscarCache.from_tensors(M, M, group_size=48)
+    cache = OscarCache.from_tensors(M, M)
     k = torch.randn(1, 5, 4, D)  # 5 KV heads, rotation has 3
     with pytest.raises(ValueError, match="another model"):
         cache.update(k, k, 0)

@@ -17,7 +17,7 @@ from ..hub.helpers import random_rotations
 def _cache(model) -> OscarCache:
     cfg = model.config
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    return OscarCache(random_rotations(L, H, D), random_rotations(L, H, D, seed=1), sink=4, recent=8)
+    return OscarCache.from_tensors(random_rotations(L, H, D), random_rotations(L, H, D, seed=1), sink=4, recent=8)
 
 
 @pytest.fixture(scope="module")

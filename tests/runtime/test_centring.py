@@ -101,7 +101,7 @@ def test_centred_tiers_hold_rotated_rows_minus_the_rotated_mean_and_the_history_
     reads back within half a step of the *centred* row's own range/3, a bound that knows nothing of the offset."""
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
     k, v, k_mean, v_mean = _offset_kv(1, 500)
-    cache = OscarCache(Mk, Mv, 1.0, 1.0, k_mean=k_mean, v_mean=v_mean)
+    cache = OscarCache.from_tensors(Mk, Mv, 1.0, 1.0, k_mean=k_mean, v_mean=v_mean)
     key, _ = cache.update(k, v, 0)
     layer = cache.layers[0]
     stored_k = reference.rotate_centred(k, Mk[0], reference.rotate_mean(k_mean[0], Mk[0]))
@@ -126,7 +126,7 @@ def test_centred_decode_equals_the_uncentred_frame_in_float64(decode_calls):
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
     k_clip, v_clip = torch.tensor([[0.94, 0.96, 0.9]]), torch.full((1, H_KV), 0.92)
     k, v, k_mean, v_mean = _offset_kv(B, prompt + steps, seed=1)
-    cache = OscarCache(Mk, Mv, k_clip, v_clip, k_mean=k_mean, v_mean=v_mean)
+    cache = OscarCache.from_tensors(Mk, Mv, k_clip, v_clip, k_mean=k_mean, v_mean=v_mean)
     cache.update(k[:, :, :prompt], v[:, :, :prompt], 0)
     for t in range(prompt, prompt + steps):
         key, value = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
@@ -168,7 +168,7 @@ def test_centred_prefill_chunk_and_softcap_equal_the_uncentred_frame(softcap, in
     B, n1, n2 = 1, 400, 150
     Mk, Mv = _rotations(1), _rotations(1, seed=7)
     k, v, k_mean, v_mean = _offset_kv(B, n1 + n2 + 1, seed=3)
-    cache = OscarCache(Mk, Mv, 0.96, 0.92, k_mean=k_mean, v_mean=v_mean)
+    cache = OscarCache.from_tensors(Mk, Mv, 0.96, 0.92, k_mean=k_mean, v_mean=v_mean)
     cache.update(k[:, :, :n1], v[:, :, :n1], 0)
     key, value = cache.update(k[:, :, n1 : n1 + n2], v[:, :, n1 : n1 + n2], 0)
     q = torch.randn(B, H_Q, n2, D, generator=torch.Generator().manual_seed(4))
@@ -234,12 +234,13 @@ def test_centred_cache_keeps_a_model_exact_and_folds():
     Mk, Mv = _rotations(2), _rotations(2, 50)
     g = torch.Generator().manual_seed(9)
     k_mean, v_mean = torch.randn(2, H_KV, D, generator=g) * 2, torch.randn(2, H_KV, D, generator=g) * 2
-    plain_rot = _teacher_forced(model, ids, 400, OscarCache(Mk, Mv, quantize=False))
-    centred = _teacher_forced(model, ids, 400, OscarCache(Mk, Mv, quantize=False, k_mean=k_mean, v_mean=v_mean))
+    plain_rot = _teacher_forced(model, ids, 400, OscarCache.from_tensors(Mk, Mv, quantize=False))
+    centred = _teacher_forced(model, ids, 400,
+                              OscarCache.from_tensors(Mk, Mv, quantize=False, k_mean=k_mean, v_mean=v_mean))
     scale = exact.abs().max()
     torch.testing.assert_close(centred[:400], exact[:400], rtol=0, atol=2e-5 * scale)
     assert (centred[400:] - exact[400:]).abs().max() <= 2 * (plain_rot[400:] - exact[400:]).abs().max()
-    cache = OscarCache(Mk, Mv, quantize=False, k_mean=k_mean, v_mean=v_mean)
+    cache = OscarCache.from_tensors(Mk, Mv, quantize=False, k_mean=k_mean, v_mean=v_mean)
     assert fold_value_rotation(model, cache) == 2
     folded = _teacher_forced(model, ids, 400, cache)
     torch.testing.assert_close(folded[:400], centred[:400], rtol=0, atol=2e-5 * scale)
@@ -249,8 +250,8 @@ def test_centred_cache_keeps_a_model_exact_and_folds():
 def test_invalid_means_are_refused():
     Mk = _rotations(2)
     with pytest.raises(ValueError, match=r"k_mean must be \[L, H, D\]"):
-        OscarCache(Mk, Mk, k_mean=torch.zeros(2, H_KV, D - 1), v_mean=torch.zeros(2, H_KV, D))
+        OscarCache.from_tensors(Mk, Mk, k_mean=torch.zeros(2, H_KV, D - 1), v_mean=torch.zeros(2, H_KV, D))
     bad = torch.zeros(2, H_KV, D)
     bad[1, 2, 5] = math.nan
     with pytest.raises(ValueError, match=r"v_mean at layer 1 head 2 \(index \[1, 2, 5\]\) holds nan"):
-        OscarCache(Mk, Mk, k_mean=torch.zeros(2, H_KV, D), v_mean=bad)
+        OscarCache.from_tensors(Mk, Mk, k_mean=torch.zeros(2, H_KV, D), v_mean=bad)

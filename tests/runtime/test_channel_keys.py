@@ -75,7 +75,7 @@ def test_bits_per_element_count_the_blocks_pairs():
     keys = layout.bits_per_element(32768, 64, key_block=64)
     assert keys == pytest.approx((hist * (2 + 0.5) + 320 * 16) / 32768)
     assert layout.bits_per_element(32768, 128, key_block=128) == pytest.approx((hist * 2.25 + 320 * 16) / 32768)
-    assert layout.kv_bits_per_element(32768, 64, key_bits=[3] * 7 + [2] * 3, key_block=64) == pytest.approx(
+    assert layout.kv_bits_per_element(32768, 64, key_bits=2.7, key_block=64) == pytest.approx(
         (hist * (2.7 + 0.5 + 2.5) / 2 + 320 * 16) / 32768)
     assert [layout.default_key_block(d) for d in (32, 64, 128, 256)] == [64, 64, 128, 256]
 
@@ -85,7 +85,8 @@ def test_bits_per_element_count_the_blocks_pairs():
 
 def _channel_cache(key_block: int = 64, key_bits: int = 2, **kw):
     Mk, Mv = _rotations(1, H, 0), _rotations(1, H, 100)
-    cache = OscarCache(Mk, Mv, 1.0, torch.full((1, H), 0.92), key_block=key_block, key_bits=[key_bits], **kw)
+    cache = OscarCache.from_tensors(Mk, Mv, 1.0, torch.full((1, H), 0.92), key_block=key_block, key_bits=[key_bits],
+                                    **kw)
     return cache, Mk, Mv
 
 
@@ -141,8 +142,8 @@ def test_settings_that_cannot_hold_whole_blocks_are_refused():
     for kw, match in (({"key_block": 48}, "key_block must be"), ({"key_block": 64, "flush": 8}, "flush = key_block"),
                       ({"key_block": 64, "group_size": 16}, "values per row"), ({"key_block": 64, "pin": 8}, "pin 0")):
         with pytest.raises(ValueError, match=match):
-            OscarCache(Mk, Mk, 0.96, 0.92, **kw)
-    assert OscarCache(Mk, Mk, 0.96, 0.92, key_block=128).quant_settings["flush"] == 128
+            OscarCache.from_tensors(Mk, Mk, 0.96, 0.92, **kw)
+    assert OscarCache.from_tensors(Mk, Mk, 0.96, 0.92, key_block=128).quant_settings["flush"] == 128
 
 
 @pytest.mark.parametrize(("backend", "B", "tiers", "key_block", "steps"),
@@ -166,7 +167,7 @@ def test_static_step_equals_general_path(backend, B, tiers, key_block, steps, mo
     ids = torch.randint(0, 512, (B, prompt + steps), generator=torch.Generator().manual_seed(0))
 
     def run():
-        cache = OscarCache(_rotations(1, 3), _rotations(1, 3, seed=50), 1.0, 1.0, sink=sink, recent=recent,
+        cache = OscarCache.from_tensors(_rotations(1, 3), _rotations(1, 3, seed=50), 1.0, 1.0, sink=sink, recent=recent,
                            key_block=key_block, key_bits=[3])
         return _decode_logits(model, cache, ids, prompt), cache.layers[0]
 
@@ -202,8 +203,8 @@ def test_generate_replays_captured_steps_equal_to_eager(B, key_bits):
     ids = torch.randint(0, cfg.vocab_size, (B, 500), generator=torch.Generator().manual_seed(0)).cuda()
     runs = {}
     for mode in ("eager", "graph"):
-        cache = OscarCache(_qwen3_rotations(L, H, Dh), _qwen3_rotations(L, H, Dh, 50), 1.0, 1.0, key_block=128,
-                           key_bits=[key_bits] * L)
+        cache = OscarCache.from_tensors(_qwen3_rotations(L, H, Dh), _qwen3_rotations(L, H, Dh, 50), 1.0, 1.0,
+                                        key_block=128, key_bits=[key_bits] * L)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=260, do_sample=False,
                              disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True,
                              past_key_values=cache)

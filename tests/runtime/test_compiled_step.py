@@ -75,7 +75,7 @@ def test_compiled_layers_equal_the_eager_step_across_demotions():
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     n_hist = 330 - layout.SINK - layout.RECENT + 40  # 40 decode tokens: 5 demotions of 8
     assert compiled_cache.layers[1].n_hist == eager_cache.layers[1].n_hist == n_hist
-    assert not compiled.stepping() and all("forward" not in m.__dict__ for m in layers.layers)  # restored on exit
+    assert not layers.binding().stepping and all("forward" not in m.__dict__ for m in layers.layers)  # restored on exit
 
 
 def test_batch_shapes_past_dynamos_recompile_limit_stay_compiled(monkeypatch):
@@ -171,7 +171,7 @@ def test_a_token_filed_outside_the_op_is_refused_and_hooked_layers_are_not_compi
     layers = CompiledLayers(model)
     with pytest.raises(RuntimeError, match="outside its custom op"), layers.step(cache):
         cache.update(k, k.clone(), 0)
-    assert not compiled.stepping() and all("forward" not in m.__dict__ for m in layers.layers)
+    assert not layers.binding().stepping and all("forward" not in m.__dict__ for m in layers.layers)
     hooked = model.model.layers[1]
     hooked.forward = hooked.forward  # an instance forward, as accelerate's add_hook_to_module sets
     assert not layers.usable()
@@ -189,8 +189,8 @@ def test_decode_attention_op_schema_and_fake_tensor():
         model(torch.randint(0, 512, (1, 330)), cache=cache)  # windows full: a decode step files one token
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 1, 64, generator=g) for h in (9, 3, 3))
-    with CompiledLayers(model).step(cache), torch.no_grad():
-        compiled._ACTIVE[-1].module = model.model.layers[0].self_attn  # the layer a compiled forward would set
+    with CompiledLayers(model).step(cache) as step, torch.no_grad():
+        step.module = model.model.layers[0].self_attn  # the layer a compiled forward would set
         torch.library.opcheck(torch.ops.oscar_zoo.decode_attention.default, (q, k, v, 0.125, None, None),
                               test_utils=("test_schema", "test_faketensor"))
 
@@ -290,8 +290,8 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
                 out.append(forward(input_ids=ids[:, t : t + 1], use_cache=True, **{cache_kw: cache}).logits[:, -1])
         runs.append(torch.stack(out, 1).float())
     assert model._oscar_graphs.replays >= 50
-    # no graph break: with one (torch 2.11 could not trace `bool(list)` in `compiled.stepping`) each layer's attention
-    # compiled as a frame of its own, per layer index, and past dynamo's recompile limit (8) ran eagerly
+    # no graph break: with one, each layer's attention compiles as a frame of its own, per layer index, and past
+    # dynamo's recompile limit (8) runs eagerly
     assert sum(counters["graph_break"].values()) == breaks
     tol = 1e-2 if dtype == torch.float32 else 5e-2
     assert model_type in compiled.COMPILED_TYPES  # every captured architecture runs compiled layers

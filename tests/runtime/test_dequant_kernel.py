@@ -59,7 +59,7 @@ def test_dense_kv_of_a_cache_equals_its_tiers_read_back(device, key_block):
     reference) rounded."""
     H, D = 2, 64
     g = torch.Generator().manual_seed(7)
-    cache = OscarCache(_rotations(1, H, D), _rotations(1, H, D, seed=9), 0.96, 0.92, key_bits=[3],
+    cache = OscarCache.from_tensors(_rotations(1, H, D), _rotations(1, H, D, seed=9), 0.96, 0.92, key_bits=[3],
                        key_block=key_block)
     k, v = (torch.randn(1, H, 700, D, generator=g) for _ in range(2))
     cache.update(k[:, :, :400].to(device), v[:, :, :400].to(device), 0)

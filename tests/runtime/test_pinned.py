@@ -59,7 +59,7 @@ def test_aimed_queries_pin_their_token_exactly_and_the_rest_is_quantized_in_orde
     B, prompt = 2, 400
     Mk, Mv = _rotations(1).to(device), _rotations(1, seed=7).to(device)
     clip = 0.93
-    cache = OscarCache(Mk, Mv, clip, clip, pin=PIN)
+    cache = OscarCache.from_tensors(Mk, Mv, clip, clip, pin=PIN)
     k, v = (t.to(device) for t in _kv(B, prompt + 1, seed=5))
     targets = [100, 120, 140]  # one per KV head, inside the history (positions 64 … 143)
     key, value = cache.update(k[:, :, :prompt], v[:, :, :prompt], 0)
@@ -132,7 +132,7 @@ def test_aimed_queries_pin_their_token_exactly_and_the_rest_is_quantized_in_orde
 def test_a_second_prompt_chunk_rechooses_over_old_and_new_candidates(device):
     B, n1, n2 = 1, 400, 100
     M = _identity(1).to(device)
-    cache = OscarCache(M, M, 0.96, 0.92, pin=PIN)
+    cache = OscarCache.from_tensors(M, M, 0.96, 0.92, pin=PIN)
     k, v = (t.to(device) for t in _kv(B, n1 + n2, seed=11))
     key, value = cache.update(k[:, :, :n1], v[:, :, :n1], 0)
     oscar_attention(STUB, _aimed_queries(k, [100] * H_KV, n1, 2).to(device), key, value, None, scaling=SCALE,
@@ -168,7 +168,7 @@ def test_pinning_the_whole_history_answers_as_bf16(device):
 
     expected = generate(DynamicCache())
     enable_oscar(model)
-    cache = OscarCache(_identity(2), _identity(2), pin=80)
+    cache = OscarCache.from_tensors(_identity(2), _identity(2), pin=80)
     got = generate(cache)
     assert torch.equal(got, expected)
     layer = cache.layers[1]
@@ -184,7 +184,7 @@ def test_context_filed_without_attention_waits_exact_for_the_question(device):
     no step is static; a beam reorder moves the waiting rows with the rest."""
     B, n1, n2 = 1, 400, 12
     M = _identity(1).to(device)
-    cache = OscarCache(M, M, 0.96, 0.92, pin=PIN)
+    cache = OscarCache.from_tensors(M, M, 0.96, 0.92, pin=PIN)
     k, v = (t.to(device) for t in _kv(B, n1 + n2, seed=13))
     cache.update(k[:, :, :n1], v[:, :, :n1], 0)
     layer = cache.layers[0]

@@ -120,7 +120,7 @@ def test_real_model_decodes_through_int2_like_the_float64_reference(centred, mon
         means = dict(k_mean=torch.randn(L, H_KV, D, generator=g) * 2, v_mean=torch.randn(L, H_KV, D, generator=g) / 4)
 
     enable_oscar(model)
-    cache = OscarCache(k_rot, v_rot, k_clip, v_clip, sink=SINK, recent=RECENT, flush=FLUSH, **means)
+    cache = OscarCache.from_tensors(k_rot, v_rot, k_clip, v_clip, sink=SINK, recent=RECENT, flush=FLUSH, **means)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=STEPS, do_sample=False, cache=cache,
                              attention_mask=torch.ones_like(ids), output_logits=True, return_dict_in_generate=True)

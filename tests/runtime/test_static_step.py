@@ -45,7 +45,7 @@ def _cache(L: int, H: int = 3, D: int = D, centred: bool = False, **kw) -> Oscar
     if centred:
         g = torch.Generator().manual_seed(3)
         kw = {**kw, "k_mean": torch.randn(L, H, D, generator=g), "v_mean": torch.randn(L, H, D, generator=g)}
-    return OscarCache(_rotations(L, H, D), _rotations(L, H, D, seed=50), clips, 0.92, **kw)
+    return OscarCache.from_tensors(_rotations(L, H, D), _rotations(L, H, D, seed=50), clips, 0.92, **kw)
 
 
 @torch.no_grad()

@@ -45,7 +45,6 @@ def spy(monkeypatch):
     monkeypatch.setattr(ops, "quantize_pack", rows)
     monkeypatch.setattr(ops, "quantize_pack_channel", channel)
     monkeypatch.setattr(attention.ops, "tiered_decode_attention", decode)
-    monkeypatch.setattr(attention, "_REHEARSED", set())
     return calls
 
 
@@ -57,19 +56,19 @@ def test_rehearses_each_build_across_two_demotions_and_leaves_the_cache_alone(de
     L, H, D, B, H_q = 2, 2, 64, 1, 4
     M = _orthogonal(L, H, D, 0)
     flush = key_block or 4
-    make = lambda: OscarCache(M, M.flip(-1), 0.9, 0.9, key_bits=[2, 3], sink=4, recent=8,  # noqa: E731
+    make = lambda: OscarCache.from_tensors(M, M.flip(-1), 0.9, 0.9, key_bits=[2, 3], sink=4, recent=8,  # noqa: E731
                               flush=flush, key_block=key_block)
-    cache = make()
+    cache, rehearsed = make(), set()  # the builds one model's binding has rehearsed (`OscarBinding.rehearsed`)
     query = torch.randn(B, H_q, 5, D, device=device)
-    attention.warm_up(cache, query, H, D**-0.5)
+    attention.warm_up(cache, query, H, D**-0.5, rehearsed=rehearsed)
     assert cache.kernels_ready and not any(layer.is_initialized for layer in cache.layers)
     demoted = spy["channel"] if key_block else [c for c in spy["rows"] if c[0] == flush]
     for bits in (2, 3):  # each layer's key bits: the demotions of whole `flush`-row groups, at least two
         assert sum(1 for rows, b in demoted if rows == flush and b == bits) >= 2, (bits, spy)
     assert spy["decode"] >= 2 * (flush + 2)  # both layers: a decode at each step until two demotions, and one after
     counts = (len(spy["rows"]), len(spy["channel"]), spy["decode"])
-    attention.warm_up(cache, query, H, D**-0.5)
-    attention.warm_up(make(), query, H, D**-0.5)
+    attention.warm_up(cache, query, H, D**-0.5, rehearsed=rehearsed)
+    attention.warm_up(make(), query, H, D**-0.5, rehearsed=rehearsed)
     assert (len(spy["rows"]), len(spy["channel"]), spy["decode"]) == counts
 
 
@@ -84,7 +83,8 @@ def test_a_generation_on_cpu_never_rehearses(monkeypatch):
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     torch.manual_seed(0)
     model = attention.enable_oscar(LlamaForCausalLM(cfg).eval())
-    cache = OscarCache(_orthogonal(2, 2, 16, 1), _orthogonal(2, 2, 16, 2), 0.9, 0.9, sink=2, recent=4, flush=2)
+    cache = OscarCache.from_tensors(_orthogonal(2, 2, 16, 1), _orthogonal(2, 2, 16, 2), 0.9, 0.9, sink=2, recent=4,
+                                    flush=2)
     ids = torch.randint(0, 64, (1, 12))
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4,
                    do_sample=False, pad_token_id=0)
