@@ -23,10 +23,10 @@ import torch
 
 from oscar_zoo.calibration import memory, targets
 from oscar_zoo.calibration.capture import capturing, forward_batches
-from oscar_zoo.calibration.data import TokenSequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate, calibrate
 from oscar_zoo.calibration.targets import group_heads
 from oscar_zoo.models import LoadedModel, arch_info, model_identity
+from oscar_zoo.texts import TokenSequences
 
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # `cpu` only to smoke-test this script with tiny sizes
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

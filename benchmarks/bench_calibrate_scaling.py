@@ -150,7 +150,6 @@ def sync(device: str) -> None:
 
 def run(args) -> dict | None:
     from oscar_zoo.calibration import distributed, pipeline
-    from oscar_zoo.calibration.data import TokenSequences
     from oscar_zoo.calibration.pipeline import (
         AccumulatorStore,
         CalibrationSettings,
@@ -158,6 +157,7 @@ def run(args) -> dict | None:
         calibrate,
     )
     from oscar_zoo.models import LoadedModel, arch_info, model_identity
+    from oscar_zoo.texts import TokenSequences
 
     on_gpu = args.device == "cuda"
     if on_gpu and not torch.cuda.is_available():

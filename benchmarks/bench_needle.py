@@ -32,7 +32,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from oscar_zoo.artifacts import load_artifacts
-from oscar_zoo.calibration.data import EVALUATION_PLAYS
 from oscar_zoo.evaluation.needle import (
     DEFAULT_DEPTHS,
     QUICK_DEPTHS,
@@ -43,6 +42,7 @@ from oscar_zoo.evaluation.needle import (
 )
 from oscar_zoo.evaluation.stats import wilson
 from oscar_zoo.models import arch_info
+from oscar_zoo.texts import EVALUATION_PLAYS
 
 
 def summarize(runs: list[dict], lengths: list[int]) -> list[str]:

@@ -18,12 +18,12 @@ import time
 import torch
 from transformers import DynamicCache
 
-from oscar_zoo.calibration.data import EVALUATION_PLAYS, load_texts
 from oscar_zoo.evaluation.needle import answer_is_right, build_prompt
 from oscar_zoo.evaluation.stats import wilson
 from oscar_zoo.models import load_model
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.cache import OscarCache
+from oscar_zoo.texts import EVALUATION_PLAYS, load_texts
 
 
 @torch.inference_mode()

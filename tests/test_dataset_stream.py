@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from oscar_zoo.calibration import data
+from oscar_zoo import texts
 
 SECONDS = 120  # far more than loading the tiny model and refusing takes
 
@@ -67,10 +67,10 @@ def test_a_dataset_larger_than_the_bound_is_refused_unread(tmp_path):
     """A sparse file past MAX_DATASET_BYTES (it takes no disk space): refused from its size, no byte read."""
     big = tmp_path / "big.txt"
     with open(big, "wb") as f:
-        f.truncate(data.MAX_DATASET_BYTES + 1)
-    with alarm(SECONDS), pytest.raises(data.InputError, match="more than the") as refused:
-        data.load_texts(str(big))
-    assert f"{data.MAX_DATASET_BYTES + 1:,} bytes" in refused.value.message
+        f.truncate(texts.MAX_DATASET_BYTES + 1)
+    with alarm(SECONDS), pytest.raises(texts.InputError, match="more than the") as refused:
+        texts.load_texts(str(big))
+    assert f"{texts.MAX_DATASET_BYTES + 1:,} bytes" in refused.value.message
 
 
 def test_a_file_that_grows_while_read_is_read_to_its_size_only(tmp_path, monkeypatch):
@@ -98,5 +98,5 @@ def test_a_file_that_grows_while_read_is_read_to_its_size_only(tmp_path, monkeyp
     monkeypatch.setattr("builtins.open", lambda f, mode="r", *a, **k: Growing(real_open(f, mode, *a, **k))
                         if os.fspath(f) == str(path) else real_open(f, mode, *a, **k))
     with alarm(SECONDS):
-        data._check_utf8([path], [40])
+        texts._check_utf8([path], [40])
     assert sum(read) == 40

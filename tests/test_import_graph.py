@@ -120,3 +120,61 @@ def test_the_walk_sees_imports_inside_functions_and_relative_levels():
     node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
     assert _targets(node, "oscar_zoo.p", True, modules) == {"oscar_zoo.p.a"}
     assert cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}, "w": {"x"}}) == [["x", "y", "z"]]
+
+
+# The levels of docs/architecture.md, top first: a module may import its own unit (package or top-level module) and
+# the units of any level below, never a level above nor a unit beside it on its own level. The root package (its
+# `__version__`) is below everything. A unit missing here fails the test: a new module takes its place first.
+LAYERS = (
+    ("__main__",),  # `python -m oscar_zoo`
+    ("cli",),  # the `oscar-zoo` entry point: the one error boundary
+    ("commands",),  # typer: options, tables, exit codes
+    ("console",),  # rich, for cli and commands only
+    ("calibration", "evaluation", "hub", "export"),  # the work; none imports another
+    ("artifacts", "models", "texts"),  # folders on disk, loading models, the calibration and held-out text
+    ("errors",),  # the errors a command reports, with their exit codes
+    ("runtime",),  # importable with torch and transformers alone
+    ("attention_binding",),  # a value bound to a model's attention modules (the runtime's binding, capture, scoring)
+    ("format",),  # the artifact format, torch alone
+    ("",),  # oscar_zoo itself: __version__
+)
+
+
+def _unit(module: str) -> str:
+    """The package or top-level module under oscar_zoo that `module` belongs to ("" for oscar_zoo itself)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that points up a level or sideways to a unit beside its own, as 'a → b (why)'."""
+    level = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    out = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            ua, ub = _unit(a), _unit(b)
+            if ua == ub:
+                continue
+            if ua not in level or ub not in level:
+                out.append(f"{a} → {b} ({ua if ua not in level else ub!r} has no level in LAYERS)")
+            elif level[ua] > level[ub]:
+                out.append(f"{a} → {b} (up: {ub} is above {ua})")
+            elif level[ua] == level[ub]:
+                out.append(f"{a} → {b} (sideways: {ua} and {ub} share a level)")
+    return out
+
+
+def test_imports_follow_the_layers_of_the_architecture():
+    graph = import_graph()
+    assert {_unit(m) for m in graph} <= {u for units in LAYERS for u in units}, "a unit without a level in LAYERS"
+    found = layering_violations(graph)
+    assert not found, "imports against docs/architecture.md's levels:\n" + "\n".join(found)
+
+
+def test_the_layer_check_sees_up_and_sideways_arrows():
+    graph = {"oscar_zoo.evaluation.x": {"oscar_zoo.calibration.y", "oscar_zoo.format.z", "oscar_zoo.evaluation.w"},
+             "oscar_zoo.format.z": {"oscar_zoo.runtime.v", "oscar_zoo"}, "oscar_zoo.newthing": {"oscar_zoo.format.z"}}
+    assert layering_violations(graph) == [
+        "oscar_zoo.evaluation.x → oscar_zoo.calibration.y (sideways: evaluation and calibration share a level)",
+        "oscar_zoo.format.z → oscar_zoo.runtime.v (up: runtime is above format)",
+        "oscar_zoo.newthing → oscar_zoo.format.z ('newthing' has no level in LAYERS)",
+    ]

@@ -36,9 +36,9 @@ from ..format.schema import (
     ValueTarget,
 )
 from ..models import LoadedModel, cache_root
+from ..texts import TokenSequences
 from . import clip_search
 from .capture import capturing, forward_batches
-from .data import TokenSequences
 from .distributed import DataParallel
 from .placement import accumulator_device, layer_devices, model_device, sample_on
 from .rotation import fit_rotations, spectrum_ratio

@@ -17,8 +17,8 @@ from ..artifacts import check_writable, nearest_existing, write_artifacts
 from ..errors import SettingError
 from ..format.schema import Manifest
 from ..models import arch_info, cache_root, load_model, resolve_device, resolve_dtype
+from ..texts import load_texts, make_sequences
 from . import distributed, memory
-from .data import load_texts, make_sequences
 from .pipeline import CalibrationResult, Progress, calibrate, checkpoint_state, default_store_dir
 from .settings import CalibrationRequest
 

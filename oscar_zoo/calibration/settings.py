@@ -18,8 +18,8 @@ from ..format import layout
 from ..format.layout import Centring, Choice
 from ..format.schema import ClipMode, Granularity, ValueTarget
 from ..models import DEMO, check_revision_applies
+from ..texts import check_dataset_options, check_seq_len
 from . import clip_search, distributed
-from .data import check_dataset_options, check_seq_len
 
 DEFAULT_KEY_BITS = 2.7  # QUALITY.md "Retrieval": 2.98 bits/element at 32K for D = 64 (≤ 3.0), needle 57 → 72 %
 

@@ -15,7 +15,6 @@ from rich.table import Table
 
 from ..artifacts import check_destination
 from ..calibration import distributed
-from ..calibration.data import MIN_SEQ_LEN
 from ..calibration.pipeline import CalibrationResult
 from ..calibration.run import CalibrationInterrupted, run_calibration
 from ..calibration.settings import (
@@ -34,6 +33,7 @@ from ..console import console, err_console, progress_reporter, shown
 from ..errors import SettingError
 from ..format import layout
 from ..models import DEMO, model_id_of
+from ..texts import MIN_SEQ_LEN
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
 
 TOKENS_HELP = ("Calibration tokens (rounded down to whole sequences; fewer lose long-context retrieval: "

@@ -11,7 +11,6 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..calibration.data import check_dataset_options
 from ..console import console, err_console, progress_reporter, shown
 from ..errors import InputError, SettingError, VerificationFailed
 from ..evaluation.harness import DEFAULT_THRESHOLDS, MAX_GENERATE, VerifySettings
@@ -25,7 +24,9 @@ from ..evaluation.needle import (
 )
 from ..evaluation.pipeline import VerifyRequest, verify_artifacts
 from ..evaluation.registry import BASELINES, DEFAULT_BASELINES, SHORT, check_baselines
+from ..export.as_exported import as_exported as exported_form
 from ..format.verification import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
+from ..texts import check_dataset_options
 from .options import ArtifactsArg, Dataset, Device, Dtype, Json, Revision, Split, TextField
 
 
@@ -139,7 +140,8 @@ def verify_command(
                                                     min_top1=min_top1))
     request = VerifyRequest(artifacts, settings, model=model, revision=revision, dataset=dataset,
                             text_field=text_field, split=split, seed=seed, device=device, dtype=dtype,
-                            needle=needle_settings, needle_quick=needle_quick, as_exported=as_exported, plot=plot,
+                            needle=needle_settings, needle_quick=needle_quick,
+                            as_exported=exported_form if as_exported else None, plot=plot,
                             needle_plot=needle_plot, write=write)
     say = (lambda msg: None) if json_output else (lambda msg: err_console.print(f"[dim]{shown(msg)}[/]"))
     try:

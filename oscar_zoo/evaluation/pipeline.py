@@ -1,4 +1,5 @@
-"""`oscar-zoo verify` as one library call: read the artifact folder (or its exported form), load the model it names,
+"""`oscar-zoo verify` as one library call: read the artifact folder (or the form a deployment serves, through the
+transform the caller passes: the command passes `export.as_exported` for `--as-exported`), load the model it names,
 held-out text, teacher forcing and generation (harness.py), the needle grid (needle.py), one report patched with both,
 then the plots and the manifest's `verification` when asked. Library code: messages go to `say`, long work to the
 progress callback that `progress_scope()` yields.
@@ -13,8 +14,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..artifacts import (
+    Rotations,
     artifact_folder,
     check_file,
     check_model_matches,
@@ -23,24 +26,38 @@ from ..artifacts import (
     read_manifest,
     write_manifest,
 )
-from ..calibration.data import EVALUATION_PLAYS, load_texts, make_sequences
 from ..errors import InputError, IntegrityError
-from ..export.as_exported import as_exported as as_exported_form
 from ..format.records import MANIFEST_MAX_BYTES
-from ..format.schema import MANIFEST_NAME
+from ..format.schema import MANIFEST_NAME, Manifest
 from ..format.verification import VerifyReport, binding_of
 from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, load_model
+from ..texts import EVALUATION_PLAYS, load_texts, make_sequences
 from .harness import VerifySettings, check_positions, model_positions, resolve_backend, run_verification
 from .needle import NeedleSettings, check_filler, check_lengths, default_lengths, run_needle
 
 ProgressScope = Callable[[], AbstractContextManager[Callable[..., None]]]
 
 
+class DeployedForm(Protocol):
+    """An artifact as a deployment serves it, verified in place of the artifact (`export.as_exported` gives one)."""
+
+    manifest: Manifest
+    rotations: Rotations
+
+    def describe(self) -> str:
+        """What the deployment changed, for the report's artifact label."""
+        ...
+
+
+Deployment = Callable[[Manifest, Rotations], DeployedForm]
+
+
 @dataclass(frozen=True)
 class VerifyRequest:
     """What `verify` was asked. settings.backend may be "auto" (resolved on the loaded model's device); needle: the
     grid, its lengths () for 1024, 2048, … up to the model's limit (two of them with needle_quick); plot and
-    needle_plot: paths `plot.check_plot_path` has settled; write: store the report in the manifest."""
+    needle_plot: paths `plot.check_plot_path` has settled; write: store the report in the manifest; as_exported: the
+    transform to the deployed form that is verified instead of the artifact (the report is flagged `as_exported`)."""
 
     artifacts: Path
     settings: VerifySettings
@@ -54,7 +71,7 @@ class VerifyRequest:
     dtype: str = "auto"
     needle: NeedleSettings | None = None
     needle_quick: bool = False
-    as_exported: bool = False
+    as_exported: Deployment | None = None
     plot: Path | None = None
     needle_plot: Path | None = None
     write: bool = False
@@ -73,7 +90,7 @@ def verify_artifacts(request: VerifyRequest, say: Callable[[str], None] | None =
     if request.write:  # a folder the report cannot be stored in is refused now, not after the whole run
         check_writable(artifact_folder(artifacts), f"--write (stores the report in {artifacts}/{MANIFEST_NAME})")
     manifest, rotations = load_artifacts(artifacts)
-    exported = as_exported_form(manifest, rotations) if request.as_exported else None
+    exported = request.as_exported(manifest, rotations) if request.as_exported is not None else None
     # what is verified: the artifact, or its exported form (the manifest itself stays the artifact's, for --write)
     used, used_rotations = (manifest, rotations) if exported is None else (exported.manifest, exported.rotations)
     loaded = load_model(*model_to_load(manifest, request.model, request.revision), device=request.device,

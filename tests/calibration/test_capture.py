@@ -7,11 +7,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from oscar_zoo.calibration.capture import capturing
-from oscar_zoo.calibration.data import TokenSequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate
 from oscar_zoo.calibration.targets import centred_target
 from oscar_zoo.format import reference as R
 from oscar_zoo.models import LoadedModel, arch_info, model_identity
+from oscar_zoo.texts import TokenSequences
 
 from ..conftest import tiny_model
 

@@ -5,10 +5,10 @@ import pytest
 from rich.progress import Progress
 
 from oscar_zoo.calibration import pipeline
-from oscar_zoo.calibration.data import corpus_dir, load_texts, make_sequences
 from oscar_zoo.calibration.pipeline import HELDOUT, PASS1, PASS2, CalibrationSettings, PassesClock, calibrate
 from oscar_zoo.console import TimeLeftColumn
 from oscar_zoo.models import load_model
+from oscar_zoo.texts import corpus_dir, load_texts, make_sequences
 
 
 class Ticker:

@@ -6,14 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from oscar_zoo.calibration import data
-from oscar_zoo.calibration.data import MIN_SEQ_LEN, make_sequences
+from oscar_zoo import texts
 from oscar_zoo.calibration.pipeline import calibrate
 from oscar_zoo.calibration.settings import AccumulateOn, CalibrationRequest, CalibrationSettings
 from oscar_zoo.commands.calibrate import flag
 from oscar_zoo.errors import SettingError
 from oscar_zoo.format.layout import Centring
 from oscar_zoo.format.schema import ClipMode, Granularity, QuantSpec, ValueTarget
+from oscar_zoo.texts import MIN_SEQ_LEN, make_sequences
 
 from ..test_calibrate_cli import SMALL, text_file  # noqa: F401 -- fixture
 
@@ -83,7 +83,7 @@ def test_the_minimum_sequence_length_is_one_constant(monkeypatch, tmp_path):
         assert err.value.message == f"seq_len {MIN_SEQ_LEN - 1}: expected at least {MIN_SEQ_LEN} tokens per sequence"
         assert err.value.spelled(flag).message.startswith(f"--seq-len {MIN_SEQ_LEN - 1}: ")
     # both the command's early check and make_sequences read the same constant: moving it moves both
-    monkeypatch.setattr(data, "MIN_SEQ_LEN", 2 * MIN_SEQ_LEN)
+    monkeypatch.setattr(texts, "MIN_SEQ_LEN", 2 * MIN_SEQ_LEN)
     for refuse in (lambda n: make_sequences(_Tokenizer(), text, n, 2, 1),
                    lambda n: CalibrationRequest(out=Path(tmp_path), seq_len=n, tokens=4 * n)):
         with pytest.raises(SettingError, match=f"expected at least {2 * MIN_SEQ_LEN} tokens"):
@@ -93,9 +93,9 @@ def test_the_minimum_sequence_length_is_one_constant(monkeypatch, tmp_path):
 def test_library_errors_name_settings_and_the_entry_point_spells_flags(run_cli, tmp_path):
     """Dataset, revision and device errors of the library name the setting (split, text_field, revision); the one
     error boundary (oscar_zoo.cli.main) spells them as the flags the user typed."""
-    from oscar_zoo.calibration.data import check_dataset_options
     from oscar_zoo.errors import SettingError
     from oscar_zoo.models import check_revision_applies
+    from oscar_zoo.texts import check_dataset_options
 
     for call, name in ((lambda: check_dataset_options(None, "validation", None), "split"),
                        (lambda: check_dataset_options(None, None, "body"), "text_field"),

@@ -13,10 +13,10 @@ import torch
 import torch.multiprocessing as mp
 
 from oscar_zoo.artifacts import load_artifacts
-from oscar_zoo.calibration.data import TokenSequences
 from oscar_zoo.calibration.distributed import launch, without_option
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate, calibrate
 from oscar_zoo.models import LoadedModel, arch_info, model_identity
+from oscar_zoo.texts import TokenSequences
 
 from ..conftest import tiny_model
 
@@ -87,7 +87,7 @@ def test_gloo_ranks_equal_one_process(tmp_path, world, layers):
 
 
 def test_nproc_option_writes_the_single_process_artifacts(run_cli, tiny_model_dir, tmp_path):
-    from oscar_zoo.calibration.data import corpus_dir
+    from oscar_zoo.texts import corpus_dir
 
     text = tmp_path / "play.txt"
     text.write_text((corpus_dir() / "coriolanus_gut.txt").read_text()[:20000])

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from oscar_zoo.calibration import memory
-from oscar_zoo.calibration.data import TokenSequences
 from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate
 from oscar_zoo.errors import InputError
 from oscar_zoo.models import arch_info, load_model
+from oscar_zoo.texts import TokenSequences
 
 from ..conftest import tiny_config, tiny_model
 

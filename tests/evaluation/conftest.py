@@ -54,7 +54,7 @@ def model_dir(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def heldout_file(tmp_path_factory):
     """A short held-out text (an evaluation play's opening), so the CLI tests tokenize little."""
-    from oscar_zoo.calibration.data import corpus_dir
+    from oscar_zoo.texts import corpus_dir
 
     path = tmp_path_factory.mktemp("text") / "henry_v.txt"
     path.write_text((corpus_dir() / "henry_v_gut.txt").read_text()[:60000])
@@ -86,8 +86,8 @@ def good_artifacts(tmp_path_factory, loaded):
     with keys per row (`key_block=0`; the default codes them per channel, docs/format.md §6d):
     the verify tests check the means' path against the float64 reference; the version-1 fixture covers uncentred."""
     from oscar_zoo.artifacts import write_artifacts
-    from oscar_zoo.calibration.data import corpus_dir, make_sequences
     from oscar_zoo.calibration.pipeline import CalibrationSettings, calibrate
+    from oscar_zoo.texts import corpus_dir, make_sequences
 
     text = (corpus_dir() / "hamlet_gut.txt").read_text()[:60000]
     seqs = make_sequences(loaded.tokenizer, [text], 128, 4, 1, dataset="hamlet excerpt")
@@ -115,7 +115,7 @@ def bad_artifacts(good_artifacts):
 
 @pytest.fixture(scope="session")
 def heldout_ids(loaded, heldout_file):
-    from oscar_zoo.calibration.data import make_sequences
+    from oscar_zoo.texts import make_sequences
 
     return make_sequences(loaded.tokenizer, [heldout_file.read_text()], CONTEXT, 2, 0).input_ids
 

@@ -213,8 +213,8 @@ def test_real_smollm2_oscar_beats_naive_int2(smollm2, tmp_path):
     """One short real case: OSCAR calibrated on 256 tokens of a calibration play, verified on 1×384 held-out tokens;
     the rotations must beat naive INT2 on KL and top-1 (observed with the default, uncentred codec: KL 0.019 vs 0.279,
     top-1 92.1% vs 79.4%)."""
-    from oscar_zoo.calibration.data import EVALUATION_PLAYS, corpus_dir, make_sequences
     from oscar_zoo.calibration.pipeline import CalibrationSettings, calibrate
+    from oscar_zoo.texts import EVALUATION_PLAYS, corpus_dir, make_sequences
 
     tok = smollm2.tokenizer
     seqs = make_sequences(tok, [(corpus_dir() / "macbeth_gut.txt").read_text()[:20000]], 256, 1, 1)

@@ -54,7 +54,7 @@ def other_artifacts(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
-    from oscar_zoo.calibration.data import corpus_dir
+    from oscar_zoo.texts import corpus_dir
 
     path = tmp_path_factory.mktemp("text") / "henry_v.txt"
     path.write_text((corpus_dir() / "henry_v_gut.txt").read_text()[:20000])

@@ -23,11 +23,11 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface
 
-from oscar_zoo.calibration.data import corpus_dir
 from oscar_zoo.format import layout, reference
 from oscar_zoo.models import ensure_demo_model
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.cache import OscarCache
+from oscar_zoo.texts import corpus_dir
 
 # Windows smaller than the default 64 / 256 (they are manifest quant settings; the code path is the same) so that a
 # short prompt puts most keys in the INT2 history: 96 of 160 after the prefill, 104 after the demotion at decode step 8.

