@@ -43,7 +43,6 @@ from transformers import (
 from transformers.cache_utils import Cache
 
 from oscar_zoo.format import layout
-from oscar_zoo.runtime import cache as cache_mod
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, model_binding
 from oscar_zoo.runtime.cache import OscarCache
 from oscar_zoo.runtime.graph import decode_graphs, install
@@ -246,8 +245,9 @@ def prefill(model, cache: Cache, ids: Tensor, chunk: int) -> Tensor:
 @torch.inference_mode()
 def fill_kv(cache: Cache, model, B: int, T: int, reserve: int, chunk: int = 8192) -> None:
     """Write T random (already rotated) K/V tokens into every layer without running the model. OscarCache: the
-    filing path of a prefill (`_append`: sink, recent, INT2 history via ops.quantize_pack), history capacity reserved
-    for T + `reserve` tokens up front so decode timing excludes regrowth. BF16 caches: one update per layer."""
+    filing path of a prefill (`OscarLayer.file_rotated`: sink, recent, INT2 history via ops.quantize_pack), history
+    capacity reserved for T + `reserve` tokens up front so decode timing excludes regrowth. BF16 caches: one update
+    per layer."""
     cfg = model.config
     H_kv, D = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dev = next(model.parameters()).device
@@ -258,11 +258,10 @@ def fill_kv(cache: Cache, model, B: int, T: int, reserve: int, chunk: int = 8192
             k = torch.randn(B, H_kv, min(chunk, T), D, device=dev, generator=gen, dtype=torch.bfloat16)
             v = torch.randn(B, H_kv, min(chunk, T), D, device=dev, generator=gen, dtype=torch.bfloat16)
             layer.lazy_initialization(k, v)
-            hist_rows = max(T + reserve - layer.sink - layer.recent, 1)
-            layer._ensure_history(-(-hist_rows // cache_mod.HISTORY_CHUNK) * cache_mod.HISTORY_CHUNK)
+            layer.reserve(T + reserve)
             for start in range(0, T, chunk):
                 n = min(chunk, T - start)
-                layer._append(k[:, :, :n], v[:, :, :n], multi=True)
+                layer.file_rotated(k[:, :, :n], v[:, :, :n])
                 if layer.staged is not None:  # what a prompt chunk's attention does: pin (any choice costs the same)
                     layer.pin_tokens(lambda cand: cand.float().square().sum(-1))
         else:

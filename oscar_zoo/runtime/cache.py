@@ -374,6 +374,12 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
         self.n_recent += 1 - (self.flush if demote else 0)
         self.n_hist += self.flush if demote else 0
 
+    def file_rotated(self, k: Tensor, v: Tensor) -> None:
+        """File already-rotated (and centred) BF16 rows [B, H, n, D] of a prompt chunk as `update` files them, without
+        rotating and without an attention call (a benchmark fills a long context this way); with `pin` the chunk's
+        history rows wait in `staged` until `pin_tokens`. Initialise the layer first (`lazy_initialization`)."""
+        self._append(k.to(layout.TIER_DTYPE), v.to(layout.TIER_DTYPE), multi=True)
+
     def _append(self, k: Tensor, v: Tensor, multi: bool) -> None:
         """Sink first (positions < sink), then recent; demote the oldest recent tokens into the history: a multi-token
         chunk leaves exactly `recent` of them, a single token triggers a demotion of `flush` at recent + flush."""

@@ -255,7 +255,7 @@ def test_without_oscar_cache_attention_is_exact():
 def test_equal_length_batch_matches_rows_and_padding_is_refused(monkeypatch):
     """Each row of an equal-length batch generates exactly what it generates alone. Exactness holds for the reference
     ops, which this pins (no TRITON_INTERPRET): the kernels pick their split count from the batch size
-    (`ops._int2_splits`), so their fp32 sums legitimately differ between B=2 and B=1 in the last bits, enough to flip
+    (`ops.int2_splits`), so their fp32 sums legitimately differ between B=2 and B=1 in the last bits, enough to flip
     a near-tie of this random bf16 model's greedy tokens. Kernels on batches are checked in test_decode_kernels."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = enable_oscar(_model("mistral", dtype=torch.bfloat16))

@@ -75,7 +75,7 @@ def test_bits_per_element_count_the_blocks_pairs():
     keys = layout.bits_per_element(32768, 64, key_block=64)
     assert keys == pytest.approx((hist * (2 + 0.5) + 320 * 16) / 32768)
     assert layout.bits_per_element(32768, 128, key_block=128) == pytest.approx((hist * 2.25 + 320 * 16) / 32768)
-    assert layout.kv_bits_per_element(32768, 64, key_bits=2.7, key_block=64) == pytest.approx(
+    assert layout.kv_bits_per_element(32768, 64, key_bits=[3] * 7 + [2] * 3, key_block=64) == pytest.approx(
         (hist * (2.7 + 0.5 + 2.5) / 2 + 320 * 16) / 32768)
     assert [layout.default_key_block(d) for d in (32, 64, 128, 256)] == [64, 64, 128, 256]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-from oscar_zoo.runtime import config, ops  # noqa: E402
+from oscar_zoo.runtime import config, dispatch, ops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SM90_SHARED = 227 * 1024  # bytes of shared memory one program may use on an H100/H200
@@ -41,7 +41,7 @@ def test_decode_kernel_compiles_for_sm90(shape, group_size, key_block, int8_dots
     r = json.loads(proc.stdout.splitlines()[-1])
     H_q, H_kv, D = (int(x) for x in shape.split(","))
     assert r["shared"] <= SM90_SHARED
-    assert r["GP"] == ops.triton_next_pow2(H_q // H_kv)
+    assert r["GP"] == dispatch.next_pow2(H_q // H_kv)
     assert r["ops"]["HMMA"] > 0  # the token loop runs on tensor cores
     assert (r["ops"].get("IMMA", 0) + r["ops"].get("IGMMA", 0) > 0) == int8_dots
     assert r["ops"].get("PRMT", 0) > 0 or not config.current().int2_asm  # the INT2 loop was found (byte-permute unpack)
