@@ -41,7 +41,7 @@ def _run(model, ids: torch.Tensor, prompt: int, mode: str) -> tuple[torch.Tensor
     enable_oscar(model, compile=mode == "compiled")
     cfg = model.config
     cache = _cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    forward = model if mode == "eager" else model._oscar_graphs
+    forward = model if mode == "eager" else graph.decode_graphs(model)
     out = [model(ids[:, :prompt], past_key_values=cache).logits[:, -1]]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for t in range(prompt, ids.shape[1]):
@@ -51,7 +51,7 @@ def _run(model, ids: torch.Tensor, prompt: int, mode: str) -> tuple[torch.Tensor
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / (ids.shape[1] - prompt - 16)
-    return torch.stack(out, 1)[0].float(), ms, 0 if mode == "eager" else model._oscar_graphs.replays
+    return torch.stack(out, 1)[0].float(), ms, 0 if mode == "eager" else graph.decode_graphs(model).replays
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from oscar_zoo.format import layout
 from oscar_zoo.runtime import compiled, graph
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.compiled import CompiledLayers
-from oscar_zoo.runtime.graph import ROUTED_TYPES, static_experts
+from oscar_zoo.runtime.graph import ROUTED_TYPES, decode_graphs, static_experts
 
 from .test_static_step import D, _cache, _llama, _qwen3
 
@@ -237,7 +237,7 @@ def test_generate_compiled_replay_equals_eager_and_uncompiled(arch, B):
                              logits_processor=LogitsProcessorList(follow or []), **{cache_kw: cache})  # fmt: skip
         runs[mode] = (out.sequences, torch.stack(out.logits, 1).float())
         if mode != "eager":
-            assert model._oscar_graphs.replays >= 210
+            assert decode_graphs(model).replays >= 210
     assert torch.equal(runs["graph"][0], runs["eager"][0]) and torch.equal(runs["graph"][1], runs["eager"][1])
     assert torch.equal(runs["compiled"][0], runs["eager"][0])  # it followed
     diff = (runs["compiled"][1] - runs["eager"][1]).abs().amax(-1)  # [B, steps]
@@ -283,13 +283,13 @@ def test_every_supported_architecture_compiles_and_replays_as_eager(model_type, 
     for mode in ("eager", "graph", "compiled"):
         enable_oscar(model, compile=mode == "compiled")
         cache = _cache(2)
-        forward = model if mode == "eager" else model._oscar_graphs
+        forward = model if mode == "eager" else decode_graphs(model)
         with torch.no_grad():
             out = [model(ids[:, :330], **{cache_kw: cache}).logits[:, -1]]
             for t in range(330, 390):
                 out.append(forward(input_ids=ids[:, t : t + 1], use_cache=True, **{cache_kw: cache}).logits[:, -1])
         runs.append(torch.stack(out, 1).float())
-    assert model._oscar_graphs.replays >= 50
+    assert decode_graphs(model).replays >= 50
     # no graph break: with one, each layer's attention compiles as a frame of its own, per layer index, and past
     # dynamo's recompile limit (8) runs eagerly
     assert sum(counters["graph_break"].values()) == breaks
@@ -320,7 +320,7 @@ def test_gemma2_softcap_steps_replay_as_eager_and_a_sliding_window_is_not_passed
                              **{cache_kw: _cache(2, centred=True)})  # fmt: skip
         runs[mode] = (out.sequences, torch.stack(out.logits, 1).float())
         if mode != "eager":
-            assert model._oscar_graphs.replays >= 190
+            assert decode_graphs(model).replays >= 190
     assert torch.equal(runs["graph"][0], runs["eager"][0]) and torch.equal(runs["graph"][1], runs["eager"][1])
     scale = runs["eager"][1].abs().max()
     assert torch.equal(runs["compiled"][0], runs["eager"][0])

@@ -18,7 +18,7 @@ from oscar_zoo.format import layout, reference
 from oscar_zoo.runtime import ops
 from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, oscar_attention
 from oscar_zoo.runtime.cache import OscarCache, OscarLayer
-from oscar_zoo.runtime.graph import DecodeGraphs, _Step
+from oscar_zoo.runtime.graph import DecodeGraphs, _Step, decode_graphs
 
 D = 64
 
@@ -275,7 +275,7 @@ def test_generate_replays_captured_steps_equal_to_eager(arch, B, fold, centred, 
                              disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True,
                              **{cache_kw: cache})  # fmt: skip
         runs[mode] = (out.sequences, torch.stack(out.logits, 1).float(), cache.layers[0].n_hist)
-    graphs = model._oscar_graphs
+    graphs = decode_graphs(model)
     assert graphs.replays >= 210 and graphs.captures >= 2
     assert torch.equal(runs["graph"][0], runs["eager"][0])
     assert torch.equal(runs["graph"][1], runs["eager"][1])
