@@ -22,8 +22,8 @@ import time
 import torch
 
 from oscar_zoo.calibration import memory, targets
+from oscar_zoo.calibration.calibration_passes import AccumulatorStore, CalibrationSettings, accumulate, calibrate
 from oscar_zoo.calibration.capture import capturing, forward_batches
-from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate, calibrate
 from oscar_zoo.calibration.targets import group_heads
 from oscar_zoo.models import LoadedModel, arch_info, model_identity
 from oscar_zoo.texts import TokenSequences

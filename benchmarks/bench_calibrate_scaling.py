@@ -149,8 +149,8 @@ def sync(device: str) -> None:
 
 
 def run(args) -> dict | None:
-    from oscar_zoo.calibration import distributed, pipeline
-    from oscar_zoo.calibration.pipeline import (
+    from oscar_zoo.calibration import calibration_passes as pipeline, distributed
+    from oscar_zoo.calibration.calibration_passes import (
         AccumulatorStore,
         CalibrationSettings,
         accumulate,

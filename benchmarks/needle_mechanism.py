@@ -24,9 +24,9 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from oscar_zoo.artifacts import load_artifacts
-from oscar_zoo.evaluation.attention import cache_argument
 from oscar_zoo.evaluation.needle import QUESTION, build_prompt
 from oscar_zoo.evaluation.stats import wilson
+from oscar_zoo.evaluation.teacher_forcing import cache_argument
 from oscar_zoo.format import layout, reference as ref
 from oscar_zoo.models import load_model
 from oscar_zoo.texts import EVALUATION_PLAYS, bundled_files, load_texts

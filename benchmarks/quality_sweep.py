@@ -32,17 +32,16 @@ import torch
 
 from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.calibration import clip_search
-from oscar_zoo.calibration.pipeline import (
+from oscar_zoo.calibration.calibration_passes import (
     AccumulatorStore,
     CalibrationSettings,
     accumulate,
     layer_sample,
     store_key,
 )
-from oscar_zoo.calibration.rotation import fit_rotations, spectrum_ratio
+from oscar_zoo.calibration.rotation_fit import fit_rotations, spectrum_ratio
 from oscar_zoo.calibration.targets import centred_target
 from oscar_zoo.evaluation import metrics
-from oscar_zoo.evaluation.attention import verifying
 from oscar_zoo.evaluation.baselines import (
     Exact,
     Kivi,
@@ -50,9 +49,10 @@ from oscar_zoo.evaluation.baselines import (
     RotatedInt2,
     hadamard_rotation,
 )
-from oscar_zoo.evaluation.harness import Attender, _logits, quantizer
 from oscar_zoo.evaluation.peers import PeerCache
 from oscar_zoo.evaluation.registry import ARTIFACT, BASELINES, PEERS, Setup, check_baselines
+from oscar_zoo.evaluation.teacher_forcing import verifying
+from oscar_zoo.evaluation.verification_passes import Attender, _logits, quantizer
 from oscar_zoo.format import layout, reference
 from oscar_zoo.models import cache_root, load_model
 from oscar_zoo.texts import EVALUATION_PLAYS, load_texts, make_sequences

@@ -1,11 +1,11 @@
 """Typed errors, each carrying its exit code (README, "Commands") and the advice a user needs; `cli.main` maps them.
-The base and IntegrityError are the format's (`format/errors.py`), named here with the rest."""
+The base and IntegrityError are the format's (`format/integrity.py`), named here with the rest."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .format.errors import IntegrityError, OscarZooError
+from .format.integrity import IntegrityError, OscarZooError
 
 __all__ = ["HubError", "InputError", "IntegrityError", "OscarZooError", "SettingError", "VerificationFailed", "literal"]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oscar_zoo.artifacts import check_model_matches, load_artifacts, read_manifest
-from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, calibrate
+from oscar_zoo.calibration.calibration_passes import AccumulatorStore, CalibrationSettings, calibrate
 from oscar_zoo.errors import IntegrityError
 from oscar_zoo.format import reference as R
 from oscar_zoo.format.io import load_tensors
@@ -217,12 +217,12 @@ def test_existing_artifacts_survive_a_failed_recalibration(calibrated, run_cli, 
 @pytest.fixture
 def no_model_work(monkeypatch):
     """Refusals must come before any model work: loading the model fails the test."""
-    from oscar_zoo.calibration import run
+    from oscar_zoo.calibration import calibration_run
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr(run, "load_model", refuse)
+    monkeypatch.setattr(calibration_run, "load_model", refuse)
 
 
 def _tree(folder):

@@ -43,12 +43,12 @@ def test_nonsense_options_are_refused_before_any_work(run_cli, tiny_model_dir, t
 
 def test_group_size_is_checked_against_the_head_dim_before_the_data_is_read(run_cli, tiny_model_dir, text_file,
                                                                           tmp_path, monkeypatch, cache):
-    from oscar_zoo.calibration import run
+    from oscar_zoo.calibration import calibration_run
 
     def no_data(*args, **kwargs):
         raise AssertionError("the dataset was read before --group-size was checked")
 
-    monkeypatch.setattr(run, "load_texts", no_data)
+    monkeypatch.setattr(calibration_run, "load_texts", no_data)
     code, _, err = run_cli("calibrate", tiny_model_dir, "--dataset", text_file, *SMALL, "--group-size", "5",
                            "--out", tmp_path / "art")
     assert code == 2 and "--group-size 5: expected 0 or a divisor of the model's head_dim 64" in err, err

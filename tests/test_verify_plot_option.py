@@ -49,12 +49,12 @@ def _verify(artifacts, model_dir, text_file, *extra):
 @pytest.fixture
 def no_model_work(monkeypatch):
     """verify must not reach the model: loading it fails the test loudly."""
-    from oscar_zoo.evaluation import pipeline
+    from oscar_zoo.evaluation import verification_run
 
     def refuse(*args, **kwargs):
         raise AssertionError("verify loaded the model before checking --plot")
 
-    monkeypatch.setattr(pipeline, "load_model", refuse)
+    monkeypatch.setattr(verification_run, "load_model", refuse)
 
 
 def _assert_refused(code: int, out: str, err: str, *needles: str) -> None:

@@ -1,6 +1,6 @@
-"""`oscar-zoo calibrate [MODEL]`: parse the options into a `CalibrationRequest`, run it (`calibration.run`), render
-the summary table or JSON. Settings' errors name the setting; here they are spelled as flags (group_size →
---group-size)."""
+"""`oscar-zoo calibrate [MODEL]`: parse the options into a `CalibrationRequest`, run it
+(`calibration.calibration_run`), render the summary table or JSON. Settings' errors name the setting; here they are
+spelled as flags (group_size → --group-size)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from rich.table import Table
 
 from ..artifacts import check_destination
 from ..calibration import distributed
-from ..calibration.pipeline import CalibrationResult
-from ..calibration.run import CalibrationInterrupted, run_calibration
+from ..calibration.calibration_passes import CalibrationResult
+from ..calibration.calibration_run import CalibrationInterrupted, run_calibration
 from ..calibration.settings import (
     DEFAULT_KEY_BITS,
     DEFAULT_TOKENS,

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from ..artifacts import load_artifacts
-from ..calibration.rotation import spectrum_ratio
+from ..calibration.rotation_fit import spectrum_ratio
 from ..console import console, shown
 from .options import ArtifactsArg, Json
 

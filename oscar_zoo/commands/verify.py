@@ -13,7 +13,6 @@ from rich.table import Table
 
 from ..console import console, err_console, progress_reporter, shown
 from ..errors import InputError, SettingError, VerificationFailed
-from ..evaluation.harness import DEFAULT_THRESHOLDS, MAX_GENERATE, VerifySettings
 from ..evaluation.needle import (
     DEFAULT_DEPTHS,
     QUICK_DEPTHS,
@@ -22,8 +21,9 @@ from ..evaluation.needle import (
     check_batch,
     paired_against_reference,
 )
-from ..evaluation.pipeline import VerifyRequest, verify_artifacts
 from ..evaluation.registry import BASELINES, DEFAULT_BASELINES, SHORT, check_baselines
+from ..evaluation.verification_passes import DEFAULT_THRESHOLDS, MAX_GENERATE, VerifySettings
+from ..evaluation.verification_run import VerifyRequest, verify_artifacts
 from ..export.as_exported import as_exported as exported_form
 from ..format.verification import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleReport, Thresholds, VerifyReport
 from ..texts import check_dataset_options

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..format import layout, reference
-from .attention import causal_attention, windowed_attention
+from .teacher_forcing import causal_attention, windowed_attention
 
 KIVI_GROUP = 32  # KIVI-2: keys per channel over groups of 32 tokens, values per token over groups of 32 channels
 

@@ -32,10 +32,10 @@ from torch import Tensor
 from ..errors import InputError
 from ..format.verification import DEFAULT_MIN_NEEDLE_ACCURACY, NeedleMethod, NeedleProtocol, NeedleReport, needle_gate
 from ..models import LoadedModel
-from .attention import cache_argument
 from .baselines import DTYPE_NAMES
 from .registry import Setup, build_methods
 from .stats import PairedDifference, paired_difference
+from .teacher_forcing import cache_argument
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
 QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"

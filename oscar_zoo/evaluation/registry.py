@@ -1,8 +1,8 @@
 """Every method `verify` knows, registered once: the BF16 reference, the artifact, each baseline and each of
 transformers' QuantizedCache peers, under its command-line name with its table name, its label and how it is built.
 What a method does (teacher-forced attention, bits, the cache it decodes through) is the method's own (baselines.py,
-peers.py); `verify`, the harness, the needle grid and the benchmarks read the methods from here. A new baseline is one
-entry in BASELINES (or in _PEERS for another QuantizedCache setting).
+peers.py); `verify`, the verification passes, the needle grid and the benchmarks read the methods from here. A new
+baseline is one entry in BASELINES (or in _PEERS for another QuantizedCache setting).
 """
 
 from __future__ import annotations

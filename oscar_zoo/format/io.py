@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import layout
-from .errors import IntegrityError
+from .integrity import IntegrityError
 from .layout import Centring
 from .records import MANIFEST_MAX_BYTES, load_json, one_line
 from .schema import MANIFEST_NAME, ROTATIONS_NAME, ArtifactFile, Manifest, check_layer_ids

@@ -22,7 +22,7 @@ import typing
 from enum import Enum
 from typing import Any, Literal, TypeVar
 
-from .errors import IntegrityError
+from .integrity import IntegrityError
 
 MANIFEST_MAX_BYTES = 1 << 20  # a manifest (or catalog entry) takes a few KiB; anything near this is not one
 JSON_MAX_DEPTH = 32  # a manifest nests 4 deep, a catalog entry with a verification report 6

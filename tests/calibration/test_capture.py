@@ -6,8 +6,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from oscar_zoo.calibration.calibration_passes import AccumulatorStore, CalibrationSettings, accumulate
 from oscar_zoo.calibration.capture import capturing
-from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate
 from oscar_zoo.calibration.targets import centred_target
 from oscar_zoo.format import reference as R
 from oscar_zoo.models import LoadedModel, arch_info, model_identity

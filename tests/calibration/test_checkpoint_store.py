@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from oscar_zoo.calibration.pipeline import AccumulatorStore
+from oscar_zoo.calibration.calibration_passes import AccumulatorStore
 
 
 def _store(tmp_path, gate: threading.Event, order: list[str], fail: str | None = None):

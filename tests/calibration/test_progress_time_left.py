@@ -4,8 +4,8 @@ measured across the passes so far, not the time left in the pass that is running
 import pytest
 from rich.progress import Progress
 
-from oscar_zoo.calibration import pipeline
-from oscar_zoo.calibration.pipeline import HELDOUT, PASS1, PASS2, CalibrationSettings, PassesClock, calibrate
+from oscar_zoo.calibration import calibration_passes
+from oscar_zoo.calibration.calibration_passes import HELDOUT, PASS1, PASS2, CalibrationSettings, PassesClock, calibrate
 from oscar_zoo.console import TimeLeftColumn
 from oscar_zoo.models import load_model
 from oscar_zoo.texts import corpus_dir, load_texts, make_sequences
@@ -86,7 +86,7 @@ def test_calibrate_reports_the_whole_run_s_time_left_on_every_pass(tiny_model_di
         t.now += 1.0
         return t.now
 
-    monkeypatch.setattr(pipeline, "PassesClock", lambda: PassesClock(clock=ticking))
+    monkeypatch.setattr(calibration_passes, "PassesClock", lambda: PassesClock(clock=ticking))
     reports = []
 
     def progress(description, done, total, rate="", **fields):

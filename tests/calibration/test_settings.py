@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from oscar_zoo import texts
-from oscar_zoo.calibration.pipeline import calibrate
+from oscar_zoo.calibration.calibration_passes import calibrate
 from oscar_zoo.calibration.settings import AccumulateOn, CalibrationRequest, CalibrationSettings
 from oscar_zoo.commands.calibrate import flag
 from oscar_zoo.errors import SettingError

@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from oscar_zoo.artifacts import load_artifacts
+from oscar_zoo.calibration.calibration_passes import AccumulatorStore, CalibrationSettings, accumulate, calibrate
 from oscar_zoo.calibration.distributed import launch, without_option
-from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate, calibrate
 from oscar_zoo.models import LoadedModel, arch_info, model_identity
 from oscar_zoo.texts import TokenSequences
 

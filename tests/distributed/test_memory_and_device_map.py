@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oscar_zoo.calibration import memory
-from oscar_zoo.calibration.pipeline import AccumulatorStore, CalibrationSettings, accumulate
+from oscar_zoo.calibration.calibration_passes import AccumulatorStore, CalibrationSettings, accumulate
 from oscar_zoo.errors import InputError
 from oscar_zoo.models import arch_info, load_model
 from oscar_zoo.texts import TokenSequences

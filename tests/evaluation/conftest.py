@@ -86,7 +86,7 @@ def good_artifacts(tmp_path_factory, loaded):
     with keys per row (`key_block=0`; the default codes them per channel, docs/format.md §6d):
     the verify tests check the means' path against the float64 reference; the version-1 fixture covers uncentred."""
     from oscar_zoo.artifacts import write_artifacts
-    from oscar_zoo.calibration.pipeline import CalibrationSettings, calibrate
+    from oscar_zoo.calibration.calibration_passes import CalibrationSettings, calibrate
     from oscar_zoo.texts import corpus_dir, make_sequences
 
     text = (corpus_dir() / "hamlet_gut.txt").read_text()[:60000]

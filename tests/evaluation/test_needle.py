@@ -99,8 +99,8 @@ def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_fil
     first answer token is BF16's (the prompt attends to its own exact K/V), which the follow-up protocol does not
     promise. With --needle-batch 3 the 4 prompts of a length run as a batch of 3 and one of 1: the same answers, in
     the grid's order."""
-    from oscar_zoo.evaluation.attention import cache_argument
     from oscar_zoo.evaluation.needle import NeedleProtocol
+    from oscar_zoo.evaluation.teacher_forcing import cache_argument
     from oscar_zoo.format.reference import random_orthogonal
     from oscar_zoo.runtime.attention import enable_oscar
 

@@ -13,8 +13,8 @@ import torch
 from oscar_zoo.artifacts import load_artifacts, write_artifacts
 from oscar_zoo.errors import IntegrityError
 from oscar_zoo.evaluation import baselines, registry
-from oscar_zoo.evaluation.attention import verifying
-from oscar_zoo.evaluation.harness import Attender, VerifySettings, run_verification
+from oscar_zoo.evaluation.teacher_forcing import verifying
+from oscar_zoo.evaluation.verification_passes import Attender, VerifySettings, run_verification
 from oscar_zoo.format import reference
 from oscar_zoo.format.verification import Thresholds, VerifyReport, check_thresholds
 
@@ -213,7 +213,7 @@ def test_real_smollm2_oscar_beats_naive_int2(smollm2, tmp_path):
     """One short real case: OSCAR calibrated on 256 tokens of a calibration play, verified on 1×384 held-out tokens;
     the rotations must beat naive INT2 on KL and top-1 (observed with the default, uncentred codec: KL 0.019 vs 0.279,
     top-1 92.1% vs 79.4%)."""
-    from oscar_zoo.calibration.pipeline import CalibrationSettings, calibrate
+    from oscar_zoo.calibration.calibration_passes import CalibrationSettings, calibrate
     from oscar_zoo.texts import EVALUATION_PLAYS, corpus_dir, make_sequences
 
     tok = smollm2.tokenizer

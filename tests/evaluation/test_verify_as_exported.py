@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oscar_zoo.artifacts import load_artifacts, write_artifacts
-from oscar_zoo.evaluation.harness import VerifySettings, run_verification
+from oscar_zoo.evaluation.verification_passes import VerifySettings, run_verification
 from oscar_zoo.export.as_exported import as_exported
 from oscar_zoo.export.oscar_pt import K_FILE, K_OBJECTIVE, V_FILE, V_OBJECTIVE, read_oscar_pt
 from oscar_zoo.format import layout

@@ -70,23 +70,23 @@ def _verify(artifacts, model_dir, text_file, *extra):
 @pytest.fixture
 def no_model_work(monkeypatch):
     """verify must not reach the model: loading it fails the test loudly."""
-    from oscar_zoo.evaluation import pipeline
+    from oscar_zoo.evaluation import verification_run
 
     def refuse(*args, **kwargs):
         raise AssertionError("verify loaded the model before checking its options")
 
-    monkeypatch.setattr(pipeline, "load_model", refuse)
+    monkeypatch.setattr(verification_run, "load_model", refuse)
 
 
 @pytest.fixture
 def no_evaluation(monkeypatch):
     """verify may load the model (to read its positions) but must not read held-out text or run anything."""
-    from oscar_zoo.evaluation import pipeline
+    from oscar_zoo.evaluation import verification_run
 
     def refuse(*args, **kwargs):
         raise AssertionError("verify started the evaluation before checking its options")
 
-    monkeypatch.setattr(pipeline, "load_texts", refuse)
+    monkeypatch.setattr(verification_run, "load_texts", refuse)
 
 
 def _one_line(code: int, out: str, err: str, expected_code: int, *needles: str) -> str:
@@ -171,9 +171,9 @@ def test_needle_lengths_past_the_model_are_refused_before_the_evaluation(run_cli
 
 def test_needle_lengths_past_the_held_out_text_are_refused_before_the_evaluation(run_cli, artifacts, tiny_model_dir,
                                                                                  text_file, monkeypatch):
-    from oscar_zoo.evaluation import pipeline
+    from oscar_zoo.evaluation import verification_run
 
-    monkeypatch.setattr(pipeline, "run_verification", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(verification_run, "run_verification", lambda *a, **k: (_ for _ in ()).throw(
         AssertionError("verify ran the model before checking the needle text")))
     tiny = text_file.parent / "tiny.txt"
     tiny.write_text(text_file.read_text()[:3000])
@@ -247,11 +247,11 @@ def test_a_folder_replaced_during_write_is_named_so_and_kept(run_cli, artifacts,
                                                              text_file, tmp_path, monkeypatch, what):
     """While the evaluation runs, the folder is swapped for another artifact (as calibrate or pull would), or only
     its rotations file is: the report is not stored, the error says the folder changed, what it now holds stays."""
-    from oscar_zoo.evaluation import pipeline
+    from oscar_zoo.evaluation import verification_run
 
     folder = tmp_path / "art"
     shutil.copytree(artifacts, folder)
-    run = pipeline.run_verification
+    run = verification_run.run_verification
 
     def replacing(*args, **kwargs):
         report = run(*args, **kwargs)
@@ -262,7 +262,7 @@ def test_a_folder_replaced_during_write_is_named_so_and_kept(run_cli, artifacts,
             shutil.copyfile(other_artifacts / "rotations.safetensors", folder / "rotations.safetensors")
         return report
 
-    monkeypatch.setattr(pipeline, "run_verification", replacing)
+    monkeypatch.setattr(verification_run, "run_verification", replacing)
     code, out, err = run_cli(*_verify(folder, tiny_model_dir, text_file, "--max-kl", "99", "--min-top1", "0",
                                       "--max-ppl-increase", "99", "--write"))
     flat = _one_line(code, out, err, 4, "while verify ran", "the report was not stored")

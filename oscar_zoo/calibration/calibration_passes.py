@@ -41,7 +41,7 @@ from . import clip_search
 from .capture import capturing, forward_batches
 from .distributed import DataParallel
 from .placement import accumulator_device, layer_devices, model_device, sample_on
-from .rotation import fit_rotations, spectrum_ratio
+from .rotation_fit import fit_rotations, spectrum_ratio
 from .settings import DEFAULT_KEY_BITS, CalibrationSettings  # noqa: F401 -- DEFAULT_KEY_BITS: read from here too
 from .targets import FirstMoment, SecondMoment, centred_target, group_heads, key_weights
 

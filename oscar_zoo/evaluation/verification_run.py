@@ -1,8 +1,8 @@
 """`oscar-zoo verify` as one library call: read the artifact folder (or the form a deployment serves, through the
 transform the caller passes: the command passes `export.as_exported` for `--as-exported`), load the model it names,
-held-out text, teacher forcing and generation (harness.py), the needle grid (needle.py), one report patched with both,
-then the plots and the manifest's `verification` when asked. Library code: messages go to `say`, long work to the
-progress callback that `progress_scope()` yields.
+held-out text, teacher forcing and generation (verification_passes.py), the needle grid (needle.py), one report
+patched with both, then the plots and the manifest's `verification` when asked. Library code: messages go to `say`,
+long work to the progress callback that `progress_scope()` yields.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from ..format.schema import MANIFEST_NAME, Manifest
 from ..format.verification import VerifyReport, binding_of
 from ..models import DEMO, DEMO_HF_ID, DEMO_REVISION, load_model
 from ..texts import EVALUATION_PLAYS, load_texts, make_sequences
-from .harness import VerifySettings, check_positions, model_positions, resolve_backend, run_verification
 from .needle import NeedleSettings, check_filler, check_lengths, default_lengths, run_needle
+from .verification_passes import VerifySettings, check_positions, model_positions, resolve_backend, run_verification
 
 ProgressScope = Callable[[], AbstractContextManager[Callable[..., None]]]
 

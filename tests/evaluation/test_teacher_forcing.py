@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from oscar_zoo.evaluation.attention import windowed_attention
 from oscar_zoo.evaluation.baselines import Kivi, RotatedInt2, hadamard_rotation
+from oscar_zoo.evaluation.teacher_forcing import windowed_attention
 from oscar_zoo.format import layout, reference
 
 
@@ -52,7 +52,7 @@ def test_kivi_quantizes_keys_per_channel_over_token_groups_and_values_per_token(
 
 def test_two_models_verify_at_once_each_with_its_own_runner():
     """Nested `verifying` on two models: each model's layers call only its own runner, while its block is open."""
-    from oscar_zoo.evaluation.attention import causal_attention, verifying
+    from oscar_zoo.evaluation.teacher_forcing import causal_attention, verifying
 
     from ..conftest import tiny_model
 

@@ -27,9 +27,9 @@ from ..format.verification import (
 )
 from ..models import LoadedModel
 from . import metrics
-from .attention import cache_argument, verifying
 from .baselines import Method, QuantizePack, Windows
 from .registry import DEFAULT_BASELINES, Setup, build_methods
+from .teacher_forcing import cache_argument, verifying
 
 Progress = Callable[..., None]
 

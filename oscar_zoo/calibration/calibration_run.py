@@ -19,7 +19,7 @@ from ..format.schema import Manifest
 from ..models import arch_info, cache_root, load_model, resolve_device, resolve_dtype
 from ..texts import load_texts, make_sequences
 from . import distributed, memory
-from .pipeline import CalibrationResult, Progress, calibrate, checkpoint_state, default_store_dir
+from .calibration_passes import CalibrationResult, Progress, calibrate, checkpoint_state, default_store_dir
 from .settings import CalibrationRequest
 
 # progress_scope(enabled) → a context yielding the progress callback; enabled is False on ranks other than 0
