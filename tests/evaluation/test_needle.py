@@ -27,9 +27,10 @@ def _rotations(L: int, D: int, M: torch.Tensor | None = None, clip: float = 0.96
                      torch.full((L, 1), clip), torch.arange(L, dtype=torch.int32))
 
 
-def _manifest(sink: int, recent: int):
-    """What run_needle reads of a manifest: the quant settings."""
-    return SimpleNamespace(quant=SimpleNamespace(sink=sink, recent=recent, group_size=0, flush=8, key_bits=None))
+def _manifest(sink: int, recent: int, layers: int):
+    """What run_needle reads of a manifest: the quant settings and the per-layer key bits (2-bit keys)."""
+    return SimpleNamespace(quant=SimpleNamespace(sink=sink, recent=recent, group_size=0, flush=8, key_bits=None),
+                           key_bits=[2] * layers)
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.1, 0.37, 0.5, 0.9, 1.0])
@@ -84,7 +85,7 @@ def test_exact_cache_answers_as_bf16(loaded_bf16, tokenizer, heldout_file, monke
 
     monkeypatch.setattr(RotatedInt2, "make_cache", exact_cache)
     settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5, batch=batch)
-    report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), _filler(tokenizer, heldout_file),
+    report = run_needle(loaded, _manifest(sink, recent, L), _rotations(L, D), _filler(tokenizer, heldout_file),
                         settings, baselines=())
     bf16, oscar = report.method("bf16"), report.method("oscar")
     assert len(bf16.answers) == 8 and len(set(bf16.answers[:4])) > 1 and len(set(bf16.answers[4:])) > 1
@@ -115,7 +116,7 @@ def test_prompt_protocol_answers_as_generate_does(loaded, tokenizer, heldout_fil
     settings = NeedleSettings(lengths=(300, 400), depths=(0.3, 0.8), trials=2, new_tokens=5,
                               protocol=NeedleProtocol.PROMPT.value, batch=batch)
     filler = _filler(tokenizer, heldout_file)
-    report = run_needle(loaded, _manifest(sink, recent), _rotations(L, D), filler, settings, baselines=())
+    report = run_needle(loaded, _manifest(sink, recent, L), _rotations(L, D), filler, settings, baselines=())
     assert report.protocol == "prompt" and report.batch == batch
     rng, want, keys = random.Random(settings.seed), {"bf16": [], "oscar": []}, []
     previous = model.config._attn_implementation
@@ -149,7 +150,7 @@ def test_real_smollm2_retrieves_and_a_broken_artifact_fails(smollm2, heldout_fil
     L, D = smollm2.info.num_layers, smollm2.info.head_dim
     settings = NeedleSettings(lengths=(1024,), depths=(0.3, 0.7), trials=1, batch=batch)
     broken = _rotations(L, D, clip=0.05)
-    report = run_needle(smollm2, _manifest(64, 256), broken, _filler(smollm2.tokenizer, heldout_file), settings,
+    report = run_needle(smollm2, _manifest(64, 256, 30), broken, _filler(smollm2.tokenizer, heldout_file), settings,
                         baselines=())
     print({m.name: m.answers for m in report.methods})
     assert report.method("bf16").overall == 1.0
