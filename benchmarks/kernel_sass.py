@@ -84,26 +84,17 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
         recent=(torch.empty(batch, H_kv, layout.RECENT + layout.FLUSH, D, dtype=torch.bfloat16),) * 2
                + (torch.empty(batch, dtype=torch.int32),),
     )  # fmt: skip
-    # the launch on CPU stand-in tensors as an H100/H200 (132 SMs) makes it: stand-ins for the kernels and the device
-    orig = (dispatch.kernels, ops._programs_target, dispatch.dot_dtype, ops._block_n)
-    try:
-        skip = type("Skip", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})()  # the block-query prepass
-        table = dataclasses.replace(KernelTable(*(None,) * 8), decode=Grab(), block_query=skip)
-        dispatch.kernels = lambda: table
-        ops._programs_target = lambda device, D: ops.decode_config(D).programs_per_sm * 132
-        dispatch.dot_dtype = lambda: tl.bfloat16
-        ops._block_n = lambda device, D, G=None: ops.gpu_block_n(D, G)
+    # the launch on CPU tensors as an H100/H200 (132 SMs, sm_90) makes it, captured by a stand-in for the kernel
+    skip = type("Skip", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})()  # the block-query prepass
+    table = dataclasses.replace(KernelTable(*(None,) * 8), decode=Grab(), block_query=skip)
+    with dispatch.stand_in(dispatch.StandIn(table, sm_count=132)):
         s_hist = ops.int2_splits(batch, H_kv, H_q // H_kv, D, hist, cuda)
         s_sink, s_recent = ops.bf16_splits(layout.SINK, cuda), ops.bf16_splits(layout.RECENT + layout.FLUSH, cuda)
         S = s_sink + s_hist + s_recent
         o, lse = torch.empty(batch, H_q, S, D), torch.empty(batch, H_q, S)
         ops.launch_decode(q, o, lse, D**-0.5, sink=tiers["sink"], hist=tiers["hist"], recent=tiers["recent"],
                           s_sink=s_sink, s_hist=s_hist, s_recent=s_recent, key_block=key_block)  # fmt: skip
-    finally:
-        dispatch.kernels, ops._programs_target, dispatch.dot_dtype, ops._block_n = orig
     kw = dict(captured["kw"])
-    kw["USE_ASM"] = config.current().int2_asm
-    kw["PDL"] = config.current().pdl  # as an sm_90 launch has it (the CPU stand-in tensors made `ops` pass False)
     warps, maxnreg = kw.pop("num_warps"), kw.pop("maxnreg")
     kw.pop("launch_pdl")
     fn = decode._decode_kernel

@@ -50,16 +50,11 @@ def compile_quantize(D: int, ratio, group_size: int = 0, warps: int = config.DEF
 
     table = KernelTable(*(None,) * 8)
     table = dataclasses.replace(table, quantize_pack=Grab(), round_thresholds=qp.ROUND_THRESHOLDS)
-    orig = (dispatch.kernels, dispatch.use_kernel)  # the launch on CPU stand-in tensors, as a GPU makes it
-    try:
-        dispatch.kernels = lambda: table
-        dispatch.use_kernel = lambda t: True
-        x = torch.empty(1, 8, rows // 8, D, dtype=torch.bfloat16)
-        clip = torch.full((8, 1), 0.96) if ratio == "tensor" else float(ratio)
+    x = torch.empty(1, 8, rows // 8, D, dtype=torch.bfloat16)  # the launch on CPU tensors, as a GPU makes it
+    clip = torch.full((8, 1), 0.96) if ratio == "tensor" else float(ratio)
+    with dispatch.stand_in(dispatch.StandIn(table)):
         with config.use(dataclasses.replace(config.current(), quant_warps=warps, quant_asm=asm)):
             ops.quantize_pack(x, clip, group_size)
-    finally:
-        dispatch.kernels, dispatch.use_kernel = orig
     kw = dict(captured["kw"])
     warps = kw.pop("num_warps")
     fn = qp._quantize_pack_kernel

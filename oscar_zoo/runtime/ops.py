@@ -39,9 +39,9 @@ def decode_config(D: int) -> DecodeConfig:
 
 
 def _programs_target(device: torch.device, D: int) -> int:
-    if device.type != "cuda":
+    if not dispatch.gpu_plan(device):
         return 8  # interpreter: a few splits suffice to exercise the split logic
-    return decode_config(D).programs_per_sm * dispatch.sm_count(dispatch.device_index(device))
+    return decode_config(D).programs_per_sm * dispatch.sm_count_of(device)
 
 
 def _group_block(group: int) -> int:
@@ -71,7 +71,7 @@ def _pairs_as_words(sz: Tensor) -> Tensor:
 
 def _block_n(device: torch.device, D: int | None, G: int | None = None) -> int:
     """Tokens per tile: of the INT2 history for head dim D (scale groups of G dims), of the BF16 tiers for D = None."""
-    if device.type != "cuda":
+    if not dispatch.gpu_plan(device):
         return 16  # interpreter: small tiles, many of them
     return gpu_block_n(D, G)
 
@@ -173,8 +173,8 @@ def launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink
                *o.stride()[:3], *lse.stride()[:2])  # fmt: skip
     block_n = min(_block_n(dev, D, G), key_block) if key_block else _block_n(dev, D, G)  # a tile in one key block
     constexprs = dict(D=D, G=G, GP=_group_block(group), BLOCK_N=block_n, BLOCK_NB=_block_n(dev, None),
-                      DOT_DTYPE=dispatch.dot_dtype(), USE_ASM=q.is_cuda and cfg.int2_asm, STAGES=dcfg.stages,
-                      SLACK=dcfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, KEY_BLOCK=key_block,
+                      DOT_DTYPE=dispatch.dot_dtype(), USE_ASM=dispatch.gpu_plan(q.device) and cfg.int2_asm,
+                      STAGES=dcfg.stages, SLACK=dcfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, KEY_BLOCK=key_block,
                       BLOCK_Q=block_q, SOFTCAP=0.0 if softcap is None else float(softcap) * LOG2E)  # fmt: skip
     dispatch.kernels().decode[grid](*pointers, *sizes, *strides, **constexprs, num_warps=_warps(group, D),
                                     maxnreg=dcfg.maxnreg, launch_pdl=pdl)
@@ -202,7 +202,7 @@ def _block_query(q: Tensor, szk: Tensor, hlen: Tensor, key_block: int, key_bits:
     pdl = dispatch.pdl(q, config.current())
     # blocks per program: one until the grid is ≈ 16 one-warp programs per SM, then up to 8 (a power of two; the
     # interpreter takes 8 for any but the smallest grids)
-    resident = 16 * dispatch.sm_count(dispatch.device_index(q.device)) if q.is_cuda else 1
+    resident = 16 * dispatch.sm_count_of(q.device) if dispatch.gpu_plan(q.device) else 1
     bpp = 1
     while bpp < 8 and NB * B * H_kv >= 2 * bpp * resident:
         bpp *= 2
