@@ -35,10 +35,13 @@ def _model(layers: int) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def _run(model, ids: torch.Tensor, prompt: int, mode: str) -> tuple[torch.Tensor, float, int]:
-    """mode: eager (the model's own experts, no graph) or graph / compiled (DecodeGraphs). Logits [steps, V] fp32,
-    ms per step over the steps after the first 16, replays."""
+def _run(model, ids: torch.Tensor, prompt: int, mode: str,
+         experts: str = graph.STATIC_EXPERTS) -> tuple[torch.Tensor, float, int]:
+    """mode: eager (the model's own experts, no graph) or graph / compiled (DecodeGraphs, its static steps' experts as
+    `experts`). Logits [steps, V] fp32, ms per step over the steps after the first 16, replays."""
     enable_oscar(model, compile=mode == "compiled")
+    if mode != "eager":
+        graph.decode_graphs(model).experts = experts
     cfg = model.config
     cache = _cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     forward = model if mode == "eager" else graph.decode_graphs(model)
@@ -66,10 +69,9 @@ def main() -> None:
     eager, eager_ms, _ = _run(model, ids, args.context, "eager")
     rows = [("(the model's own, eager)", "eager", 0.0, eager_ms, 0)]
     for impl in args.impls:
-        graph.STATIC_EXPERTS = impl
         for mode in ("graph", "compiled"):
             try:
-                got, ms, replays = _run(model, ids, args.context, mode)
+                got, ms, replays = _run(model, ids, args.context, mode, impl)
             except Exception as e:  # noqa: BLE001 - a probe: the failure is the finding, printed
                 print(f"{impl} {mode}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
                 rows.append((impl, mode, float("nan"), float("nan"), -1))

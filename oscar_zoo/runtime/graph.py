@@ -47,6 +47,7 @@ class DecodeGraphs:
         self.model = model
         self.fallback = fallback or model.__call__
         self.compiled = CompiledLayers(model) if compile else None  # the layers a static step runs (None: eager)
+        self.experts = STATIC_EXPERTS  # routed experts' implementation in a static step (a probe tries others)
         self.graphs: dict[tuple, _Step] = {}
         self.warm: set[tuple] = set()  # step kinds that have run eagerly once (kernels compiled, workspaces made)
         self.versions: tuple | None = None  # the cache, storage versions and value folds the graphs were captured for
@@ -86,9 +87,9 @@ class DecodeGraphs:
     def _layers(self, cache, kwargs: dict):
         """The decoder layers a static step runs: compiled (the OSCAR work as a custom op) for the model types of
         `compiled.COMPILED_TYPES` (up to `CompiledLayers.MAX_SHAPES` batch shapes), else eager; routed experts as
-        STATIC_EXPERTS."""
+        `experts` (STATIC_EXPERTS unless set otherwise)."""
         layers = self.compiled
-        with static_experts(self.model):
+        with static_experts(self.model, self.experts):
             if layers is None or not layers.usable() or not layers.admit(tuple(kwargs["input_ids"].shape)):
                 yield
             else:
@@ -139,13 +140,13 @@ class DecodeGraphs:
 
 
 @contextlib.contextmanager
-def static_experts(model: torch.nn.Module):
-    """Run `model`'s routed experts (ROUTED_TYPES) as STATIC_EXPERTS inside the block; restores the model's own."""
+def static_experts(model: torch.nn.Module, implementation: str = STATIC_EXPERTS):
+    """Run `model`'s routed experts (ROUTED_TYPES) as `implementation` inside the block; restores the model's own."""
     if getattr(model.config, "model_type", None) not in ROUTED_TYPES:
         yield
         return
     own = model.get_experts_implementation()
-    model.set_experts_implementation(STATIC_EXPERTS)
+    model.set_experts_implementation(implementation)
     try:
         yield
     finally:
