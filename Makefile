@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/oscar-zoo calibrate demo --out $(ARTIFACTS)
 	$(VENV)/bin/oscar-zoo verify $(ARTIFACTS) --write
 	@echo "artifacts: $(ARTIFACTS)/ (verified). Next: $(VENV)/bin/oscar-zoo inspect $(ARTIFACTS), or serve them with" \
-	      "OscarCache.from_folder('$(ARTIFACTS)') (README: 'The runtime')."
+	      "OscarCache.from_folder('$(ARTIFACTS)') (README: 'Your model')."
 
 # two pytest workers: the Triton-interpreter tests are single-threaded Python, so two cores run two of them at once
 test: $(STAMP)
