@@ -7,7 +7,7 @@ checkpoints, and with checkpoints off; the same pass 1 with the products formed 
 whole `calibrate()` (passes, held-out capture, eigendecomposition, clip search). Also the float32-product error against
 float64 on captured q, and the memory plan's activation estimate against the measured peak. Details go to
 $OUT/bench_calibrate.json when OUT is set.
-Usage: PYTHONPATH=. python benchmarks/bench_calibrate.py [--tokens 32768] [--seq-len 2048] [--batch-size 4]
+Usage: python -m benchmarks.bench_calibrate [--tokens 32768] [--seq-len 2048] [--batch-size 4]
 """
 
 from __future__ import annotations

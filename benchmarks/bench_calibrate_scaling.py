@@ -18,10 +18,10 @@ CPU ranks use gloo. For bit-identical activations between a 1-rank and an N-rank
 multiple of `--batch-size` (then every rank batches exactly the sequences one process would).
 
 Usage (repo root):
-  torchrun --standalone --nproc-per-node 2 benchmarks/bench_calibrate_scaling.py --tokens 65536 --tag w2
-  python benchmarks/bench_calibrate_scaling.py --tokens 65536 --tag w1            # one GPU, no process group
-  python benchmarks/bench_calibrate_scaling.py --compare OUT/scaling_w1.safetensors OUT/scaling_w2.safetensors
-  python benchmarks/bench_calibrate_scaling.py --device-map auto --shape qwen3-32b --tokens 32768   # all GPUs
+  torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_calibrate_scaling --tokens 65536 --tag w2
+  python -m benchmarks.bench_calibrate_scaling --tokens 65536 --tag w1            # one GPU, no process group
+  python -m benchmarks.bench_calibrate_scaling --compare OUT/scaling_w1.safetensors OUT/scaling_w2.safetensors
+  python -m benchmarks.bench_calibrate_scaling --device-map auto --shape qwen3-32b --tokens 32768   # all GPUs
   # tiny CPU check: --device cpu --layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16 ...
 """
 
@@ -34,9 +34,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script (torchrun / python benchmarks/...): import the repo's oscar_zoo
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

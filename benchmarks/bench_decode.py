@@ -3,7 +3,7 @@
 Each row: one decode step of one layer, median of `triton.testing.do_bench`, rotating among several cache buffers so L2
 never serves a repeat; bytes moved = what the op must read (packed codes + fp16 scale/zero + BF16 tiers + q) plus its
 partial (o, lse) traffic; bandwidth as a fraction of a same-run measured device copy. Details go to
-$OUT/bench_decode.json when OUT is set. Usage: PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--sweep]
+$OUT/bench_decode.json when OUT is set. Usage: python -m benchmarks.bench_decode [--quick] [--sweep]
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ prefill, then `--steps` greedy tokens through `model.generate` — eager (`--pat
 A logits processor stamps each step (after a device sync); the Triton cache is listed at each step, so a build that
 lands mid-generation shows where.
 
-    PYTHONPATH=. python benchmarks/bench_first_steps.py --path eager --context 100000 --steps 2000
-    PYTHONPATH=. python benchmarks/bench_first_steps.py --path graph --context 100000 --steps 2000
+    python -m benchmarks.bench_first_steps --path eager --context 100000 --steps 2000
+    python -m benchmarks.bench_first_steps --path graph --context 100000 --steps 2000
 
 Prints one line per run (prefill, first step, median / p99 / max of the later steps, the slowest step's index, Triton
 builds after the first step) and, with --json FILE, writes every step time.
@@ -37,10 +37,7 @@ def run(model: str, layers: int, context: int, batch: int, steps: int, key_bits:
 
     from oscar_zoo.runtime.graph import decode_graphs
 
-    if __package__:
-        from . import bench_generate as bg
-    else:
-        import bench_generate as bg
+    from . import bench_generate as bg
 
     dev = torch.device("cuda")
     lm = bg.build_model(model, layers, dev)

@@ -16,7 +16,7 @@ through its own filing path: rotate-free `_append`, which quantizes the history 
 depend on the values, and a 100K prefill is not what is measured. Details go to $OUT/bench_generate_<model>.json when
 OUT is set.
 
-Usage: PYTHONPATH=. python benchmarks/bench_generate.py [--layers 8] [--contexts 8192 32768] [--batches 1 8]
+Usage: python -m benchmarks.bench_generate [--layers 8] [--contexts 8192 32768] [--batches 1 8]
 """
 
 from __future__ import annotations
@@ -47,16 +47,11 @@ from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation, model
 from oscar_zoo.runtime.cache import OscarCache
 from oscar_zoo.runtime.graph import decode_graphs, install
 
-if __package__:  # imported: `from benchmarks import bench_generate`
-    from . import peer_caches
-    from .bf16_caches import GraphBF16Cache, PreallocLayer, bf16_split_attention, check_bf16graph
-    from .generate_tables import BF16_KINDS, GB, print_tables
-    from .phase_timing import PhaseTimer, patched, phase_targets
-else:  # run as a script: python benchmarks/bench_generate.py (its folder is on sys.path)
-    import peer_caches
-    from bf16_caches import GraphBF16Cache, PreallocLayer, bf16_split_attention, check_bf16graph
-    from generate_tables import BF16_KINDS, GB, print_tables
-    from phase_timing import PhaseTimer, patched, phase_targets
+from . import peer_caches
+from .bf16_caches import GraphBF16Cache, PreallocLayer, bf16_split_attention, check_bf16graph
+from .generate_tables import BF16_KINDS, GB, print_tables
+from .phase_timing import PhaseTimer, patched, phase_targets
+
 PEER_KINDS = peer_caches.PEER_KINDS
 
 KINDS = ("oscar", "dynamic", "static", "static-compiled", "prealloc", "bf16graph") + PEER_KINDS

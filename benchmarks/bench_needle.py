@@ -4,8 +4,8 @@ Runs `evaluation.needle.run_needle` — the code `verify --needle` runs — with
 artifact folders and the held-out plays as filler. `--weights` loads model.safetensors from `--model-dir` (the
 converted demo model, `$OSCAR_ZOO_CACHE/models/SmolLM2-135M-Instruct-bf16`); without it the model has the same config
 but random weights: the time is the same work — every prompt is prefilled and answered with the same number of greedy
-steps whatever the weights say — but the accuracies then mean nothing. Needs pydantic (manifest) besides torch,
-triton and transformers; no `datasets` (the plays are read as files).
+steps whatever the weights say — but the accuracies then mean nothing. Needs torch, triton and transformers only; no
+`datasets` (the plays are read as files).
 
 Default: the grid `verify --needle` (or `--quick`) runs, its wall time. With `--lengths`, `--depths`, `--trials`,
 `--seeds`: that grid once per (seed, artifact), every artifact (`NAME=DIR`, in the order given) on a seed's prompts
@@ -13,8 +13,8 @@ before the next seed, starting no run after `--time-budget` seconds: per length,
 Wilson interval and, against BF16 on the same prompts, the prompts only BF16 answers and only the method answers. Each
 run's JSON (every prompt's passkey, every method's answer and whether it is right) goes to $OUT.
 
-    PYTHONPATH=. python benchmarks/bench_needle.py --model-dir DIR --artifacts DIR --texts DIR [--weights] [--quick]
-    PYTHONPATH=. python benchmarks/bench_needle.py --model-dir DIR --weights --texts DIR --artifacts default=A k2=B \
+    python -m benchmarks.bench_needle --model-dir DIR --artifacts DIR --texts DIR [--weights] [--quick]
+    python -m benchmarks.bench_needle --model-dir DIR --weights --texts DIR --artifacts default=A k2=B \
         --lengths 1024,2048,4096 --depths 0.1,0.3,0.5,0.7,0.9 --trials 40 --seeds 10 11 --baselines none --batch 20
 """
 
@@ -93,7 +93,8 @@ def main():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = model.to(device).eval()
     texts = [(Path(args.texts) / f"{play}_gut.txt").read_text(encoding="utf-8") for play in EVALUATION_PLAYS]
-    filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids  # as verify's (evaluation/pipeline.py _filler)
+    # as verify's filler (evaluation/verification_run.py, `_filler`)
+    filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids
     settings = NeedleSettings(lengths=(), depths=QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS,  # as verify's
                               trials=1 if args.quick else 2, min_relative_accuracy=0.0, batch=args.batch,
                               protocol=args.protocol)

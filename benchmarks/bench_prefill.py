@@ -16,7 +16,7 @@ one chunk's BF16 K/V per layer plus the chunk's activations. One warm-up row per
 later-chunk path too) runs first so that kernel compilation is not timed. Details go to $OUT/bench_prefill_<model>.json
 when OUT is set.
 
-    PYTHONPATH=. python benchmarks/bench_prefill.py [--contexts 8192 32768 100000] [--batches 1] [--chunk 8192]
+    python -m benchmarks.bench_prefill [--contexts 8192 32768 100000] [--batches 1] [--chunk 8192]
 """
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ import torch
 from oscar_zoo.format import reference
 from oscar_zoo.runtime import rotate_op
 
-if __package__:  # imported: `from benchmarks import bench_prefill`
-    from .bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention
-else:  # run as a script (its folder is on sys.path)
-    from bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention
+from .bench_generate import GB, _sync, build_model, cache_kwarg, fresh_peak, kv_bytes, make_cache, use_attention
 
 KINDS = ("oscar", "dynamic", "prealloc", "bf16graph")
 AB_KINDS = ("oscar-fp32rot",)  # asked for by name: OSCAR with a chunk's rotations in float32

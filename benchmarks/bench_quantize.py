@@ -8,7 +8,7 @@ host-bound below ≈ 150 µs, as is the PyTorch reference (eager). Clips are per
 (`min_ratio`), as the cache passes them; `--both-builds` also times them without the bound (the per-row dispatch build).
 `--bits 2 3` also times 3-bit rows (the keys of the layers calibration gives 3 bits: docs/format.md §6b; unclipped, as
 calibration writes them).
-Usage: PYTHONPATH=. python benchmarks/bench_quantize.py [--both-builds] [--bits 2 3]
+Usage: python -m benchmarks.bench_quantize [--both-builds] [--bits 2 3]
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import os
 import torch
 import triton
 
-from benchmarks.bench_decode import IN_GRAPH, copy_bandwidth, time_rotating
 from oscar_zoo.format import layout, reference
 from oscar_zoo.runtime import ops
+
+from .bench_decode import IN_GRAPH, copy_bandwidth, time_rotating
 
 ROWS = [  # (B, H_kv, T, D)
     (1, 8, 32768, 128),

@@ -1,16 +1,12 @@
 """The tables bench_generate prints from its result: one row per (context, batch, cache), OSCAR against the fastest
-2-bit QuantizedCache, the fixed-KV-budget rows, and the kernel and phase breakdowns. Imported by bench_generate both
-as `benchmarks.generate_tables` and, run as a script, as `generate_tables`.
+2-bit QuantizedCache, the fixed-KV-budget rows, and the kernel and phase breakdowns.
 """
 
 from __future__ import annotations
 
 import math
 
-if __package__:  # imported: `from benchmarks import generate_tables`
-    from . import peer_caches
-else:  # imported by bench_generate run as a script (its folder is on sys.path)
-    import peer_caches
+from . import peer_caches
 
 PEER_KINDS = peer_caches.PEER_KINDS
 BF16_KINDS = ("dynamic", "static", "static-compiled", "prealloc", "bf16graph")

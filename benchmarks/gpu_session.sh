@@ -41,7 +41,8 @@
 #   BATCH (20) prompts per batch, for ARTIFACTS ("default=artifacts/demo"), starting no run after BUDGET (420) s. The weights travel in parts:
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
-#   part, .cache/needle, artifacts and .whl (pydantic's wheels); MECH (arguments) then runs needle_mechanism.py there
+#   part, .cache/needle and artifacts (bench_needle and needle_mechanism need torch, triton and transformers only);
+#   MECH (arguments) then runs experiments/needle_mechanism.py there
 # softcap-a: the decode-kernel and dequantize GPU tests, the headline decode rows, then time to first token (OSCAR and
 #   bf16graph: the later chunks' past dequantized straight into the chunk's dtype)
 # softcap-b: the compiled-step, static-step and attention GPU tests (Gemma2's softcap in the decode kernel, captured),
@@ -69,13 +70,12 @@ if [ "$mode" = needle ]; then
   cat /tmp/w/part?? | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
     > "$model/model.safetensors" || exit 1
   [ "$(sha256sum "$model/model.safetensors" | cut -c1-64)" = "$(cat "$model/sha256")" ] || { echo "weights: sha256 differs"; exit 1; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/bench_needle.py --model-dir "$model" --weights \
+  python3 -m benchmarks.bench_needle --model-dir "$model" --weights \
     --texts .cache/needle/texts --lengths "${LENGTHS:-1024,2048,4096}" --depths 0.1,0.3,0.5,0.7,0.9 --trials "${TRIALS:-20}" \
     --seeds ${SEEDS:-100} --batch "${BATCH:-20}" --time-budget "${BUDGET:-420}" --baselines none \
     --artifacts ${ARTIFACTS:-default=artifacts/demo} 2>&1 | grep -v "^Loading" | tee "$OUT/needle.log"
   if [ -n "${MECH:-}" ]; then  # then the harness on the GPU: MECH="--lengths 4096 --trials 8 --seed 100 --only …"
-    OSCAR_ZOO_CACHE=.cache/needle PYTHONPATH=$PYTHONPATH:/tmp/site python3 benchmarks/needle_mechanism.py --device cuda \
+    OSCAR_ZOO_CACHE=.cache/needle python3 -m benchmarks.experiments.needle_mechanism --device cuda \
       --texts .cache/needle/texts --json "$OUT/needle_mechanism.json" $MECH 2>&1 | tee "$OUT/needle_mechanism.log"
   fi
   exit 0
@@ -99,7 +99,7 @@ if [ "$mode" = peers ]; then
   ls .whl/peers/*.whl >/dev/null 2>&1 && python3 -m pip install --quiet --no-deps .whl/peers/*.whl
   ( time python3 -c "import torch, optimum.quanto.library.extensions as e; print(e.get_extension('quanto_cuda').lib)" ) \
     > "$OUT/quanto_build.log" 2>&1; tail -4 "$OUT/quanto_build.log"
-  python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-32768 100000} --batches 1 8 \
+  python3 -m benchmarks.bench_generate --contexts ${CONTEXTS:-32768 100000} --batches 1 8 \
     --kinds oscar bf16graph hf-quanto-int2 hf-hqq-int2 --budget-contexts --phases 100000:1 \
     2>&1 | tee "$OUT/bench_generate_peers.log" | tail -30
   exit 0
@@ -109,13 +109,14 @@ if [ "$mode" = profile ]; then
   metrics=$metrics,sm__warps_active.avg.per_cycle_active,launch__registers_per_thread
   for cfg in 64,1,3,8,0 64,2,3,8,128; do
     ncu --clock-control none -k regex:'_decode_kernel|_merge' --launch-skip 4 --launch-count 2 --metrics "$metrics" \
-      python3 benchmarks/profile_decode.py --context 100000 --config $cfg > "$OUT/ncu_metrics_${cfg//,/_}.log" 2>&1
+      python3 -m benchmarks.experiments.profile_decode --context 100000 --config $cfg \
+      > "$OUT/ncu_metrics_${cfg//,/_}.log" 2>&1
     echo "== $cfg"; grep -E "_decode_kernel|_merge|duration|issue_active|warps_active|registers" "$OUT/ncu_metrics_${cfg//,/_}.log"
   done
   for row in "1 100000" "32 32768"; do
     set -- $row
     ncu --clock-control none -k regex:'_decode_kernel' --launch-skip 4 --launch-count 1 --set full -o "$OUT/decode_b$1" \
-      python3 benchmarks/profile_decode.py --batch "$1" --context "$2" > "$OUT/ncu_b$1.log" 2>&1
+      python3 -m benchmarks.experiments.profile_decode --batch "$1" --context "$2" > "$OUT/ncu_b$1.log" 2>&1
     ncu --import "$OUT/decode_b$1.ncu-rep" --page details --print-units base > "$OUT/details_b$1.txt" 2>&1
     ncu --import "$OUT/decode_b$1.ncu-rep" --page raw --csv > "$OUT/raw_b$1.csv" 2>&1
     echo "== batch $1, context $2"
@@ -134,14 +135,14 @@ if [ "$mode" = channel-tests ]; then
   exit 0
 fi
 if [ "$mode" = channel-bench ]; then
-  python3 benchmarks/bench_quantize.py --bits 2 3 --key-block 128 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
-  python3 benchmarks/bench_decode.py --quick --key-bits 2 3 --key-block 0 64 128 2>&1 | tee "$OUT/bench_decode.log" \
+  python3 -m benchmarks.bench_quantize --bits 2 3 --key-block 128 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
+  python3 -m benchmarks.bench_decode --quick --key-bits 2 3 --key-block 0 64 128 2>&1 | tee "$OUT/bench_decode.log" \
     | tail -46
   exit 0
 fi
 if [ "$mode" = channel-generate ]; then
   for blk in ${BLOCKS:-0 128}; do
-    python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits 2.7 \
+    python3 -m benchmarks.bench_generate --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits 2.7 \
       --key-block $blk 2>&1 | tee "$OUT/bench_generate_block$blk.log" | grep -E "^\|"
     [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_block$blk.json"
   done
@@ -150,12 +151,12 @@ fi
 if [ "$mode" = blockq ]; then
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_decode_kernels.py -k channel 2>&1 \
     | tee "$OUT/test_gpu_channel_decode.log" | tail -2
-  python3 benchmarks/bench_decode.py --quick --key-bits 2 3 --key-block 0 128 2>&1 | tee "$OUT/bench_decode.log" | tail -32
+  python3 -m benchmarks.bench_decode --quick --key-bits 2 3 --key-block 0 128 2>&1 | tee "$OUT/bench_decode.log" | tail -32
   [ -f "$OUT/bench_decode.json" ] && mv "$OUT/bench_decode.json" "$OUT/bench_decode_blockq.json"
-  OSCAR_BLOCK_QUERY=0 python3 benchmarks/bench_decode.py --quick --key-bits 2 --key-block 128 2>&1 \
+  OSCAR_BLOCK_QUERY=0 python3 -m benchmarks.bench_decode --quick --key-bits 2 --key-block 128 2>&1 \
     | tee "$OUT/bench_decode_fold.log" | tail -10
   for blk in 128 0; do
-    python3 benchmarks/bench_generate.py --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts --phases \
+    python3 -m benchmarks.bench_generate --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts --phases \
       --key-bits 2.7 --key-block $blk 2>&1 | tee "$OUT/bench_generate_block$blk.log" | grep -E "^\|"
     [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_block$blk.json"
   done
@@ -179,7 +180,7 @@ if [ "$mode" = compile-tests ]; then
 fi
 if [ "$mode" = compile-bench ]; then
   for flag in ${FLAGS:---compile --no-compile}; do
-    python3 benchmarks/bench_generate.py --contexts ${CONTEXTS:-100000 32768} --batches ${BATCHES:-1} --budget-contexts \
+    python3 -m benchmarks.bench_generate --contexts ${CONTEXTS:-100000 32768} --batches ${BATCHES:-1} --budget-contexts \
       --phases --key-bits 2.7 $flag 2>&1 | tee "$OUT/bench_generate$flag.log" | grep -E "^\||compiled|eager layers|kernels "
   done
   exit 0
@@ -187,8 +188,8 @@ fi
 if [ "$mode" = softcap-a ]; then
   timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 tests/runtime/test_decode_kernels.py \
     tests/runtime/test_dequant_kernel.py 2>&1 | tee "$OUT/test_gpu_a.log" | tail -5
-  timeout 150 python3 benchmarks/bench_decode.py --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
-  timeout 260 python3 benchmarks/bench_prefill.py --kinds oscar bf16graph 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
+  timeout 150 python3 -m benchmarks.bench_decode --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
+  timeout 260 python3 -m benchmarks.bench_prefill --kinds oscar bf16graph 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
   exit 0
 fi
 if [ "$mode" = softcap-b ]; then
@@ -196,12 +197,12 @@ if [ "$mode" = softcap-b ]; then
     tests/runtime/test_static_step.py tests/runtime/test_attention.py --tb=short 2>&1 | tee "$OUT/test_gpu_b.log" | tail -8
   GEMMA2_BENCH=1
 fi
-g2="benchmarks/bench_generate.py --model gemma2-2b --contexts 4000 --budget-contexts --phases"
+g2="-m benchmarks.bench_generate --model gemma2-2b --contexts 4000 --budget-contexts --phases"
 if [ "$mode" = rotate-prefill ]; then  # ordered so that a call cut short keeps the most
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_rotate_kernel.py \
     tests/runtime/test_pinned.py tests/runtime/test_attention.py tests/runtime/test_channel_keys.py --tb=short 2>&1 \
     | tee "$OUT/test_gpu_rotate.log" | tail -5
-  timeout 300 python3 benchmarks/bench_prefill.py --kinds oscar oscar-fp32rot bf16graph --contexts 32768 100000 \
+  timeout 300 python3 -m benchmarks.bench_prefill --kinds oscar oscar-fp32rot bf16graph --contexts 32768 100000 \
     --extra 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
   exit 0
 fi
@@ -212,22 +213,22 @@ if [ "$mode" = gemma2-bench ] || [ -n "${GEMMA2_BENCH:-}" ]; then
   exit 0
 fi
 if [ "$mode" = prefill ]; then
-  python3 benchmarks/bench_prefill.py 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
+  python3 -m benchmarks.bench_prefill 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
   exit 0
 fi
 if [ "$mode" = pin-bench ]; then
   for pin in 0 32; do
-    python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits 2.7 \
+    python3 -m benchmarks.bench_generate --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits 2.7 \
       --pin $pin 2>&1 | tee "$OUT/bench_generate_pin$pin.log" | tail -8
     [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_pin$pin.json"
   done
   exit 0
 fi
 if [ "$mode" = keybits-bench ]; then
-  python3 benchmarks/bench_quantize.py --bits 2 3 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
-  python3 benchmarks/bench_decode.py --quick --key-bits 2 3 2>&1 | tee "$OUT/bench_decode.log" | tail -14
+  python3 -m benchmarks.bench_quantize --bits 2 3 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
+  python3 -m benchmarks.bench_decode --quick --key-bits 2 3 2>&1 | tee "$OUT/bench_decode.log" | tail -14
   for kb in 2 2.7; do
-    python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits $kb \
+    python3 -m benchmarks.bench_generate --contexts 100000 --batches 1 8 --budget-contexts --phases --key-bits $kb \
       2>&1 | tee "$OUT/bench_generate_k$kb.log" | tail -8
     [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_k$kb.json"
   done
@@ -236,28 +237,28 @@ fi
 if [ "$mode" = decode ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_decode_kernels.py tests/runtime/test_static_step.py \
     2>&1 | tee "$OUT/test_gpu.log" | tail -3
-  python3 benchmarks/bench_decode.py --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
+  python3 -m benchmarks.bench_decode --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
   exit 0
 fi
 if [ "$mode" = variants ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_decode_kernels.py tests/runtime/test_merge_kernel.py \
     tests/runtime/test_quantize_pack_kernel.py tests/runtime/test_attention.py 2>&1 | tee "$OUT/test_gpu.log" | tail -8
-  python3 benchmarks/bench_decode.py --sweep-variants 2>&1 | tee "$OUT/bench_decode_variants.log" | grep '^variant'
+  python3 -m benchmarks.bench_decode --sweep-variants 2>&1 | tee "$OUT/bench_decode_variants.log" | grep '^variant'
   exit 0
 fi
 if [ "$mode" = kernels ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime/test_quantize_pack_kernel.py \
     tests/runtime/test_decode_kernels.py tests/runtime/test_merge_kernel.py 2>&1 | tee "$OUT/test_gpu.log" | tail -3
-  python3 benchmarks/bench_quantize.py --both-builds 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
-  python3 benchmarks/bench_decode.py --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
+  python3 -m benchmarks.bench_quantize --both-builds 2>&1 | tee "$OUT/bench_quantize.log" | tail -14
+  python3 -m benchmarks.bench_decode --quick 2>&1 | tee "$OUT/bench_decode.log" | tail -10
   exit 0
 fi
 if [ "$mode" = budget-codec ]; then
   codec="--key-bits 2.7 --key-block 128"
-  timeout ${LIMIT:-400} python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts 100000 \
+  timeout ${LIMIT:-400} python3 -m benchmarks.bench_generate --contexts 100000 --batches 1 8 --budget-contexts 100000 \
     --budget-gb ${BUDGET_GB:-100} --phases $codec 2>&1 | tee "$OUT/bench_generate_budget.log" | grep -E "^\||^budget"
   [ -f "$OUT/bench_generate_qwen3-8b.json" ] && mv "$OUT/bench_generate_qwen3-8b.json" "$OUT/bench_generate_budget.json"
-  python3 benchmarks/bench_generate.py --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
+  python3 -m benchmarks.bench_generate --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
     --phases $codec 2>&1 | tee "$OUT/bench_generate_eager.log" | grep -E "^\|"
   exit 0
 fi
@@ -265,18 +266,18 @@ if [ "$mode" != bench ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/runtime --ignore tests/runtime/test_real_model.py 2>&1 | tee "$OUT/test_gpu.log" | tail -15
 fi
 if [ "$mode" = budget ]; then
-  python3 benchmarks/bench_generate.py --contexts 100000 --batches 1 8 --budget-contexts 100000 --phases \
+  python3 -m benchmarks.bench_generate --contexts 100000 --batches 1 8 --budget-contexts 100000 --phases \
     2>&1 | tee "$OUT/bench_generate.log" | tail -14
-  OUT= python3 benchmarks/bench_generate.py --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
+  OUT= python3 -m benchmarks.bench_generate --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
     --phases 2>&1 | tee "$OUT/bench_generate_eager.log" | tail -6
 elif [ "$mode" != full ]; then
-  python3 benchmarks/bench_generate.py --contexts 100000 8192 --batches 1 --budget-contexts --phases \
+  python3 -m benchmarks.bench_generate --contexts 100000 8192 --batches 1 --budget-contexts --phases \
     2>&1 | tee "$OUT/bench_generate.log" | tail -12
 else
-  python3 benchmarks/bench_generate.py --contexts 8192 32768 100000 131072 --batches 1 8 32 --budget-contexts 100000 \
+  python3 -m benchmarks.bench_generate --contexts 8192 32768 100000 131072 --batches 1 8 32 --budget-contexts 100000 \
     --phases 2>&1 | tee "$OUT/bench_generate.log" | tail -40
-  python3 benchmarks/bench_generate.py --model smollm2 --contexts 8192 32768 100000 --batches 1 8 32 \
+  python3 -m benchmarks.bench_generate --model smollm2 --contexts 8192 32768 100000 --batches 1 8 32 \
     --budget-contexts --phases 2>&1 | tee "$OUT/bench_generate_smollm2.log" | tail -16
-  OUT= python3 benchmarks/bench_generate.py --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
+  OUT= python3 -m benchmarks.bench_generate --no-graph --kinds oscar --contexts 100000 --batches 1 8 --budget-contexts \
     --phases 2>&1 | tee "$OUT/bench_generate_eager.log" | tail -6
 fi

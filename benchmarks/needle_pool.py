@@ -4,8 +4,8 @@ and the method's accuracy over every prompt of the given reports, the paired dif
 test on them. `--against NAME=REPORT` pairs each method of each report (its artifact, and any baselines) with another
 report's artifact on the same prompts (same seed and grid: the keys must match).
 
-    PYTHONPATH=. python benchmarks/needle_pool.py seed200.json seed201.json seed202.json
-    PYTHONPATH=. python benchmarks/needle_pool.py default201.json --against b32k3=b32k3_201.json
+    python -m benchmarks.needle_pool seed200.json seed201.json seed202.json
+    python -m benchmarks.needle_pool default201.json --against b32k3=b32k3_201.json
 """
 
 from __future__ import annotations

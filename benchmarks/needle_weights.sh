@@ -4,7 +4,8 @@
 #   .cache/needle/models/SmolLM2-135M-Instruct-bf16   config, tokenizer and the weights' sha256 (not the weights)
 #   .cache/needle/texts   the evaluation plays (the needle's filler)
 #   .cache/w/partNN       the weights, xz-compressed, in parts of at most 60,000,000 bytes (three for the demo model)
-# Needs `make demo` (or any earlier run) to have converted the model, and pydantic's wheels in .whl for the manifest.
+# Needs `make demo` (or any earlier run) to have converted the model. The GPU machine needs no package beyond torch,
+# triton and transformers for the needle mode.
 # Usage: bash benchmarks/needle_weights.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,4 +29,3 @@ PYTHON
 rm -f .cache/w/part??
 xz -6 -T0 -c "$model/model.safetensors" | split -b 60000000 -d - .cache/w/part
 ls -l .cache/w .cache/needle/models/SmolLM2-135M-Instruct-bf16
-ls .whl/pydantic-*.whl >/dev/null 2>&1 || echo "no pydantic wheels in .whl: download them (the device README says how)"

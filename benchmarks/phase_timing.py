@@ -1,6 +1,5 @@
 """Phase timing for bench_generate: CUDA-event (or wall-clock) time per named piece of a decode step (attention
-kernels, rotations, cache filing), taken by wrapping those functions for the duration of a timed run. Imported by
-bench_generate both as `benchmarks.phase_timing` and, run as a script, as `phase_timing`.
+kernels, rotations, cache filing), taken by wrapping those functions for the duration of a timed run.
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ import torch
 from oscar_zoo.format import reference
 from oscar_zoo.runtime import cache as cache_mod, ops, rotate_op
 
-if __package__:  # imported: `from benchmarks import phase_timing`
-    from .bf16_caches import GraphBF16Layer, PreallocLayer, bf16_split_attention
-else:  # imported by bench_generate run as a script (its folder is on sys.path)
-    from bf16_caches import GraphBF16Layer, PreallocLayer, bf16_split_attention
+from .bf16_caches import GraphBF16Layer, PreallocLayer, bf16_split_attention
 
 
 class PhaseTimer:

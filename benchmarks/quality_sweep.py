@@ -1,14 +1,15 @@
 """Quality at matched bits: OSCAR design choices and baselines, teacher-forced against BF16 on two held-out domains.
 
-Drives the library (calibration.pipeline.accumulate, clip_search, rotation.fit_rotations, evaluation.baselines /
-harness.Attender / attention.verifying), not the CLI. One accumulation per (budget, calibration domain) gives every
-rotation / value-target / granularity variant; clip ratios come from clip_search.objectives on that calibration's
-held-out samples. Every method runs over the same sequences in one loop, BF16 logits once per sequence. Results go to
-a JSON file (rewritten after every sequence, so a cut-short run is still usable) and a markdown summary.
+Drives the library (calibration.calibration_passes.accumulate, calibration.clip_search,
+calibration.rotation_fit.fit_rotations, evaluation.baselines / verification_passes.Attender /
+teacher_forcing.verifying), not the CLI. One accumulation per (budget, calibration domain) gives every rotation /
+value-target / granularity variant; clip ratios come from clip_search.objectives on that calibration's held-out samples.
+Every method runs over the same sequences in one loop, BF16 logits once per sequence. Results go to a JSON file
+(rewritten after every sequence, so a cut-short run is still usable) and a markdown summary.
 
-    OSCAR_ZOO_CACHE=/tmp/ozc .venv/bin/python benchmarks/quality_sweep.py --sequences 3 --context 2048 \
+    OSCAR_ZOO_CACHE=/tmp/ozc .venv/bin/python -m benchmarks.quality_sweep --sequences 3 --context 2048 \
         --out /tmp/quality_sweep.json
-    .venv/bin/python benchmarks/quality_sweep.py --summarize /tmp/quality_sweep.json   # tables from a (partial) run
+    .venv/bin/python -m benchmarks.quality_sweep --summarize /tmp/quality_sweep.json   # tables from a (partial) run
 
 Domains: (i) the ten bundled evaluation plays (EVALUATION_PLAYS, never calibrated on); (ii) English docstrings
 (`inspect.getdoc`) of a fixed list of Python standard-library modules, one document per module; calibration on
@@ -257,7 +258,7 @@ class ChannelKeys(RotatedInt2):
         self.head_dim, self.block = base.head_dim, block
 
     def prepare(self, layer, q, k, v, quantize_pack):
-        from needle_mechanism import per_channel
+        from .experiments.needle_mechanism import per_channel
 
         kv = super().prepare(layer, q, k, v, quantize_pack)
         B, H, T, D = kv.k.shape

@@ -2,7 +2,7 @@
 again (`bound_value(module)`): not a module global, so two models, or nested blocks on one, each see their own.
 `attention_bound` switches a model's attention for a block (calibration's capture, verify's scoring); `bind` keeps a
 value for the model's life (the runtime's `OscarBinding`, made by `enable_oscar`). Imports torch and transformers only
-(the GPU machines have no pydantic)."""
+(the GPU machines have no other of the CLI's dependencies)."""
 
 from __future__ import annotations
 

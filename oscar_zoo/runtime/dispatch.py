@@ -6,8 +6,8 @@ machine without Triton, uses the pure-PyTorch reference (`oscar_zoo.format.refer
 `kernels()`, so importing this module needs only torch.
 
 `stand_in(StandIn(table))` plans every launch of a block for a GPU while the tensors stay on the CPU, and hands it to
-the table's stand-ins instead of the kernels: the SASS tools (benchmarks/kernel_sass.py, quantize_sass.py) capture a
-launch exactly as a GPU run makes it and compile it for sm_90 on a machine without one."""
+the table's stand-ins instead of the kernels: the SASS tools (benchmarks/experiments/kernel_sass.py, quantize_sass.py)
+capture a launch exactly as a GPU run makes it and compile it for sm_90 on a machine without one."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_calibrate_scaling.py"
+SCRIPT = ["-m", "benchmarks.bench_calibrate_scaling"]  # run from tmp_path: PYTHONPATH holds the repository
 # 8 sequences of 32 tokens, batch 2: each of two ranks batches exactly the pairs one process batches
 TINY = ["--device", "cpu", "--threads", "1", "--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
         "--kv-heads", "2", "--head-dim", "16", "--vocab", "256", "--tokens", "256", "--seq-len", "32",
@@ -28,9 +28,9 @@ def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
     out = tmp_path / "out"
-    two = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *SCRIPT,
                 *TINY, "--out", str(out), "--tag", "w2"], tmp_path)
-    one = _run([sys.executable, str(SCRIPT), *TINY, "--out", str(out), "--tag", "w1"], tmp_path)
+    one = _run([sys.executable, *SCRIPT, *TINY, "--out", str(out), "--tag", "w1"], tmp_path)
     assert "| world |" in one.stdout.splitlines()[-3]  # the table last
     lines = two.stdout.splitlines()
     assert "| world |" in lines[-7] and "| rank |" in lines[-4]  # then one row per rank
@@ -46,7 +46,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         assert phases <= set(r["phases_rank0_s"])
     assert [g["rank"] for g in r2["ranks"]] == [0, 1]
 
-    cmp = _run([sys.executable, str(SCRIPT), "--compare", str(out / "scaling_w1.safetensors"),
+    cmp = _run([sys.executable, *SCRIPT, "--compare", str(out / "scaling_w1.safetensors"),
                 str(out / "scaling_w2.safetensors"), "--out", str(out)], tmp_path)
     assert "| key_target | float64 |" in cmp.stdout
     rows = json.loads((out / "scaling_compare.json").read_text())
@@ -65,7 +65,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
 def test_device_map_mode_builds_per_module_and_runs(tmp_path):
     """The --device-map path (meta build, per-module materialisation, accelerate dispatch) on host devices."""
     out = tmp_path / "out"
-    _run([sys.executable, str(SCRIPT), *TINY, "--layers", "3", "--device-map", "auto", "--out", str(out)], tmp_path)
+    _run([sys.executable, *SCRIPT, *TINY, "--layers", "3", "--device-map", "auto", "--out", str(out)], tmp_path)
     r = json.loads((out / "scaling_devmap.json").read_text())
     assert r["mode"] == "device-map" and r["world_size"] == 1 and r["tokens_per_s"] > 0
     assert set(r["device_map"]) == {"model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1",
@@ -89,7 +89,7 @@ def test_predict_from_one_and_two_gpu_reports(tmp_path):
                           "rotations": 0.6, "clip search": 1.9})  # Σ = 7.4: 0.2 s outside the phases
     (tmp_path / "one.json").write_text(json.dumps(one))
     (tmp_path / "two.json").write_text(json.dumps(two))
-    _run([sys.executable, str(SCRIPT), "--predict", str(tmp_path / "one.json"), str(tmp_path / "two.json"),
+    _run([sys.executable, *SCRIPT, "--predict", str(tmp_path / "one.json"), str(tmp_path / "two.json"),
           "--gpus", "4", "8", "--out", str(tmp_path)], tmp_path)
     rows = {r["gpus"]: r for r in json.loads((tmp_path / "scaling_predict.json").read_text())}
     eff = 8.0 / 8.8

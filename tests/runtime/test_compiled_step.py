@@ -21,8 +21,8 @@ from oscar_zoo.runtime.graph import ROUTED_TYPES, decode_graphs, static_experts
 
 from .test_static_step import D, _cache, _llama, _qwen3
 
-ARCH_TYPES = ("gemma", "gemma2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe")  # models.ARCHITECTURES (the GPU
-# machine has no pydantic, which models.py imports: the list is checked on CPU below)
+ARCH_TYPES = ("gemma", "gemma2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe")  # models.ARCHITECTURES, spelled
+# out for the parametrization (checked against it below)
 ARCH_EXTRA = {"gemma2": {"final_logit_softcapping": None}, "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2,
                                                                       "moe_intermediate_size": 96}}
 

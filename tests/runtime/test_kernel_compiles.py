@@ -1,10 +1,10 @@
-"""The decode kernel compiles for an H200 (sm_90) as `ops` launches it, without a GPU (benchmarks/kernel_sass.py in a
-fresh process, where Triton is not in interpreter mode): catches what the CPU interpreter cannot (non-constexpr
-globals, shared memory beyond what an SM has, a register cap the compiler did not apply); an earlier draft of the kernel
-needed 512 KB of shared memory at 32/8 heads and passed every interpreter test; a later one took 67 KB per program,
-so only 3 of the 4 programs per SM the split rule counts on fitted, and measured 1.7× slower. Small register spills
-are accepted (up to 272 B per thread at d = 64 with a GQA group of 16, 136 B at d = 256); a one-warp program for a
-group of 64 spilled 5 KB, hence the extra warps for large groups (`ops._warps`)."""
+"""The decode kernel compiles for an H200 (sm_90) as `ops` launches it, without a GPU
+(benchmarks/experiments/kernel_sass.py in a fresh process, where Triton is not in interpreter mode): catches what the
+CPU interpreter cannot (non-constexpr globals, shared memory beyond what an SM has, a register cap the compiler did not
+apply); an earlier draft of the kernel needed 512 KB of shared memory at 32/8 heads and passed every interpreter test; a
+later one took 67 KB per program, so only 3 of the 4 programs per SM the split rule counts on fitted, and measured 1.7×
+slower. Small register spills are accepted (up to 272 B per thread at d = 64 with a GQA group of 16, 136 B at d = 256);
+a one-warp program for a group of 64 spilled 5 KB, hence the extra warps for large groups (`ops._warps`)."""
 
 import json
 import os
@@ -34,7 +34,7 @@ def test_decode_kernel_compiles_for_sm90(shape, group_size, key_block, int8_dots
     key_block: keys per channel, at 32/8/128 on the integer dots with the block
     operands (`ops.block_query`), at 9/3/64 with q·s folded per tile (bfloat16 dots)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--shape", shape,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.experiments.kernel_sass", "--shape", shape,
                            "--group-size", str(group_size), "--key-block", str(key_block), "--json"],
                           capture_output=True, text=True, env=env, timeout=900, check=False)  # fmt: skip (a hang guard)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,7 +61,7 @@ def test_quantize_kernel_compiles_for_sm90(d, ratio, group_size):
     float ratio picks, the same builds the cache's bounded per-head tensors take, and the per-row dispatch of a ratio
     tensor): compiles for sm_90, fits shared memory, one row per thread without shared-memory shuffles of the row."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_sass.py"), "--d", str(d),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.experiments.quantize_sass", "--d", str(d),
                            "--ratio", ratio, "--group-size", str(group_size), "--json"],
                           capture_output=True, text=True, env=env, timeout=900, check=False)  # fmt: skip (a hang guard)
     assert proc.returncode == 0, proc.stderr[-3000:]

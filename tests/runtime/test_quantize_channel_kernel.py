@@ -196,7 +196,7 @@ import dataclasses, json, sys, tempfile
 from pathlib import Path
 import torch, triton
 from triton.backends.compiler import GPUTarget
-from benchmarks.kernel_sass import _specialise, resources
+from benchmarks.experiments.kernel_sass import _specialise, resources
 from oscar_zoo.runtime import dispatch, ops
 from oscar_zoo.runtime.kernels import KernelTable
 from oscar_zoo.runtime.kernels import quantize_channel as qp

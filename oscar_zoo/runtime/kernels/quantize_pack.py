@@ -495,7 +495,7 @@ def _quantize_pack_kernel(
     kf = tl.minimum(tl.maximum(tl.floor(r * D + 1e-6), 0.0), D - 1.0)
     kk = tl.where(row_ok & (r > 0), kf.to(tl.int32), -1)
     m = D - kk  # τ is the m-th largest |x|
-    if MAX_M == 8:  # every row has m ≤ 8 (benchmarks/quantize_sass.py's count of one path)
+    if MAX_M == 8:  # every row has m ≤ 8 (benchmarks/experiments/quantize_sass.py's count of one path)
         tau = _mth_largest8(a, m, BLOCK_T, D, NET16)
     elif MAX_M == 16:
         tau = _mth_largest16(a, m, BLOCK_T, D, NET16)

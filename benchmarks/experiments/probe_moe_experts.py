@@ -8,7 +8,7 @@ prefills a `--context`-token prompt into an OscarCache and runs `--steps` teache
 logit difference from the eager step with the model's own experts (relative to the largest logit), and ms per replayed
 step (CUDA events over the steps after the first 16).
 
-    PYTHONPATH=. python3 benchmarks/probe_moe_experts.py [--layers 4] [--context 1024] [--steps 64]
+    python3 -m benchmarks.experiments.probe_moe_experts [--layers 4] [--context 1024] [--steps 64]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The number that matters is warp instructions per (token, KV head) of the INT2 lo
 reading one token-head of a d = 128 INT2 row (K and V, 72 B) at the copy bandwidth leaves ≈ 6 issue slots per SM, so
 a loop above that cannot reach the bandwidth floor whatever its memory pipeline does. Shared memory per program is
 printed too (a kernel above 227 KiB does not launch). Usage:
-    PYTHONPATH=. python benchmarks/kernel_sass.py [--shape 32,8,128] [--block-n 64] [--warps 1] [--stages 3]
+    python -m benchmarks.experiments.kernel_sass [--shape 32,8,128] [--block-n 64] [--warps 1] [--stages 3]
         [--key-block 128]
 """
 

@@ -1,7 +1,7 @@
 """Where an eager (uncaptured) OSCAR decode step's time goes: per-step wall time, Triton cache entries added per step,
 and a cProfile of the timed steps. A diagnostic for the eager rows of bench_generate.py (`--no-graph`).
 
-    PYTHONPATH=. python3 benchmarks/probe_eager_step.py --layers 4 --context 100000 --batch 1 --key-bits 2.7 \
+    python3 -m benchmarks.experiments.probe_eager_step --layers 4 --context 100000 --batch 1 --key-bits 2.7 \
         --key-block 128 --steps 40
 """
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks import bench_generate as bg
+from .. import bench_generate as bg
 
 
 def triton_cache_entries() -> int:

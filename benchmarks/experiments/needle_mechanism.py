@@ -7,7 +7,7 @@ passkey's tokens run as one teacher-forced chunk. A prompt counts as retrieved w
 and the token after the digits is not a digit (greedy decoding would write exactly the passkey). Accuracy per length
 with its 95 % Wilson interval, and bits per element at 32K context as `inspect` counts them, for each variant.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/needle_mechanism.py --artifacts artifacts/demo --trials 8 \
+    .venv/bin/python -m benchmarks.experiments.needle_mechanism --artifacts artifacts/demo --trials 8 \
         --json /tmp/needle_mechanism.json
 """
 

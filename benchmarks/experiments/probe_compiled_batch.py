@@ -4,7 +4,7 @@ difference (relative to the largest logit) over 60 teacher-forced steps after a 
 TORCH_LOGS=graph_breaks,recompiles to see dynamo's breaks (how the batch > 1 fault was found: RESULTS.md "The batch > 1
 fault found").
 
-    PYTHONPATH=. python3 benchmarks/probe_compiled_batch.py [--archs qwen3] [--batches 1 3 8] [--layers 12]
+    python3 -m benchmarks.experiments.probe_compiled_batch [--archs qwen3] [--batches 1 3 8] [--layers 12]
 
 Any architecture of tests/runtime/test_compiled_step.py runs (2 layers, SmolLM2's attention shape); `--force-compile`
 compiles one that `compiled.COMPILED_TYPES` leaves out, to check it before admitting it. (Gemma2's "compiled" row is its

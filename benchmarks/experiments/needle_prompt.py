@@ -5,7 +5,7 @@ context first and reads the question through the INT2 tiers (a harder protocol: 
 INT2). Same prompts as `verify --needle` (`build_prompt`, the evaluation plays as filler, `--seed`); accuracy per
 length with 95 % Wilson intervals, for BF16 and the artifact at each `--pins` value.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/needle_prompt.py --artifacts artifacts/demo --pins 0 32 --trials 4
+    .venv/bin/python -m benchmarks.experiments.needle_prompt --artifacts artifacts/demo --pins 0 32 --trials 4
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ per clock), so they are counted twice in `issue_slots`. A float ratio compiles t
 bound (`min_ratio`); `--ratio tensor` compiles the per-row dispatch of a ratio tensor without a bound (its static count
 includes all three paths).
 Usage:
-    PYTHONPATH=. python benchmarks/quantize_sass.py [--d 128] [--ratio 0.96] [--group-size 0] [--warps 4] [--json]
+    python -m benchmarks.experiments.quantize_sass [--d 128] [--ratio 0.96] [--group-size 0] [--warps 4] [--json]
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from benchmarks.kernel_sass import _cuobjdump, _specialise, resources
 from oscar_zoo.format import layout
 from oscar_zoo.runtime import config, dispatch, ops
 from oscar_zoo.runtime.kernels import KernelTable, quantize_pack as qp
+
+from .kernel_sass import _cuobjdump, _specialise, resources
 
 HALF_RATE = ("FMNMX", "IMNMX", "FSETP", "ISETP", "FSET", "FSEL", "SEL", "LOP3", "SHF", "IADD3", "PRMT", "LEA", "VIMNMX",
              "IMAD", "BMSK", "SGXT", "P2R", "R2P", "PLOP3")  # fmt: skip

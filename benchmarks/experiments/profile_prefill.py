@@ -4,7 +4,7 @@ model of real shapes (Qwen3-8B on the GPU, a few layers: every layer does the sa
 unprofiled; the table lists the ops with the most device time in the profiled chunk (self time, ms) for each kind, after
 the wall time of every chunk (synchronised); the full tables go to $OUT/profile_prefill_<kind>.txt when OUT is set.
 
-    PYTHONPATH=. python benchmarks/profile_prefill.py [--layers 4] [--batch 8] [--context 32768] [--chunk 8192]
+    python -m benchmarks.experiments.profile_prefill [--layers 4] [--batch 8] [--context 32768] [--chunk 8192]
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-if __package__:
-    from .bench_generate import build_model, cache_kwarg, make_cache, use_attention
-else:
-    from bench_generate import build_model, cache_kwarg, make_cache, use_attention
+from ..bench_generate import build_model, cache_kwarg, make_cache, use_attention
 
 
 @torch.inference_mode()

@@ -2,7 +2,8 @@
 
 Usage (GPU machine, repository root):
     ncu -k regex:_quantize_pack --launch-skip 3 --launch-count 1 --section WarpStateStats --section SchedulerStats \
-        --section Occupancy --section SpeedOfLight python3 benchmarks/profile_quantize.py --rows 1048576 --d 128
+        --section Occupancy --section SpeedOfLight \
+        python3 -m benchmarks.experiments.profile_quantize --rows 1048576 --d 128
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Register caps against resident programs for the decode kernel (config.DecodeConfig), per head dim, on the rows where
-occupancy decides: `PYTHONPATH=.:benchmarks python3 benchmarks/occupancy_sweep.py` (GPU). A cap lower than the
+occupancy decides: `python3 -m benchmarks.experiments.occupancy_sweep` (GPU). A cap lower than the
 compiler's own count lets more one-warp programs share an SM (65,536 registers) at the price of spills."""
 
 import dataclasses
 
 import torch
 
-import bench_decode as bd
 from oscar_zoo.runtime import config
+
+from .. import bench_decode as bd
 
 C = config.DecodeConfig
 CANDIDATES = {128: [C(32, 1, 3, 8, None), C(32, 1, 3, 10, 192), C(32, 1, 3, 12, 168)],

@@ -2,7 +2,7 @@
 
 Usage (GPU machine, repository root):
     ncu -k regex:'_decode_kernel|_merge' --launch-skip 4 --launch-count 2 --set full --import-source yes \
-        -o /tmp/decode python3 benchmarks/profile_decode.py --shape 32/8/128 --batch 1 --context 100000
+        -o /tmp/decode python3 -m benchmarks.experiments.profile_decode --shape 32/8/128 --batch 1 --context 100000
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import dataclasses
 
 import torch
 
-from bench_decode import int2_cache
 from oscar_zoo.runtime import config, ops
+
+from ..bench_decode import int2_cache
 
 
 def main():
