@@ -155,7 +155,7 @@ def main():
         """Seconds per pass of accumulate() (fresh store), from its progress callbacks."""
         marks: dict[str, list[float]] = {}
 
-        def progress(desc, done, total, rate=""):
+        def progress(desc, done, total, rate="", run_left=None):
             sync()
             marks.setdefault(desc, []).append(time.perf_counter())
 

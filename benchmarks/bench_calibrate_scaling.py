@@ -210,7 +210,7 @@ def run(args) -> dict | None:
 
     marks: dict[str, list[float]] = {}
 
-    def progress(desc, done, total, rate=""):
+    def progress(desc, done, total, rate="", run_left=None):
         sync(device)
         marks.setdefault(desc, []).append(time.perf_counter())
 
