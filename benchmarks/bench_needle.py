@@ -1,4 +1,4 @@
-"""`verify --needle`'s retrieval grid on a GPU: its wall time (issue 15), and large samples of it (issue 32).
+"""`verify --needle`'s retrieval grid on a GPU: its wall time, and large samples of it.
 
 Runs `evaluation.needle.run_needle` — the code `verify --needle` runs — with the demo model's shape and tokenizer,
 artifact folders and the held-out plays as filler. `--weights` loads model.safetensors from `--model-dir` (the

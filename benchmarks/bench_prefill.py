@@ -1,4 +1,4 @@
-"""Time to first token: a long prompt prefilled through OscarCache vs BF16 caches (issue 33 item 3).
+"""Time to first token: a long prompt prefilled through OscarCache vs BF16 caches.
 
 A random-weight model of a real architecture (Qwen3-8B shapes on the GPU, a demo-sized Llama on CPU) runs a prompt of
 random token ids in chunks of `--chunk` tokens, as `generate()` runs a prompt, and the first generated token is read

@@ -210,7 +210,7 @@ class KeyCentered(RotatedInt2):
 
 
 class LloydMax(RotatedInt2):
-    """Issue 14 item 4, measured through fake quantization: `base`'s rotations, means and clips, with four Lloyd-Max
+    """Lloyd-Max levels, measured through fake quantization: `base`'s rotations, means and clips, with four Lloyd-Max
     levels per (layer, KV head, K/V) instead of the uniform ones (`reference.fake_quant_levels`: the same float16
     scale and zero, so the same bits), fitted on the calibration's held-out rows as the runtime would store them
     (rotated, centred, clipped, in code units)."""
@@ -247,7 +247,7 @@ class LloydMax(RotatedInt2):
 
 
 class ChannelKeys(RotatedInt2):
-    """Probe of issue 32's next codec (QUALITY.md run H): `base`'s rotations and key bits, its history keys coded per
+    """Keys per channel as a probe (QUALITY.md, "Codec options"): `base`'s rotations and key bits, its history keys coded per
     channel over blocks of `block` tokens (min-max, unclipped; `needle_mechanism.per_channel`) and its values
     unclipped. At head_dim = block the scale/zero bits equal a row's, so the bits are `base`'s."""
 
@@ -332,7 +332,7 @@ def main() -> None:
     ap.add_argument("--summarize", help="print the markdown tables of an existing result file and exit")
     ap.add_argument("--channel-keys", action="store_true",
                     help="with --artifact: also NAME-kchan, its keys per channel over 64-token blocks and its values "
-                         "unclipped (issue 32's probe)")
+                         "unclipped (the keys-per-channel probe)")
     ap.add_argument("--artifact", action="append", default=[], metavar="NAME=FOLDER",
                     help="also verify the OSCAR method of an artifact folder (its rotations, clips and key bits) as "
                          "method NAME; repeatable")
