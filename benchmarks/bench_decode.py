@@ -168,7 +168,7 @@ C = config.DecodeConfig
 # RuntimeConfig.decode_64 / decode_128 candidates (tile tokens, warps, stages, programs per SM, register cap), each for
 # both dims
 SWEEP = [
-    # (the one-warp settings with 4–12 programs per SM are measured in RESULTS.md, "Launch settings re-checked")
+    # (the one-warp settings with 4–12 programs per SM are measured in notes/2026-12-02-decode-kernel-two-warps.md)
     C(64, 1, 3, 8, None), C(64, 1, 3, 12, 168), C(64, 2, 3, 8, 128), C(64, 2, 2, 8, 128), C(64, 2, 3, 10, 96),
 ]
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),

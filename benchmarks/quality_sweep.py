@@ -247,8 +247,8 @@ class LloydMax(RotatedInt2):
 
 
 class ChannelKeys(RotatedInt2):
-    """Keys per channel as a probe (QUALITY.md, "Codec options"): `base`'s rotations and key bits, its history keys coded per
-    channel over blocks of `block` tokens (min-max, unclipped; `needle_mechanism.per_channel`) and its values
+    """Keys per channel as a probe (QUALITY.md, "Codec options"): `base`'s rotations and key bits, its history keys
+    coded per channel over blocks of `block` tokens (min-max, unclipped; `needle_mechanism.per_channel`) and its values
     unclipped. At head_dim = block the scale/zero bits equal a row's, so the bits are `base`'s."""
 
     def __init__(self, base: RotatedInt2, block: int = 64):

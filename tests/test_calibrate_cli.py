@@ -292,7 +292,7 @@ def test_out_replaces_only_a_recognisable_artifact_folder(calibrated, run_cli, t
 
 def test_calibrate_defaults_to_uncentred_and_centring_mean_still_writes_means(calibrated, run_cli, tiny_model_dir,
                                                                               text_file, tmp_path):
-    """No --centring flag: the uncentred codec (issue 14's decision, benchmarks/QUALITY.md "Decision": centring loses
+    """No --centring flag: the uncentred codec (benchmarks/notes/2026-12-01-codec-v2-centring.md: centring loses
     needle retrieval) — a schema-2 manifest recording quant.centring "none", no k_mean/v_mean tensors, a cache without
     means. `--centring mean` (the same accumulators, no forward pass) still writes the centred codec: the means, the
     manifest saying so, a centred cache."""

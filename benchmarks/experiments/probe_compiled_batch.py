@@ -1,16 +1,15 @@
 """Probe (GPU): compiled decoder layers against the eager step at several batch sizes, with programmatic dependent
 launch on and off, both without a CUDA graph ("compiled") and replayed ("graph"): per setting, the largest logit
 difference (relative to the largest logit) over 60 teacher-forced steps after a 330-token prompt. Run it with
-TORCH_LOGS=graph_breaks,recompiles to see dynamo's breaks (how the batch > 1 fault was found: RESULTS.md "The batch > 1
-fault found").
+TORCH_LOGS=graph_breaks,recompiles to see dynamo's breaks (how the batch > 1 fault was found:
+benchmarks/notes/2026-12-04-compiled-decode-step.md).
 
     python3 -m benchmarks.experiments.probe_compiled_batch [--archs qwen3] [--batches 1 3 8] [--layers 12]
 
 Any architecture of tests/runtime/test_compiled_step.py runs (2 layers, SmolLM2's attention shape); `--force-compile`
 compiles one that `compiled.COMPILED_TYPES` leaves out, to check it before admitting it. (Gemma2's "compiled" row is its
 compiled layers without a graph, 1.8e-6 on the H200; its "graph" row is the eager step since its steps are never
-captured, graph.py; before that its captured step was 11 % off: RESULTS.md "On the H200: Qwen3-MoE captured and
-compiled; Gemma2's captured step was wrong".)
+captured, graph.py; how its captured step was found 11 % off: benchmarks/notes/2026-12-05-moe-and-gemma2-captured.md.)
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from ..models import DEMO, check_revision_applies
 from ..texts import check_dataset_options, check_seq_len
 from . import clip_search, distributed
 
-DEFAULT_KEY_BITS = 2.7  # QUALITY.md "Retrieval": 2.98 bits/element at 32K for D = 64 (≤ 3.0), needle 57 → 72 %
+# benchmarks/notes/2026-12-04-retrieval-3-bit-keys.md: 2.98 bits/element at 32K for D = 64 (≤ 3.0), needle 57 → 72 %
+DEFAULT_KEY_BITS = 2.7
 
 
 class AccumulateOn(Choice):
@@ -77,7 +78,7 @@ class CalibrationSettings:
     # None: `layout.default_key_block` of the head dim, the default codec); 0: keys per row with searched clips
     key_block: int | None = None
     centring: Centring = Centring.NONE  # none: rows stored as x·M (schema 1's); mean: the centred codec
-    # (docs/format.md §6a), lower KL but worse needle retrieval (benchmarks/QUALITY.md, "Decision")
+    # (docs/format.md §6a), lower KL but worse needle retrieval (benchmarks/notes/2026-12-01-codec-v2-centring.md)
     centred_value_target: bool = False  # weighted value target about μ_V (a covariance) instead of about 0; measured
     # in benchmarks/QUALITY.md, not a default (library only)
     batch_size: int = 4
@@ -164,7 +165,7 @@ class CalibrationSettings:
 
 # calibrate's default sample: 131,072 tokens (256 sequences of 512). On the demo model, 16,384 (the earlier default)
 # lost 2.0 / 3.0 / 5.2 points of needle retrieval against BF16 at 1K / 2K / 4K; 131,072 lost none (−0.2 / +1.7 / +1.5)
-# at the same bits, and teacher-forced KL fell 0.0208 → 0.0186 (benchmarks/QUALITY.md, "Calibration tokens")
+# at the same bits, and teacher-forced KL fell 0.0208 → 0.0186 (benchmarks/notes/2026-12-05-calibration-tokens.md)
 DEFAULT_TOKENS = 131072
 
 

@@ -37,7 +37,7 @@ from ..texts import MIN_SEQ_LEN
 from .options import Dataset, Device, Dtype, Json, ModelArg, Revision, Split, TextField
 
 TOKENS_HELP = ("Calibration tokens (rounded down to whole sequences; fewer lose long-context retrieval: "
-               'benchmarks/QUALITY.md "Calibration tokens").')
+               'benchmarks/notes/2026-12-05-calibration-tokens.md).')
 
 
 def calibrate_command(
