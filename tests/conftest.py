@@ -15,7 +15,7 @@ import torch  # noqa: E402
 # Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores for torch's intra-op
 # threads, and so do the processes the tests start. With torch's default (every core per worker) two workers on two
 # cores oversubscribe them, and OpenMP's waiting threads made the two real-SmolLM2 needle tests run side by side take
-# 137 s each against 29 s with one thread per worker (README, "Quick start").
+# 137 s each against 29 s with one thread per worker (measured on a 2-core AVX2 machine).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1:
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
