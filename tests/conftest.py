@@ -112,3 +112,24 @@ def run_cli(capsys, monkeypatch):
         return code, out, err
 
     return run
+
+
+@pytest.fixture(scope="module")
+def play_text(tmp_path_factory):
+    """20,000 characters of a bundled play as a local text file (verify's --dataset in the command tests)."""
+    from oscar_zoo.texts import corpus_dir
+
+    path = tmp_path_factory.mktemp("text") / "henry_v.txt"
+    path.write_text((corpus_dir() / "henry_v_gut.txt").read_text()[:20000])
+    return path
+
+
+@pytest.fixture
+def verify_loads_no_model(monkeypatch):
+    """verify must refuse before it reaches the model: loading it fails the test loudly."""
+    from oscar_zoo.evaluation import verification_run
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("verify loaded the model before checking its options")
+
+    monkeypatch.setattr(verification_run, "load_model", refuse)

@@ -31,30 +31,10 @@ def artifacts(tmp_path_factory, tiny_model_dir):
     return folder / "art"
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    from oscar_zoo.texts import corpus_dir
-
-    path = tmp_path_factory.mktemp("text") / "henry_v.txt"
-    path.write_text((corpus_dir() / "henry_v_gut.txt").read_text()[:20000])
-    return path
-
-
-def _verify(artifacts, model_dir, text_file, *extra):
-    return ("verify", artifacts, "--model", model_dir, "--dataset", text_file, "--context", "384", "--sequences",
+def _verify(artifacts, model_dir, play_text, *extra):
+    return ("verify", artifacts, "--model", model_dir, "--dataset", play_text, "--context", "384", "--sequences",
             "1", "--generate", "0", "--baselines", "none", "--device", "cpu", "--dtype", "float32", "--max-kl", "99",
             "--min-top1", "0", "--max-ppl-increase", "99", *extra)
-
-
-@pytest.fixture
-def no_model_work(monkeypatch):
-    """verify must not reach the model: loading it fails the test loudly."""
-    from oscar_zoo.evaluation import verification_run
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("verify loaded the model before checking --plot")
-
-    monkeypatch.setattr(verification_run, "load_model", refuse)
 
 
 def _assert_refused(code: int, out: str, err: str, *needles: str) -> None:
@@ -66,63 +46,63 @@ def _assert_refused(code: int, out: str, err: str, *needles: str) -> None:
         assert needle in errors[0], (needle, errors[0])
 
 
-def test_a_format_matplotlib_cannot_write_is_refused_up_front(run_cli, artifacts, tiny_model_dir, text_file,
-                                                              tmp_path, no_model_work):
+def test_a_format_matplotlib_cannot_write_is_refused_up_front(run_cli, artifacts, tiny_model_dir, play_text,
+                                                              tmp_path, verify_loads_no_model):
     plot = tmp_path / "plot.xyz"
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", plot))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", plot))
     _assert_refused(code, out, err, str(plot), ".xyz")
     assert ".png" in err and ".pdf" in err  # the hint lists what matplotlib can write
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(shutil.which("xelatex") is not None, reason="pgf is writable where LaTeX is installed")
-def test_a_format_listed_but_not_writable_here_is_refused_up_front(run_cli, artifacts, tiny_model_dir, text_file,
-                                                                   tmp_path, no_model_work):
+def test_a_format_listed_but_not_writable_here_is_refused_up_front(run_cli, artifacts, tiny_model_dir, play_text,
+                                                                   tmp_path, verify_loads_no_model):
     """matplotlib lists pgf, but writing it needs xelatex: found out by rendering a tiny figure, before the run."""
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", tmp_path / "plot.pgf"))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", tmp_path / "plot.pgf"))
     _assert_refused(code, out, err, ".pgf", "xelatex")
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_existing_folder_is_refused_up_front(run_cli, artifacts, tiny_model_dir, text_file, tmp_path,
-                                                no_model_work):
+def test_an_existing_folder_is_refused_up_front(run_cli, artifacts, tiny_model_dir, play_text, tmp_path,
+                                                verify_loads_no_model):
     folder = tmp_path / "plots"
     folder.mkdir()
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", folder))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", folder))
     _assert_refused(code, out, err, str(folder), "is a folder")
     assert str(folder / "verify.png") in err  # the hint: a file in it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots"] and not any(folder.iterdir())  # no plots.png
     # NAME whose NAME.png is a folder, and a needle heatmap that would land on a folder: refused too
     (tmp_path / "curves.png").mkdir()
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", tmp_path / "curves"))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", tmp_path / "curves"))
     _assert_refused(code, out, err, "is a folder", str(tmp_path / "curves.png"))
     (tmp_path / "v-needle.png").mkdir()
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", tmp_path / "v.png",
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", tmp_path / "v.png",
                                       "--needle"))
     _assert_refused(code, out, err, "needle heatmap", "v-needle.png", "is a folder")
     assert not (tmp_path / "v.png").exists()
 
 
-def test_a_path_under_a_file_is_refused_up_front(run_cli, artifacts, tiny_model_dir, text_file, tmp_path,
-                                                 no_model_work):
+def test_a_path_under_a_file_is_refused_up_front(run_cli, artifacts, tiny_model_dir, play_text, tmp_path,
+                                                 verify_loads_no_model):
     (tmp_path / "notes").write_text("mine")
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", tmp_path / "notes" / "p.png"))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", tmp_path / "notes" / "p.png"))
     _assert_refused(code, out, err, "which is a file")
     assert (tmp_path / "notes").read_text() == "mine"
 
 
-def test_the_file_written_is_the_file_reported(run_cli, artifacts, tiny_model_dir, text_file, tmp_path):
+def test_the_file_written_is_the_file_reported(run_cli, artifacts, tiny_model_dir, play_text, tmp_path):
     """`--plot DIR/NAME` (no extension, DIR missing) writes DIR/NAME.png, says so, and leaves no temp file; a .svg
     name writes SVG (the extension picks the format)."""
     plot = tmp_path / "new" / "sub" / "curves"
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", plot))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", plot))
     assert code == 0, err
     written = plot.with_name("curves.png")
     assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {written}\n" in out
     assert sorted(p.name for p in written.parent.iterdir()) == ["curves.png"]
     svg = tmp_path / "curves.svg"
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", svg))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", svg))
     assert code == 0, err
     assert b"<svg" in svg.read_bytes()[:2000] and f"wrote {svg}\n" in out
 

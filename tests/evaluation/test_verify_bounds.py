@@ -52,30 +52,10 @@ def other_artifacts(tmp_path_factory, tiny_model_dir):
     return folder
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    from oscar_zoo.texts import corpus_dir
-
-    path = tmp_path_factory.mktemp("text") / "henry_v.txt"
-    path.write_text((corpus_dir() / "henry_v_gut.txt").read_text()[:20000])
-    return path
-
-
-def _verify(artifacts, model_dir, text_file, *extra):
-    return ("verify", artifacts, "--model", model_dir, "--dataset", text_file, "--context", "384", "--sequences",
+def _verify(artifacts, model_dir, play_text, *extra):
+    return ("verify", artifacts, "--model", model_dir, "--dataset", play_text, "--context", "384", "--sequences",
             "1", "--generate", "0", "--baselines", "none", "--device", "cpu", "--dtype", "float32", "--max-kl", "0.1",
             "--min-top1", "0.82", "--max-ppl-increase", "0.1", *extra)
-
-
-@pytest.fixture
-def no_model_work(monkeypatch):
-    """verify must not reach the model: loading it fails the test loudly."""
-    from oscar_zoo.evaluation import verification_run
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("verify loaded the model before checking its options")
-
-    monkeypatch.setattr(verification_run, "load_model", refuse)
 
 
 @pytest.fixture
@@ -102,15 +82,15 @@ def _one_line(code: int, out: str, err: str, expected_code: int, *needles: str) 
 
 # -- unbounded work --------------------------------------------------------------------------------------------------
 def test_a_needle_grid_past_its_maximum_is_refused_before_the_model_loads(run_cli, artifacts, tiny_model_dir,
-                                                                          text_file, no_model_work):
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--needle-trials", "100000000"))
+                                                                          play_text, verify_loads_no_model):
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--needle-trials", "100000000"))
     _one_line(code, out, err, 2, "the needle grid has", "at most 1,024", "--needle-trials")
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--needle-lengths", "300,400",
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--needle-lengths", "300,400",
                                       "--needle-depths", ",".join(["0.5"] * 300), "--needle-trials", "2"))
     _one_line(code, out, err, 2, "2 lengths × 300 depths × 2 trials = 1,200 prompts")
 
 
-def test_a_needle_grid_builds_its_prompts_one_batch_at_a_time(tiny_model_dir, artifacts, text_file, monkeypatch):
+def test_a_needle_grid_builds_its_prompts_one_batch_at_a_time(tiny_model_dir, artifacts, play_text, monkeypatch):
     """The library call: prompts are built as they run (a batch at a time), not all before the first; the same
     prompts in the same order as before."""
     from oscar_zoo.artifacts import load_artifacts
@@ -122,7 +102,7 @@ def test_a_needle_grid_builds_its_prompts_one_batch_at_a_time(tiny_model_dir, ar
         needle.NeedleSettings(lengths=(300,), trials=100_000_000)
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
     manifest, rotations = load_artifacts(artifacts)
-    filler = loaded.tokenizer(text_file.read_text(), add_special_tokens=False).input_ids
+    filler = loaded.tokenizer(play_text.read_text(), add_special_tokens=False).input_ids
     built, seen = [], []
     build, answer = needle.build_prompt, needle._answer
 
@@ -142,9 +122,9 @@ def test_a_needle_grid_builds_its_prompts_one_batch_at_a_time(tiny_model_dir, ar
     assert seen == [2, 2, 4, 4, 5, 5]  # BF16 and OSCAR per batch: never more prompts built than the batch in hand
 
 
-def test_generate_past_its_maximum_is_refused_before_the_model_loads(run_cli, artifacts, tiny_model_dir, text_file,
-                                                                     no_model_work):
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--generate", "100000000"))
+def test_generate_past_its_maximum_is_refused_before_the_model_loads(run_cli, artifacts, tiny_model_dir, play_text,
+                                                                     verify_loads_no_model):
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--generate", "100000000"))
     _one_line(code, out, err, 2, "--generate 100,000,000 is more than 4,096 greedy tokens")
 
 
@@ -153,9 +133,9 @@ def test_generate_past_its_maximum_is_refused_before_the_model_loads(run_cli, ar
     ("5000", "0", "--context 5,000 exceeds the model's 4,096 positions"),
 ])
 def test_a_context_past_the_models_positions_is_refused_before_the_evaluation(run_cli, artifacts, tiny_model_dir,
-                                                                               text_file, no_evaluation, context,
+                                                                               play_text, no_evaluation, context,
                                                                                generate, words):
-    args = [a if a not in ("384",) else context for a in _verify(artifacts, tiny_model_dir, text_file)]
+    args = [a if a not in ("384",) else context for a in _verify(artifacts, tiny_model_dir, play_text)]
     args[args.index("--generate") + 1] = generate
     code, out, err = run_cli(*args)
     _one_line(code, out, err, 2, words)
@@ -163,20 +143,20 @@ def test_a_context_past_the_models_positions_is_refused_before_the_evaluation(ru
 
 # -- late checks -----------------------------------------------------------------------------------------------------
 def test_needle_lengths_past_the_model_are_refused_before_the_evaluation(run_cli, artifacts, tiny_model_dir,
-                                                                         text_file, no_evaluation):
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--needle-lengths", "100000"))
+                                                                         play_text, no_evaluation):
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--needle-lengths", "100000"))
     _one_line(code, out, err, 2, "--needle-lengths 100000", "exceeds the model's 4,096 positions",
               "use --needle-lengths up to 4089")
 
 
 def test_needle_lengths_past_the_held_out_text_are_refused_before_the_evaluation(run_cli, artifacts, tiny_model_dir,
-                                                                                 text_file, monkeypatch):
+                                                                                 play_text, monkeypatch):
     from oscar_zoo.evaluation import verification_run
 
     monkeypatch.setattr(verification_run, "run_verification", lambda *a, **k: (_ for _ in ()).throw(
         AssertionError("verify ran the model before checking the needle text")))
-    tiny = text_file.parent / "tiny.txt"
-    tiny.write_text(text_file.read_text()[:3000])
+    tiny = play_text.parent / "tiny.txt"
+    tiny.write_text(play_text.read_text()[:3000])
     code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, tiny, "--needle-lengths", "4000"))
     _one_line(code, out, err, 2, "--needle-lengths 4000: the held-out text has")
 
@@ -189,15 +169,15 @@ def test_needle_lengths_past_the_held_out_text_are_refused_before_the_evaluation
     ("--min-top1", "1.5", "--min-top1 must be finite and in [0, 1], got 1.5"),
 ])
 def test_thresholds_no_run_can_meet_are_refused_before_the_model_loads(run_cli, artifacts, tiny_model_dir,
-                                                                       text_file, no_model_work, option, value,
+                                                                       play_text, verify_loads_no_model, option, value,
                                                                        words):
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, option, value))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, option, value))
     _one_line(code, out, err, 2, words)
 
 
 def test_write_to_a_read_only_folder_is_refused_before_the_model_loads(run_cli, artifacts, tiny_model_dir,
-                                                                       text_file, tmp_path, monkeypatch,
-                                                                       no_model_work):
+                                                                       play_text, tmp_path, monkeypatch,
+                                                                       verify_loads_no_model):
     folder = tmp_path / "art"
     shutil.copytree(artifacts, folder)
     folder.chmod(0o555)  # as root the bits do not stop writes: the OS is asked through os.access, faked here
@@ -205,7 +185,7 @@ def test_write_to_a_read_only_folder_is_refused_before_the_model_loads(run_cli, 
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(folder) and mode & os.W_OK
                         else real_access(p, mode))
     try:
-        code, out, err = run_cli(*_verify(folder, tiny_model_dir, text_file, "--write"))
+        code, out, err = run_cli(*_verify(folder, tiny_model_dir, play_text, "--write"))
     finally:
         folder.chmod(0o755)
     _one_line(code, out, err, 2, "--write", f"cannot write in {folder}")
@@ -213,29 +193,29 @@ def test_write_to_a_read_only_folder_is_refused_before_the_model_loads(run_cli, 
 
 # -- --plot ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", [".", "./", "", "/", "plots/", "plots/.."])
-def test_a_plot_name_that_is_no_file_is_refused(run_cli, artifacts, tiny_model_dir, text_file, tmp_path,
-                                                monkeypatch, no_model_work, name):
+def test_a_plot_name_that_is_no_file_is_refused(run_cli, artifacts, tiny_model_dir, play_text, tmp_path,
+                                                monkeypatch, verify_loads_no_model, name):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", name))
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", name))
     flat = _one_line(code, out, err, 2, "--plot")
     assert "is a folder" in flat or "names a folder" in flat, err
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_existing_plot_file_is_kept_unless_overwrite_plot(run_cli, artifacts, tiny_model_dir, text_file,
+def test_an_existing_plot_file_is_kept_unless_overwrite_plot(run_cli, artifacts, tiny_model_dir, play_text,
                                                              tmp_path):
     mine = tmp_path / "mine.png"
     mine.write_bytes(b"my own picture")
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--max-kl", "99", "--min-top1", "0",
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--max-kl", "99", "--min-top1", "0",
                                       "--max-ppl-increase", "99", "--plot", mine))
     _one_line(code, out, err, 2, f"--plot {mine} already exists", "--overwrite-plot")
     assert mine.read_bytes() == b"my own picture"
     (tmp_path / "curves-needle.png").write_bytes(b"mine too")  # the needle heatmap beside a new --plot name
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--plot", tmp_path / "curves.png",
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--plot", tmp_path / "curves.png",
                                       "--needle"))
     _one_line(code, out, err, 2, "its needle heatmap", "curves-needle.png already exists")
     assert not (tmp_path / "curves.png").exists()
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--max-kl", "99", "--min-top1", "0",
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--max-kl", "99", "--min-top1", "0",
                                       "--max-ppl-increase", "99", "--plot", mine, "--overwrite-plot"))
     assert code == 0, err
     assert mine.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -244,7 +224,7 @@ def test_an_existing_plot_file_is_kept_unless_overwrite_plot(run_cli, artifacts,
 # -- a folder replaced while verify --write runs ---------------------------------------------------------------------
 @pytest.mark.parametrize("what", ["folder", "rotations"])
 def test_a_folder_replaced_during_write_is_named_so_and_kept(run_cli, artifacts, other_artifacts, tiny_model_dir,
-                                                             text_file, tmp_path, monkeypatch, what):
+                                                             play_text, tmp_path, monkeypatch, what):
     """While the evaluation runs, the folder is swapped for another artifact (as calibrate or pull would), or only
     its rotations file is: the report is not stored, the error says the folder changed, what it now holds stays."""
     from oscar_zoo.evaluation import verification_run
@@ -263,7 +243,7 @@ def test_a_folder_replaced_during_write_is_named_so_and_kept(run_cli, artifacts,
         return report
 
     monkeypatch.setattr(verification_run, "run_verification", replacing)
-    code, out, err = run_cli(*_verify(folder, tiny_model_dir, text_file, "--max-kl", "99", "--min-top1", "0",
+    code, out, err = run_cli(*_verify(folder, tiny_model_dir, play_text, "--max-kl", "99", "--min-top1", "0",
                                       "--max-ppl-increase", "99", "--write"))
     flat = _one_line(code, out, err, 4, "while verify ran", "the report was not stored")
     assert "damaged" not in flat
@@ -274,13 +254,13 @@ def test_a_folder_replaced_during_write_is_named_so_and_kept(run_cli, artifacts,
     assert now["verification"] is None
 
 
-def test_write_binds_the_report_to_what_it_verified(run_cli, artifacts, tiny_model_dir, text_file, tmp_path):
+def test_write_binds_the_report_to_what_it_verified(run_cli, artifacts, tiny_model_dir, play_text, tmp_path):
     from oscar_zoo.artifacts import read_manifest
     from oscar_zoo.format.verification import binding_of
 
     folder = tmp_path / "art"
     shutil.copytree(artifacts, folder)
-    code, out, err = run_cli(*_verify(folder, tiny_model_dir, text_file, "--max-kl", "99", "--min-top1", "0",
+    code, out, err = run_cli(*_verify(folder, tiny_model_dir, play_text, "--max-kl", "99", "--min-top1", "0",
                                       "--max-ppl-increase", "99", "--write"))
     assert code == 0, err
     manifest = read_manifest(folder)
@@ -288,9 +268,9 @@ def test_write_binds_the_report_to_what_it_verified(run_cli, artifacts, tiny_mod
 
 
 # -- a needle gate with nothing to compare against -------------------------------------------------------------------
-def test_a_needle_grid_whose_reference_answers_nothing_is_no_pass(run_cli, artifacts, tiny_model_dir, text_file):
+def test_a_needle_grid_whose_reference_answers_nothing_is_no_pass(run_cli, artifacts, tiny_model_dir, play_text):
     """The random model answers no passkey, in FP32 or INT2: "OSCAR 0 % vs FP32 0 %" is exit 3, not a pass."""
-    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, text_file, "--max-kl", "99", "--min-top1", "0",
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, "--max-kl", "99", "--min-top1", "0",
                                       "--max-ppl-increase", "99", "--needle-lengths", "300", "--needle-depths",
                                       "0.5", "--needle-trials", "1"))
     _one_line(code, out, err, 3, "needle: the reference answered none of the 1 prompts")
@@ -307,14 +287,14 @@ def test_the_needle_rule_in_the_library():
 
 
 # -- messages in verify's terms --------------------------------------------------------------------------------------
-def test_too_little_held_out_text_is_said_in_verifys_terms(run_cli, artifacts, tiny_model_dir, text_file):
-    code, out, err = run_cli(*[a if a != "1" else "500" for a in _verify(artifacts, tiny_model_dir, text_file)])
+def test_too_little_held_out_text_is_said_in_verifys_terms(run_cli, artifacts, tiny_model_dir, play_text):
+    code, out, err = run_cli(*[a if a != "1" else "500" for a in _verify(artifacts, tiny_model_dir, play_text)])
     flat = _one_line(code, out, err, 2, "sequences of 384 tokens; 500 are needed (--sequences 500 at --context 384)",
                      "lower --sequences or --context")
     assert "calibration" not in flat and "--tokens" not in flat and "--seq-len" not in flat
 
 
-def test_a_failed_write_names_verifys_options(run_cli, artifacts, tiny_model_dir, text_file, tmp_path,
+def test_a_failed_write_names_verifys_options(run_cli, artifacts, tiny_model_dir, play_text, tmp_path,
                                               monkeypatch):
     import errno
     import tempfile
@@ -331,7 +311,7 @@ def test_a_failed_write_names_verifys_options(run_cli, artifacts, tiny_model_dir
     monkeypatch.setattr(tempfile, "mkstemp", full)
     loose = ("--max-kl", "99", "--min-top1", "0", "--max-ppl-increase", "99")
     for extra, names in ((("--write",), "--write"), (("--plot", tmp_path / "p.png"), "--plot")):
-        code, out, err = run_cli(*_verify(folder, tiny_model_dir, text_file, *loose, *extra))
+        code, out, err = run_cli(*_verify(folder, tiny_model_dir, play_text, *loose, *extra))
         flat = _one_line(code, out, err, 2, "the disk is full", names)
         assert "--out" not in flat and "--dest" not in flat, err
 
