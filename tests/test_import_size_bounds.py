@@ -13,19 +13,14 @@ import torch
 
 from oscar_zoo.export.oscar_pt import K_FILE, V_FILE
 
-from .hub.helpers import random_rotations, run_cli
+from .hub.helpers import random_rotations, run_cli, save_tiny_llama
 
 L, D, H_KV = 3, 16, 2
 
 
 @pytest.fixture
 def model_dir(tmp_path):
-    from transformers import LlamaConfig
-
-    folder = tmp_path / "tiny-llama"
-    LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=L, num_attention_heads=6,
-                num_key_value_heads=H_KV, head_dim=D, vocab_size=64).save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path / "tiny-llama", L, H_KV, D)
 
 
 @pytest.fixture

@@ -13,19 +13,14 @@ from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.export.oscar_pt import K_FILE, V_FILE, average_heads, head_agreement, oscar_pt_bytes
 from oscar_zoo.format.layout import Centring
 
-from ..hub.helpers import make_artifacts, random_rotations, run_cli
+from ..hub.helpers import make_artifacts, random_rotations, run_cli, save_tiny_llama
 
 L, D, H_KV = 3, 16, 2
 
 
 @pytest.fixture
 def model_dir(tmp_path):
-    from transformers import LlamaConfig
-
-    folder = tmp_path / "tiny-llama"
-    LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=L, num_attention_heads=6,
-                num_key_value_heads=H_KV, head_dim=D, vocab_size=64).save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path / "tiny-llama", L, H_KV, D)
 
 
 def _reference_files(folder, layers=L, d=D, str_keys=False):

@@ -99,6 +99,16 @@ def make_artifacts(folder: Path, seed: int = 0, spread: float = 0.0, bind: bool 
     return manifest
 
 
+def save_tiny_llama(folder: Path, layers: int = 3, kv_heads: int = 2, head_dim: int = 16) -> Path:
+    """A Llama config (no weights) of `layers` layers, 6 query / `kv_heads` KV heads of `head_dim`, saved in
+    `folder` (what import-oscar and export need of a model: its geometry)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=6,
+                num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=64).save_pretrained(folder)
+    return folder
+
+
 def run_cli(*args: str) -> tuple[int, str, str]:
     """Run `oscar-zoo ARGS` through cli.main (the real error boundary) and return (exit code, stdout, stderr)."""
     from oscar_zoo import cli
