@@ -27,6 +27,7 @@ from ..artifacts import (
     write_manifest,
 )
 from ..errors import InputError, IntegrityError
+from ..format.model_bounds import check_means_against_model
 from ..format.records import MANIFEST_MAX_BYTES
 from ..format.schema import MANIFEST_NAME, Manifest
 from ..format.verification import VerifyReport, binding_of
@@ -100,6 +101,8 @@ def verify_artifacts(request: VerifyRequest, say: Callable[[str], None] | None =
         needle = dataclasses.replace(needle, lengths=default_lengths((limit or 8192) - needle.new_tokens,
                                                                      request.needle_quick))
     check_model_matches(manifest, loaded.identity)
+    # the artifact's means (centred codec), each within the largest key / value norm this model's layer can produce
+    check_means_against_model(loaded.model, rotations.k_mean, rotations.v_mean, rotations.layer_ids.tolist())
     check_positions(settings, limit)  # the model's bounds, before any held-out text or model work
     if needle is not None:
         check_lengths(needle, limit)

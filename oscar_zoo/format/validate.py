@@ -113,7 +113,9 @@ def check_mean(name: str, mean: Tensor, layer_ids: list[int]) -> None:
     with float16 scales and zero points (at most 65,504), and every element of the rotated mean μ·M is at most ‖μ‖₂
     (M orthogonal), so a mean within the bound leaves the rows' own range room; one far beyond it (a finite 1e6 does)
     makes the history's float16 zero points infinite and every later attention output NaN. A mean of a real model's
-    keys or values is orders of magnitude below the bound. ValueError naming the layer and head otherwise."""
+    keys or values is orders of magnitude below the bound. ValueError naming the layer and head otherwise. Where the
+    model is known (verify, the runtime's binding) the means are held to its own, far tighter bound as well:
+    `model_bounds.check_means_fit`."""
     check_finite(name, mean, layer_ids)
     norms = torch.linalg.vector_norm(mean.double(), dim=-1)
     bad = ~(norms <= MEAN_NORM_MAX)

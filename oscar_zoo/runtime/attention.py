@@ -361,7 +361,7 @@ def model_binding(model: torch.nn.Module) -> OscarBinding:
     """The model's `OscarBinding` (made and bound to its attention modules on first use, for the model's life)."""
     found = next((b for m in _attention_modules(model) if (b := binding_of(m)) is not None), None)
     if found is None:
-        found = OscarBinding(attend=oscar_attention)
+        found = OscarBinding(attend=oscar_attention, model=model)
         bind(model, found)
     return found
 

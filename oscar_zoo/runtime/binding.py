@@ -6,17 +6,22 @@ update comes next, whether a compiled decode step runs (its cache and the layer 
 (`attention_binding.bind`); the attention function and the forward pre-hook find it there (`binding_of(module)`),
 and a cache learns it from the hook (`OscarCache.binding`). A compiled step is scoped: `with binding.compiled(cache)`
 marks it running for the block and restores on exit. Its custom op, which has only tensors for arguments, finds the
-step through `running_step()`, a context variable the same block sets and resets — nothing lives past the step."""
+step through `running_step()`, a context variable the same block sets and resets — nothing lives past the step.
+
+A cache read from an artifact folder meets the model here first: its means are held to the model's bounds then
+(`format.model_bounds`, once per cache and binding)."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
 from ..attention_binding import bound_value
+from ..format.model_bounds import Bounds, check_means_fit, mean_bounds
 from .cache import CACHE_ARGS, OscarCache
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -47,8 +52,10 @@ class OscarBinding:
     """The state one model's "oscar" attention calls share (see the module docstring). `attend` is the attention
     function a compiled step's op runs eagerly (`attention.oscar_attention`)."""
 
-    def __init__(self, attend: Callable | None = None):
+    def __init__(self, attend: Callable | None = None, model: torch.nn.Module | None = None):
         self.attend = attend
+        self._model = weakref.ref(model) if model is not None else None  # weak: the binding lives on the model
+        self._mean_bounds: Bounds | None = None  # `mean_bounds(model)`, computed for the first centred artifact
         self.next_layer: int | None = None  # the "oscar" module whose cache update comes next (set by `enter`)
         self.step: Step | None = None  # the compiled step running now
         self.stepping = False  # `step is not None`, as a plain bool: dynamo guards on it while it traces a step
@@ -68,10 +75,26 @@ class OscarBinding:
             )
         if module.layer_idx < len(cache.layers):
             cache.layers[module.layer_idx].bind_value_fold(getattr(module, "_oscar_v_fold", None))
+        if cache.binding is not self:  # the cache meets this model: once, before its first update here
+            self.admit(cache)
         cache.binding = self
         if getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:  # not switched back since
             self.next_layer = module.layer_idx
         return {"oscar_cache": cache}
+
+    def admit(self, cache: OscarCache) -> None:
+        """A cache read from an artifact (`OscarCache.from_artifact`, `from_folder`) with means: each within the
+        largest key / value norm the model can produce (`model_bounds.check_means_fit`; IntegrityError, a ValueError,
+        naming the tensor, layer and head otherwise). Means a caller passed itself (`from_tensors`) are its own."""
+        if not (cache.read_from_artifact and cache.centred):
+            return
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return
+        if self._mean_bounds is None:
+            self._mean_bounds = mean_bounds(model)
+        r = cache.rotations
+        check_means_fit(self._mean_bounds, r.k_mean, r.v_mean, r.ids())
 
     def take_layer(self) -> int | None:
         """The layer whose update `enter` announced, consumed (`OscarCache.update`)."""
@@ -82,6 +105,8 @@ class OscarBinding:
     def compiled(self, cache: OscarCache) -> Iterator[Step]:
         """A compiled decode step with `cache` as the one the custom op files into, for the block; restores on exit
         (steps nest)."""
+        if cache.binding is not self:
+            self.admit(cache)
         step, outer = Step(self, cache), self.step
         token = _RUNNING.set(step)
         self.step, self.stepping = step, True

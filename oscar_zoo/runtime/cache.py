@@ -431,6 +431,7 @@ class OscarCache(Cache):
         self.quantize = settings.quantize
         self.centred = rotations.centred
         self.binding = None  # the model's binding.OscarBinding, told by its attention modules before each update
+        self.read_from_artifact = False  # from_artifact/from_folder: the means meet the model's bounds (binding.admit)
         self.kernels_ready = False  # set by attention.warm_up at the first call on a GPU
 
     @property
@@ -449,11 +450,14 @@ class OscarCache(Cache):
     @classmethod
     def from_artifact(cls, art: Artifact, **overrides) -> OscarCache:
         """Build from an artifact as `read_artifact` returns it: its tensors, and its settings with keyword
-        overrides winning (any `CacheSettings` field)."""
+        overrides winning (any `CacheSettings` field). The model is not known here: its means are held to the model's
+        bounds when a model first uses the cache (`binding.OscarBinding.admit`, `format.model_bounds`)."""
         t = art.tensors
         rotations = Rotations(t["k_rotation"], t["v_rotation"], t["k_clip"], t["v_clip"], t["layer_ids"],
                               t.get("k_mean"), t.get("v_mean"))
-        return cls(rotations, CacheSettings(**{**art.settings, **overrides}))
+        cache = cls(rotations, CacheSettings(**{**art.settings, **overrides}))
+        cache.read_from_artifact = True
+        return cache
 
     @classmethod
     def from_folder(cls, path: str | Path, **overrides) -> OscarCache:
@@ -463,7 +467,8 @@ class OscarCache(Cache):
         clips in (0, 1]), and manifest.json's quant.{group_size, sink, recent, flush, pin, key_bits, key_block};
         keyword overrides (any `CacheSettings` field) win. Anything it refuses raises a ValueError with the message
         the CLI prints. A folder without manifest.json is read with the tensors' values checked and the layout
-        defaults. The model match is `oscar_zoo.artifacts`'s."""
+        defaults. The model match is `oscar_zoo.artifacts`'s; the means meet the model's bounds (the largest key and
+        value norm each layer can produce) when a model first uses the cache."""
         return cls.from_artifact(read_artifact(path), **overrides)
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
