@@ -99,10 +99,10 @@ def oscar_attention(
         # cache side is one op
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return compiled.decode_attention(query, key, value, scale, softcap, sliding_window), None
-    if attention_mask is not None:
+    if attention_mask is not None and not _is_padding(attention_mask, query):
         raise NotImplementedError(
-            "oscar attention got an explicit attention mask: padded batches and custom masks are not supported; "
-            "batch prompts of equal length (or run them one by one)"
+            "oscar attention got an explicit attention mask: custom masks are not supported (padded batches are, "
+            "through an OscarCache, padded on the left)"
         )
     if dropout and module.training:
         raise NotImplementedError("oscar attention is inference-only (attention dropout requested); call model.eval()")
@@ -122,12 +122,55 @@ def oscar_attention(
         # sdpa path reads it: the call's `is_causal`, else the module's
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
-        out = dense_attention(query, key, value, scale, softcap, causal=bool(causal))
-        return out.transpose(1, 2).contiguous(), None
+        if attention_mask is None:
+            out = dense_attention(query, key, value, scale, softcap, causal=bool(causal))
+            return out.transpose(1, 2).contiguous(), None
+        n, out = query.shape[2], query.new_zeros(query.transpose(1, 2).shape)  # padded rows: each row's tokens alone
+        for b, m in enumerate(attention_mask.sum(1).tolist()):
+            if m:
+                own = (slice(b, b + 1), slice(None), slice(n - m, None))
+                out[b : b + 1, n - m :] = dense_attention(query[own], key[own], value[own], scale, softcap,
+                                                          causal=bool(causal)).transpose(1, 2)
+        return out, None
 
     if not getattr(oscar_cache, "kernels_ready", True) and query.is_cuda:  # build before the first decode step
-        warm_up(oscar_cache, query, key.shape[1], scale, softcap, layer.v_folded,
-                rehearsed=binding.rehearsed if binding is not None else None)
+        rehearsed = binding.rehearsed if binding is not None else set()
+        # a padded batch's rows also file alone (batch 1): until every row's windows are full, and at each demotion
+        for q in (query, query[:1]) if layer.rows is not None else (query,):
+            warm_up(oscar_cache, q, key.shape[1], scale, softcap, layer.v_folded, rehearsed=rehearsed)
+    if layer.rows is not None and not (query.shape[2] == 1 and layer.quantize):
+        return _attend_rows(layer, query, value, scale, softcap), None
+    return _attend(layer, pending, query, key, value, scale, softcap), None
+
+
+def _is_padding(mask: Tensor, query: Tensor) -> bool:
+    """Whether an attention function's mask is `oscar_mask`'s padding of a prompt chunk (bool [B, n])."""
+    return isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == (query.shape[0], query.shape[2])
+
+
+def _attend_rows(layer: OscarLayer, query: Tensor, value: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """A ragged layer's chunk (or, with the BF16-history test switch, single token), row by row: each row's real
+    queries [1, H_q, n_b, D] against its own view's tiers (`rows.PaddedRows`), as batch 1 would run them. Padding
+    positions get zeros. Returns [B, n, H_q, D]."""
+    B, H_q, n, D = query.shape
+    out = query.new_zeros(B, n, H_q, D)
+    for b, row in enumerate(layer.rows):
+        pending = row.pending  # what the row's update left (a chunk's rows only)
+        if pending is None and n > 1:  # a row of padding only
+            continue
+        m = pending.key.shape[2] if pending is not None else 1
+        if pending is not None:
+            row.take_pending(pending.key)
+        out[b : b + 1, n - m :] = _attend(row, pending, query[b : b + 1, :, n - m :],
+                                          pending.key if pending is not None else None,
+                                          value[b : b + 1, :, n - m :], scale, softcap)
+    return out
+
+
+def _attend(layer: OscarLayer, pending, query: Tensor, key: Tensor, value: Tensor, scale: float,
+            softcap: float | None) -> Tensor:
+    """The "oscar" attention of one layer whose update left `pending`: a single-token step through the tiers, a chunk
+    through its own exact K/V and the earlier tokens' tiers. Returns [B, n, H_q, D]."""
     n, H_q = query.shape[2], query.shape[1]
     Mk_q, Mvt_q, mu_v = layer.per_query_head(H_q)  # [H_q, D, D] (or shared [1, D, D]): M_K, M_Vᵀ; μ_V·M_V [H_q, D]
     if layer.v_folded:  # o_proj un-rotates
@@ -148,7 +191,7 @@ def oscar_attention(
                                            logit_bias=_key_mean_logits(q_rot, layer, softcap, scale))
         if Mvt_q is not None:
             o = rotate_op.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
-        return o.unsqueeze(1), None  # [B, 1, H_q, D]
+        return o.unsqueeze(1)  # [B, 1, H_q, D]
     q_rot = rotate_op.rotate_chunk(query, Mk_q)  # [B, H_q, n, D] q·M_K in the model's dtype, as sdpa would see q
     if n == 1:  # BF16 history (test switch): the tiers densely, the new token included
         k, v = layer.dense_kv(query.dtype)
@@ -162,7 +205,7 @@ def oscar_attention(
             window, keys = q_rot[:, :, -layout.PIN_WINDOW :], _uncentred_keys(k, layer, softcap)
             layer.pin_tokens(lambda cand: reference.pin_scores(window, _uncentred_keys(cand, layer, softcap), keys,
                                                                scale, softcap=softcap))
-    return _unrotate(o, Mvt_q, query.dtype, mu_v), None
+    return _unrotate(o, Mvt_q, query.dtype, mu_v)
 
 
 def warm_up(cache: OscarCache, query: Tensor, kv_heads: int, scale: float, softcap: float | None = None,
@@ -313,24 +356,36 @@ def oscar_mask(
     batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
     attention_mask: Tensor | None = None, **kwargs,
 ) -> None:  # fmt: skip
-    """Mask factory for "oscar": causality is implicit, so no mask is built. Refused: a 2D padding mask with any
-    padded position (the cache keeps one length per tier for the whole batch), and any other departure from the causal
-    pattern for a query chunk: transformers then turns off its causal shortcut (`allow_is_causal_skip`), which it does
-    for packed sequences (position ids that restart), custom `or_mask_function`/`and_mask_function`s and block
-    overlays; "oscar" would silently attend across them. (Single-token steps of a compileable cache also get the
-    shortcut turned off; one query has nothing to mask.)"""
+    """Mask factory for "oscar": causality is implicit, so no causal mask is built. A prompt chunk of a left-padded
+    batch (a 2D padding mask [B, kv_length] with padding, each row's padding before its tokens) gets its own padding
+    back, bool [B, q_length] (True: a token), which the attention module's hook hands to the cache
+    (`OscarLayer.expect_padding`) and the attention function reads as "padded rows": every row is then filed and
+    attended as it would be alone. Single-token steps get None (padding only ever leads a sequence, and the cache
+    knows each row's lengths), so a decode step stays capturable. Refused: padding anywhere but before a row's tokens
+    (right padding), and any other departure from the causal pattern for a query chunk: transformers then turns off
+    its causal shortcut (`allow_is_causal_skip`), which it does for packed sequences (position ids that restart),
+    custom `or_mask_function`/`and_mask_function`s and block overlays; "oscar" would silently attend across them.
+    (Single-token steps of a compileable cache also get the shortcut turned off; one query has nothing to mask.)"""
+    if q_length == 1:
+        return None
+    padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise NotImplementedError(
-            "OscarCache does not support padded batches (the attention mask has padding): batch prompts of equal "
-            "length, or generate one prompt at a time"
-        )
-    if q_length > 1 and not kwargs.get("allow_is_causal_skip", True):
+        tokens = attention_mask.bool()
+        if bool((tokens[:, :-1] & ~tokens[:, 1:]).any()):  # a token followed by padding
+            raise NotImplementedError(
+                "OscarCache takes padded batches padded on the left (padding before each prompt, as "
+                "tokenizer(..., padding=True, padding_side=\"left\") makes them); this batch has padding after "
+                "tokens"
+            )
+        chunk = tokens[:, -q_length:]
+        padding = None if bool(chunk.all()) else chunk.contiguous()
+    if not kwargs.get("allow_is_causal_skip", True) and padding is None:
         raise NotImplementedError(
             "oscar attention is plain causal attention and this call needs another mask (packed sequences whose "
             "position ids restart, or a custom mask function): run it with the model's own attention "
             "(model.set_attn_implementation('sdpa')) and without an OscarCache"
         )
-    return None
+    return padding
 
 
 def register() -> None:
@@ -345,7 +400,12 @@ def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     binding = binding_of(module)
     if binding is None or (binding.stepping and torch.compiler.is_compiling()):
         return args, kwargs
-    kwargs.update(binding.enter(module, cache_argument(kwargs)))
+    cache = cache_argument(kwargs)
+    kwargs.update(binding.enter(module, cache))
+    mask = kwargs.get("attention_mask")
+    if isinstance(cache, OscarCache) and module.layer_idx < len(cache.layers) and isinstance(mask, Tensor) \
+            and mask.dtype == torch.bool and mask.dim() == 2:  # `oscar_mask`'s padding of a prompt chunk
+        cache.layers[module.layer_idx].expect_padding((~mask).sum(1).tolist())
     return args, kwargs
 
 

@@ -33,6 +33,7 @@ from .cache_settings import CacheSettings, Rotations
 from .history import HISTORY_CHUNK, QuantizedHistory, new_storage_version
 from .pinning import PinnedTokens
 from .rotation import Rotation, fingerprint
+from .rows import PaddedRows
 
 CACHE_ARGS = ("cache", "past_key_values")  # what transformers 5.x calls the cache argument of a model or its attention
 
@@ -48,8 +49,9 @@ class Pending:
     past_len: int
 
 
-class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
-    """One attention layer's tiers. Lengths are equal over the batch (padded batches are refused upstream)."""
+class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
+    """One attention layer's tiers. The rows of a batch share the layer's host lengths until a padded prompt makes
+    them differ; each row then has its own (`rows.PaddedRows`)."""
 
     is_compileable = True  # the decode step is static (see the module docstring); generate() then uses graph.py
     is_sliding = False
@@ -71,6 +73,7 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
         self.storage_version = new_storage_version()  # renewed whenever a storage tensor is replaced (a captured
         # step must be re-captured)
         self.pending: Pending | None = None
+        self.next_pads: list[int] | None = None  # the leading padding of each row of the next chunk (`expect_padding`)
         self.v_folded = False  # the model's v_proj/o_proj carry M_V (attention.fold_value_rotation): values arrive
         # rotated and outputs leave un-rotated, so neither is done here
         self._per_query_head: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}
@@ -112,6 +115,7 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
             self.sz_k = self.sz_v = None
         self.batch_size = B
         self.is_initialized = True
+        self.rows = self.pads = None
         self._new_lengths()
 
     def _host_tier_lengths(self) -> tuple[int, int, int]:
@@ -123,9 +127,16 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
         for name, n in zip(self._LENGTHS, self._host_tier_lengths()):
             setattr(self, name, torch.full((self.batch_size,), n, dtype=torch.int32, device=self.device))
         self.storage_version = new_storage_version()
+        if self.rows is not None:
+            self.bind_rows()
+            self._sync_lengths()
 
     def _sync_lengths(self) -> None:
         """Write the host mirror into the device lengths, in place (their addresses stay valid for a captured step)."""
+        if self.rows is not None:
+            for row in self.rows:
+                row._sync_lengths()
+            return
         for name, n in zip(self._LENGTHS, self._host_tier_lengths()):
             getattr(self, name).fill_(n)
 
@@ -146,14 +157,33 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------------- writing
 
+    def expect_padding(self, pads: list[int] | None) -> None:
+        """The next chunk's rows start with pads[b] padding positions (left padding; None: none)."""
+        self.next_pads = pads
+
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Rotate (and centre, `reference.rotate_centred`) the new K/V [B, H_kv, n, D], file them into the tiers, and
         return the rotated chunk as the tiers hold it (in the input dtype, unquantized: a chunk attends to its own exact
-        K/V). Leaves a `Pending` for this layer's attention."""
+        K/V). Leaves a `Pending` for this layer's attention. A chunk announced as padded (`expect_padding`) must be
+        the first; from then on every row is filed as it would be alone (`rows.PaddedRows`)."""
+        pads, self.next_pads = self.next_pads, None
         if not self.is_initialized or (self.get_seq_length() == 0 and key_states.shape[0] != self.batch_size):
             self.lazy_initialization(key_states, value_states)  # an empty (new or reset) cache takes any batch size
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
+        if pads is not None:
+            if self.get_seq_length() > 0:
+                raise ValueError("a padded chunk after earlier tokens: padding can only lead a sequence (pad prompts "
+                                 "on the left, and start each padded batch with an empty cache)")
+            self.make_rows(pads)
+        if self.rows is not None:
+            n, past_len = key_states.shape[2], self.get_seq_length()
+            if n == 1 and self.rows_static():
+                k_rot, v_rot = self.write_rows(key_states, value_states)
+            else:
+                k_rot, v_rot = self.file_rows(key_states, value_states, pads or [0] * self.batch_size)
+            self.pending = Pending(k_rot, None, past_len)
+            return k_rot, v_rot
         if self.staged is not None and key_states.shape[2] == 1:  # a decode step after a prompt whose attention never
             self.pin_tokens(None)  # chose (K/V filed by `update` alone): the rows go to the history, unpinned
         n, past_len = key_states.shape[2], self.get_seq_length()
@@ -211,11 +241,21 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
 
     def is_static_step(self, n: int) -> bool:
         """True when a chunk of `n` tokens is a static decode step: one token, sink full, recent tier past its window
-        (so each step writes one recent slot, and every `flush`-th step demotes the oldest `flush` rows)."""
+        (so each step writes one recent slot, and every `flush`-th step demotes the oldest `flush` rows), in every row."""
+        if self.rows is not None:
+            return n == 1 and self.rows_static()
         return n == 1 and self.n_sink == self.sink and self.n_recent >= self.recent
 
-    def demotes_next(self) -> bool:
+    def demotes_next(self) -> bool | tuple[bool, ...]:
+        """Whether the next static step demotes (ragged: per row)."""
+        if self.rows is not None:
+            return self.rows_demote_next()
         return self.n_recent + 1 >= self.recent + self.flush
+
+    def reserve_demotion(self) -> None:
+        """Grow the history now for the rows the next demotion writes (a captured step never allocates)."""
+        hist = max(row.n_hist for row in self.rows) if self.rows is not None else self.n_hist
+        self._ensure_history(hist + self.flush)
 
     def write_token(self, key: Tensor, value: Tensor, demote: bool) -> tuple[Tensor, Tensor]:
         """The static decode write (device work only): the new key and value [B, H, 1, D] are rotated, centred and
@@ -248,6 +288,10 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
 
     def advance_host(self) -> None:
         """Advance the host mirror of the lengths by one static decode step (what `write_token` did on the device)."""
+        if self.rows is not None:
+            for row in self.rows:
+                row.advance_host()
+            return
         demote = self.demotes_next()
         self.n_recent += 1 - (self.flush if demote else 0)
         self.n_hist += self.flush if demote else 0
@@ -335,6 +379,8 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
     # ------------------------------------------------------------------------------------------ transformers API
 
     def get_seq_length(self) -> int:
+        if self.rows is not None:
+            return self.rows_seq_length()
         staged = self.staged[0].shape[2] if self.staged is not None else 0
         return self.n_sink + self.n_pinned + self.n_hist + self.n_recent + staged
 
@@ -346,14 +392,16 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
 
     def reset(self) -> None:
         self.n_sink = self.n_hist = self.n_recent = self.n_pinned = 0
-        self.pending = self.staged = None
+        self.pending = self.staged = self.next_pads = None
+        self.rows = self.pads = None
         if self.is_initialized:
             self._sync_lengths()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("OscarCache cannot be cropped (INT2 demotion is not reversible); use DynamicCache")
 
-    def _map_storage(self, fn) -> None:
+    def _map_storage(self, fn, index: list[int]) -> None:
+        """Apply `fn` (a map of the batch axis that takes rows `index`) to every storage tensor."""
         if not self.is_initialized:
             return
         for name in self._STORAGE:
@@ -367,16 +415,18 @@ class OscarLayer(PinnedTokens, QuantizedHistory, CacheLayerMixin):
         if self.staged is not None:
             self.staged = (fn(self.staged[0]), fn(self.staged[1]))
         self.batch_size = self.sink_k.shape[0]
+        self.map_rows(index)
         self._new_lengths()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_storage(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_storage(lambda t: t.index_select(0, beam_idx.to(t.device)), beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_storage(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_storage(lambda t: t.repeat_interleave(repeats, dim=0),
+                          [b for b in range(self.batch_size) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self._map_storage(lambda t: t[indices])
+        self._map_storage(lambda t: t[indices], torch.arange(self.batch_size)[indices.cpu()].tolist())
 
     def offload(self):
         raise NotImplementedError("OscarCache does not support offloading")
@@ -515,19 +565,19 @@ class OscarCache(Cache):
         demote = {layer.demotes_next() for layer in live}
         if len(demote) != 1:
             return None
-        if True in demote:
+        demote = demote.pop()
+        if any(demote) if isinstance(demote, tuple) else demote:
             for layer in live:
-                layer._ensure_history(layer.n_hist + layer.flush)
-        return (demote.pop(), (id(self),) + tuple((layer.storage_version, layer.v_folded) for layer in live))
+                layer.reserve_demotion()
+        return (demote, (id(self),) + tuple((layer.storage_version, layer.v_folded) for layer in live))
 
-    def host_lengths(self) -> list[tuple[int, int, int]]:
-        return [(layer.n_sink, layer.n_hist, layer.n_recent) for layer in self.layers]
+    def host_lengths(self) -> list[tuple]:
+        return [layer.host_state() for layer in self.layers]
 
-    def restore_host_lengths(self, lengths: list[tuple[int, int, int]]) -> None:
+    def restore_host_lengths(self, lengths: list[tuple]) -> None:
         """Put back the host mirror (after capturing a step, which runs the Python once but the device work never)."""
-        for layer, (n_sink, n_hist, n_recent) in zip(self.layers, lengths):
-            layer.n_sink, layer.n_hist, layer.n_recent = n_sink, n_hist, n_recent
-            layer.pending = None
+        for layer, state in zip(self.layers, lengths):
+            layer.restore_host_state(state)
 
     def advance_host(self) -> None:
         """The host side of one replayed static decode step (the device side is the graph)."""

@@ -23,6 +23,9 @@ class QuantizedHistory:
     """The history part of an `OscarLayer`."""
 
     def _ensure_history(self, needed: int) -> None:
+        if self.parent is not None:  # a row's view (`rows.PaddedRows`): the layer grows every row
+            self.parent._ensure_history(needed)
+            return
         cap = self.hist_k.shape[2]
         if needed <= cap:
             return
@@ -32,10 +35,10 @@ class QuantizedHistory:
             if old is None:
                 continue
             new = self._like(name, old, new_cap)
-            live = self.n_hist // self.key_block if name == "sz_k" and self.key_block else self.n_hist
-            new[:, :, :live] = old[:, :, :live]
+            new[:, :, : old.shape[2]] = old  # (every row's live part, whatever its length)
             setattr(self, name, new)
         self.storage_version = new_storage_version()
+        self.bind_rows()
 
     def _like(self, name: str, t: Tensor, T_cap: int) -> Tensor:
         """Zeroed storage for tier `name` shaped as t with T_cap tokens, in the tier's layout (V's codes

@@ -23,8 +23,8 @@ def rotate_rows(
 ) -> Tensor:
     """x [B, H, D] → x·M − μ·M per head, float32 math rounded once to `out_dtype` (default x's), in one launch; same
     contract as `reference.rotate_rows_ref` (M [H_M, D, D] or [D, D] and mean_rot [H_μ, D] serve H / H_M and H / H_μ
-    consecutive heads; either may be None). With `dest` [B, H, T, D] and `slot` (an integer tensor, read on the
-    device) the rows are also written to dest[:, :, slot[0]] in dest's dtype. With neither M nor mean_rot and
+    consecutive heads; either may be None). With `dest` [B, H, T, D] and `slot` (an integer tensor [B], read on the
+    device) each row b is also written to dest[b, :, slot[b]] in dest's dtype. With neither M nor mean_rot and
     out_dtype = x's dtype the result is x itself (only the write runs)."""
     check_tensor("x", x, 3)
     check(x.is_floating_point(), lambda: f"x must be floating point, got {x.dtype}")
@@ -46,13 +46,13 @@ def rotate_rows(
         check_tensor("dest", dest, 4)
         check(dest.shape[:2] == (B, H) and dest.shape[3] == D and dest.device == x.device,
               lambda: f"dest must be [{B}, {H}, T, {D}] on {x.device}, got {tuple(dest.shape)} on {dest.device}")
-        check(isinstance(slot, Tensor) and slot.numel() >= 1 and not slot.is_floating_point()
-              and slot.device == x.device, "slot must be an integer tensor on x's device")  # fmt: skip
+        check(isinstance(slot, Tensor) and slot.shape == (B,) and not slot.is_floating_point()
+              and slot.device == x.device, lambda: f"slot must be an integer tensor [{B}] on x's device")  # fmt: skip
     identity = M is None and mean_rot is None and out_dtype == x.dtype
     if not (dispatch.use_kernel(x) and layout.is_power_of_two(D) and D >= 16 and B > 0):
         y = x if identity else reference.rotate_rows_ref(x, M, mean_rot, out_dtype)
         if dest is not None:
-            dest.index_copy_(2, slot.reshape(-1)[:1].long(), y.to(dest.dtype).unsqueeze(2))
+            dest[torch.arange(B, device=dest.device), :, slot.long()] = y.to(dest.dtype)
         return y
     x = dispatch.last_contiguous(x, 1)
     out = x if identity else dispatch.alloc((B, H, D), out_dtype, x.device)

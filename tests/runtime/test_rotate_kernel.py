@@ -46,8 +46,9 @@ def test_rotate_rows_against_float64(device, D, B, H, H_M, out_dtype):
 
 
 def test_rotate_rows_writes_only_the_slot(device):
-    """The rows land at dest[:, :, slot[0]] in dest's dtype; every other row of dest is unchanged; the output equals
-    the written row (one rounding, the same for both)."""
+    """Row b lands at dest[b, :, slot[b]] in dest's dtype (each batch row at its own slot: the rows of a padded batch
+    have their own recent lengths); every other row of dest is unchanged; the output equals the written row (one
+    rounding, the same for both)."""
     g = torch.Generator().manual_seed(1)
     B, H, T, D = 2, 4, 11, 64
     x = torch.randn(B, H, D, generator=g).to(torch.bfloat16)
@@ -55,14 +56,15 @@ def test_rotate_rows_writes_only_the_slot(device):
     mean = torch.randn(H, D, generator=g) * 0.2
     dest = torch.randn(B, H, T, D, generator=g).to(torch.bfloat16)
     before = dest.clone()
-    slot = torch.tensor([7], dtype=torch.int32)
+    slot = torch.tensor([7, 2], dtype=torch.int32)
     d_dest = dest.to(device)
     out = rotate_op.rotate_rows(x.to(device), M.to(device), mean.to(device), dest=d_dest, slot=slot.to(device))
     got = d_dest.cpu()
-    keep = torch.ones(T, dtype=torch.bool)
-    keep[7] = False
-    assert torch.equal(got[:, :, keep], before[:, :, keep])
-    assert torch.equal(got[:, :, 7], out.cpu())
+    for b, t in enumerate(slot.tolist()):
+        keep = torch.ones(T, dtype=torch.bool)
+        keep[t] = False
+        assert torch.equal(got[b, :, keep], before[b, :, keep])
+        assert torch.equal(got[b, :, t], out[b].cpu())
     for h in range(H):
         want = x[:, h].double() @ M[h].double() - mean[h].double()
         bound = _bound(x[:, h].double(), M[h].double(), want, torch.bfloat16)
@@ -80,7 +82,7 @@ def test_rotate_rows_centre_only_and_identity(device):
     assert torch.equal(out.cpu(), (x.float() - mean).to(torch.bfloat16))
     dest = torch.zeros(B, H, T, D, dtype=torch.bfloat16, device=device)
     xd = x.to(device)
-    same = rotate_op.rotate_rows(xd, None, None, dest=dest, slot=torch.tensor([4, 0], device=device))
+    same = rotate_op.rotate_rows(xd, None, None, dest=dest, slot=torch.tensor([4], device=device))
     assert same is xd and torch.equal(dest[:, :, 4].cpu(), x) and not dest[:, :, :4].any()
     M = _orthogonal(1, D, g)
     out_t = rotate_op.rotate_rows(x.float().to(device), M.float().to(device).transpose(-1, -2), None)
@@ -96,6 +98,8 @@ def test_rotate_rows_refuses_bad_shapes():
         rotate_op.rotate_rows(x, None, torch.zeros(4, 64))
     with pytest.raises(ValueError, match="dest"):
         rotate_op.rotate_rows(x, None, None, dest=torch.zeros(1, 6, 3, 32), slot=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="slot"):  # one slot per batch row
+        rotate_op.rotate_rows(x, None, None, dest=torch.zeros(1, 6, 3, 64), slot=torch.zeros(2, dtype=torch.int32))
 
 
 @pytest.mark.gpu

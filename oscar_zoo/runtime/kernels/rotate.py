@@ -2,8 +2,8 @@
 
     y[b, h] = x[b, h]·M[h // (H / H_M)] − μ[h // (H / H_μ)]      (float32 math; M absent: y = x − μ)
 
-stored in the output's dtype and, optionally, also at row `slot[0]` of a tier buffer dest [B, H, T, D] (the slot is
-read on the device, so a CUDA graph can hold the launch). The decode step uses it three times: the new key and value
+stored in the output's dtype and, optionally, also at row `slot[b]` of a tier buffer dest [B, H, T, D] (each batch
+row at its own slot, read on the device, so a CUDA graph can hold the launch). The decode step uses it three times: the new key and value
 (rotated, centred, written to the recent tier), the query (rotated by its KV head's M_K, kept float32) and, when the
 value rotation is not folded into the weights, the attention output (by M_Vᵀ, a transposed view: M is read through
 its strides).
@@ -38,8 +38,6 @@ def _rotate_rows_kernel(
         m = tl.load(m_head + dims[:, None] * stride_mr + cols[None, :] * stride_mc).to(tl.float32)  # [D, BLOCK_E]
     if CENTRE:
         mu = tl.load(mean_ptr + (h // HEADS_PER_MEAN) * stride_meanh + cols).to(tl.float32)
-    if WRITE:
-        slot = tl.load(slot_ptr).to(tl.int64)
     row0 = tl.program_id(2) * ROWS
     for b in range(row0, tl.minimum(row0 + ROWS, B)):
         x_row = x_ptr + b * stride_xb + h * stride_xh
@@ -52,5 +50,6 @@ def _rotate_rows_kernel(
         if STORE_OUT:
             tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, round_to(y, out_ptr.dtype.element_ty))
         if WRITE:
+            slot = tl.load(slot_ptr + b).to(tl.int64)
             dest = dest_ptr + b * stride_db + h * stride_dh + slot * stride_dt + cols
             tl.store(dest, round_to(y, dest_ptr.dtype.element_ty))
