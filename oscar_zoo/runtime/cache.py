@@ -55,7 +55,7 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
 
     is_compileable = True  # the decode step is static (see the module docstring); generate() then uses graph.py
     is_sliding = False
-    is_croppable = False
+    is_croppable = True  # the last tokens, while they are in the BF16 recent window (`crop`)
     _STORAGE = ("sink_k", "sink_v", "hist_k", "hist_v", "sz_k", "sz_v", "recent_k", "recent_v")
     _LENGTHS = ("sink_len", "hist_len", "recent_len")
 
@@ -398,7 +398,25 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
             self._sync_lengths()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("OscarCache cannot be cropped (INT2 demotion is not reversible); use DynamicCache")
+        """Drop the last `-tokens_to_remove` tokens of every row (transformers' convention: ≤ 0; assisted decoding
+        rejects draft tokens this way). They must still be BF16: in the recent window, or in the sink while the
+        history is empty (INT2 demotion is not reversible); ValueError otherwise, before anything changes."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a negative number, got {tokens_to_remove}")
+        drop = -tokens_to_remove
+        if drop == 0 or not self.is_initialized:
+            return
+        rows = self.rows if self.rows is not None else [self]
+        for row in rows:
+            bf16 = row.n_recent + (row.n_sink if row.n_hist == row.n_pinned == 0 else 0)
+            if row.staged is not None or drop > bf16:
+                raise ValueError(f"layer {self.layer_idx}: cannot remove the last {drop} tokens: only the last {bf16} "
+                                 f"are still BF16 (the rest are INT2 history, which is not reversible)")
+        for row in rows:
+            from_recent = min(drop, row.n_recent)
+            row.n_recent -= from_recent
+            row.n_sink -= drop - from_recent
+        self._sync_lengths()
 
     def _map_storage(self, fn, index: list[int]) -> None:
         """Apply `fn` (a map of the batch axis that takes rows `index`) to every storage tensor."""

@@ -259,5 +259,5 @@ def test_invalid_inputs_raise_clear_errors():
     k = torch.randn(1, 5, 4, D)  # 5 KV heads, rotation has 3
     with pytest.raises(ValueError, match="another model"):
         cache.update(k, k, 0)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="negative"):
         cache.crop(1)

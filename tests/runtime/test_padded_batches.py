@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from oscar_zoo.runtime.attention import enable_oscar
 from oscar_zoo.runtime.cache import OscarCache
@@ -100,12 +101,9 @@ def test_beam_search_and_return_sequences_keep_each_rows_lengths(model):
     history and identity rotations (an OscarCache then holds exact K/V): the same sequences as DynamicCache."""
     prompts = _prompts((5, 21, 30))
     ids, mask = _left_padded(prompts)
-    L, H, D = 2, 3, 64
-    eye = torch.eye(D).expand(L, H, D, D).contiguous()
-    exact = lambda: OscarCache.from_tensors(eye, eye, 1.0, 1.0, quantize=False, **TIERS)  # noqa: E731
     for gen in (dict(num_beams=3, max_new_tokens=12), dict(num_return_sequences=2, do_sample=True, max_new_tokens=12)):
         torch.manual_seed(0)
-        got = model.generate(ids, attention_mask=mask, cache=exact(), **gen)
+        got = model.generate(ids, attention_mask=mask, cache=_exact(), **gen)
         torch.manual_seed(0)
         model.set_attn_implementation("sdpa")
         try:
@@ -113,6 +111,59 @@ def test_beam_search_and_return_sequences_keep_each_rows_lengths(model):
         finally:
             enable_oscar(model)
         assert torch.equal(got, want), gen
+
+
+def _exact(**settings) -> OscarCache:
+    """Identity rotations and the BF16 history (the test switch): the cache then holds the model's K/V (in BF16)."""
+    eye = torch.eye(64).expand(2, 3, 64, 64).contiguous()
+    return OscarCache.from_tensors(eye, eye, 1.0, 1.0, quantize=False, **{**TIERS, **settings})
+
+
+def test_crop_drops_each_rows_last_tokens_as_dynamic_cache_does(model):
+    """A padded batch, a 6-token chunk, crop(-6), another 3-token chunk: the same next-token logits as DynamicCache
+    taking the same calls (within BF16 storage of K/V; the chunk demoted earlier tokens, which stay demoted); tokens
+    already demoted into the INT2 history cannot be dropped (ValueError, nothing changed)."""
+    ids, mask = _left_padded(_prompts((5, 21, 30)))
+    extra, more = torch.randint(1, 512, (3, 6)), torch.randint(1, 512, (3, 3))
+    ones = lambda n: torch.ones(3, n, dtype=torch.long)  # noqa: E731
+    logits = {}
+    with torch.no_grad():
+        for name in ("oscar", "dynamic"):
+            if name == "dynamic":
+                model.set_attn_implementation("sdpa")
+            cache = _exact() if name == "oscar" else DynamicCache()
+            try:
+                model(ids, attention_mask=mask, cache=cache)
+                model(extra, attention_mask=torch.cat([mask, ones(6)], 1), cache=cache)
+                cache.crop(-6)
+                assert cache.get_seq_length() == ids.shape[1]
+                logits[name] = model(more, attention_mask=torch.cat([mask, ones(3)], 1), cache=cache).logits.float()
+            finally:
+                enable_oscar(model)
+    torch.testing.assert_close(logits["oscar"], logits["dynamic"], rtol=0, atol=3e-2)
+    assert torch.equal(logits["oscar"].argmax(-1), logits["dynamic"].argmax(-1))
+    cache = _cache(2, **TIERS, flush=8)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)
+    with pytest.raises(ValueError, match="not reversible"):
+        cache.crop(-17)  # the 30-token row: 4 sink, 10 history, 16 recent
+    assert cache.get_seq_length() == 30
+
+
+def test_assisted_generation_with_an_oscar_cache(model):
+    """Assisted decoding (a draft model proposes tokens, the cache drops the rejected ones with `crop`): the greedy
+    tokens of plain greedy decoding, with DynamicCache's through an exact OscarCache."""
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_config(model.config).eval()
+    prompt = _prompts((40,))[0][None]
+    got = model.generate(prompt, cache=_exact(), assistant_model=draft, max_new_tokens=30, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    try:
+        want = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    finally:
+        enable_oscar(model)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
