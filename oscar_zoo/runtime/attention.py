@@ -379,7 +379,7 @@ def oscar_mask(
             )
         chunk = tokens[:, -q_length:]
         padding = None if bool(chunk.all()) else chunk.contiguous()
-    if not kwargs.get("allow_is_causal_skip", True) and padding is None:
+    if not kwargs.get("allow_is_causal_skip", True):
         raise NotImplementedError(
             "oscar attention is plain causal attention and this call needs another mask (packed sequences whose "
             "position ids restart, or a custom mask function): run it with the model's own attention "
