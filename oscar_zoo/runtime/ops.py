@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -123,16 +122,13 @@ def _strides(t: Tensor, n: int) -> tuple[int, ...]:
 
 
 def launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink=0, s_hist=0, s_recent=0,
-                   key_block=0, softcap=None, logit_bias=None, hist_per=0):
+                   key_block=0, softcap=None, logit_bias=None):
     """The one decode launch: `s_sink` splits over sink = (k, v, len), `s_hist` over hist = (codes_k, sz_k, codes_v,
     sz_v, len), `s_recent` over recent = (k, v, len), into o [B, H_q, S, D] / lse [B, H_q, S] (S = the sum).
     An absent tier gets 0 splits and placeholders. codes_k's width says its keys' bits (`codes_key_bits`).
     `key_block` > 0: the history keys are per channel over blocks of that many tokens (sz_k [B, H_kv, T_cap /
     key_block, D, 2], read as float16 per block; tiles of at most key_block tokens: a tile lies in one block).
-    `softcap`: every logit becomes softcap·tanh((logit + logit_bias)/softcap), `logit_bias` [B, H_q] or None (0).
-    `hist_per` > 0 (a multiple of `hist_block_n`): each history split takes at least that many tokens (a row of L
-    tokens: max(hist_per, L / s_hist rounded up to tiles) each), so rows of different lengths take splits in
-    proportion to their tokens (`tiered_decode_attention`'s `hist_lengths`)."""
+    `softcap`: every logit becomes softcap·tanh((logit + logit_bias)/softcap), `logit_bias` [B, H_q] or None (0)."""
     cfg = config.current()
     B, H_q, D = q.shape
     dev = q.device
@@ -171,22 +167,17 @@ def launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink
     grid = (B * H_kv, s_sink + s_hist + s_recent)
     # the kernel's arguments in its order: pointers, sizes, strides (positional), then its constexprs
     pointers = (q, *sink, ck, szk, cv, szv, hlen, *recent, o, lse, qb, qf, lb)
-    sizes = (H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E, qb.shape[2] if block_q else 0, hist_per)
+    sizes = (H_kv, group, s_sink, s_hist, s_recent, sm_scale * LOG2E, qb.shape[2] if block_q else 0)
     strides = (*q.stride()[:2], *_strides(lb, 1), *_strides(sink[0], 3), *_strides(sink[1], 3), *_strides(ck, 3),
                *_strides(szk, 3), *_strides(cv, 4), *_strides(szv, 3), *_strides(recent[0], 3), *_strides(recent[1], 3),
                *o.stride()[:3], *lse.stride()[:2])  # fmt: skip
-    block_n = hist_block_n(dev, D, G, key_block)
+    block_n = min(_block_n(dev, D, G), key_block) if key_block else _block_n(dev, D, G)  # a tile in one key block
     constexprs = dict(D=D, G=G, GP=_group_block(group), BLOCK_N=block_n, BLOCK_NB=_block_n(dev, None),
                       DOT_DTYPE=dispatch.dot_dtype(), USE_ASM=dispatch.gpu_plan(q.device) and cfg.int2_asm,
                       STAGES=dcfg.stages, SLACK=dcfg.rescale_slack, PDL=pdl, KEY_BITS=key_bits, KEY_BLOCK=key_block,
                       BLOCK_Q=block_q, SOFTCAP=0.0 if softcap is None else float(softcap) * LOG2E)  # fmt: skip
     dispatch.kernels().decode[grid](*pointers, *sizes, *strides, **constexprs, num_warps=_warps(group, D),
                                     maxnreg=dcfg.maxnreg, launch_pdl=pdl)
-
-
-def hist_block_n(dev: torch.device, D: int, G: int, key_block: int) -> int:
-    """The decode kernel's history tile: a tile lies in one key block."""
-    return min(_block_n(dev, D, G), key_block) if key_block else _block_n(dev, D, G)
 
 
 def block_query(GP: int, D: int) -> bool:
@@ -360,7 +351,6 @@ def tiered_decode_attention(
     key_block: int = 0,
     softcap: float | None = None,
     logit_bias: Tensor | None = None,
-    hist_lengths: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`; the history's keys 2- or 3-bit
     by codes_k's width, `layout.packed_dim`), exact softmax over their union. q [B, H_q, D] already rotated by M_K.
@@ -373,11 +363,7 @@ def tiered_decode_attention(
     folds each block's channel scales into q once per tile (`kernels/decode.py`).
     `softcap` (Gemma2's attention logit softcap): every logit x = q·k·sm_scale becomes softcap·tanh((x + b)/softcap),
     b = `logit_bias` [B, H_q] per query (the centred codec's q·μ_K·M_K·sm_scale, which the cap does not ignore; None:
-    0), inside the decode kernel: the step stays two launches and capturable.
-    `hist_lengths`: the history length of each batch row as the host knows it (a padded batch's rows differ; None: one
-    length, or unknown). Rows of different lengths then split by the batch's mean: every split takes at least the
-    mean's share, and the longer rows take more splits, so a step costs what the batch's tokens cost rather than B ×
-    the longest row's (each row still reads exactly its own length from hist_len on the device)."""
+    0), inside the decode kernel: the step stays two launches and capturable."""
     H_kv, G, hist_len_i, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
                                                   key_block)  # fmt: skip
     sink_len_i, recent_len_i = validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
@@ -400,11 +386,6 @@ def tiered_decode_attention(
         )  # fmt: skip
         return reference.add_value_mean(o.unsqueeze(2), v_mean)[:, :, 0].to(out_dtype), lse
     s_hist = int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None)
-    hist_per = 0
-    if hist_lengths is not None and len(hist_lengths) == B and max(hist_lengths) > min(hist_lengths):
-        block_n = hist_block_n(q.device, D, G, key_block)
-        hist_per = -(-sum(hist_lengths) // (B * s_hist * block_n)) * block_n  # the mean's share of one split
-        s_hist = max(s_hist, -(-max(hist_lengths) // hist_per))
     s_sink, s_recent = bf16_splits(sink_k.shape[2], q.device), bf16_splits(recent_k.shape[2], q.device)
     S = s_sink + s_hist + s_recent
     o_part = dispatch.alloc((B, H_q, S, D), torch.float32, q.device)
@@ -412,7 +393,7 @@ def tiered_decode_attention(
     launch_decode(q, o_part, lse_part, sm_scale, sink=(sink_k, sink_v, sink_len_i),
                    hist=(codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len_i),
                    recent=(recent_k, recent_v, recent_len_i), s_sink=s_sink, s_hist=s_hist, s_recent=s_recent,
-                   key_block=key_block, softcap=softcap, logit_bias=logit_bias, hist_per=hist_per)
+                   key_block=key_block, softcap=softcap, logit_bias=logit_bias)
     out = dispatch.alloc((B * H_q, D), out_dtype, q.device)
     out_lse = dispatch.alloc((B * H_q,), torch.float32, q.device)
     mean = v_mean.float().contiguous() if v_mean is not None else None

@@ -97,11 +97,6 @@ class PaddedRows:
     def rows_demote_next(self) -> tuple[bool, ...]:
         return tuple(row.demotes_next() for row in self.rows)
 
-    def hist_lengths(self) -> tuple[int, ...] | None:
-        """Each row's INT2 history length (host mirror) when the layer is ragged, else None: the decode kernel then
-        splits the rows' histories by the batch's mean (`ops.tiered_decode_attention`)."""
-        return None if self.rows is None else tuple(row.n_hist for row in self.rows)
-
     def rows_seq_length(self) -> int:
         """The padded length of the batch (the positions transformers counts: padding included, equal for every row)."""
         return self.pads[0] + self.rows[0].get_seq_length()

@@ -740,32 +740,3 @@ def test_softcap_reference_twin_and_bad_values():
                         ({"softcap": 1.0, "logit_bias": bias[:, :2]}, "logit_bias must be")):
         with pytest.raises(ValueError, match=msg):
             ops.tiered_decode_attention(q, **clean, sm_scale=0.25, **kwargs)
-
-
-@pytest.mark.parametrize("key_block", [0, 64], ids=["keys-per-row", "keys-per-channel"])
-def test_padded_rows_split_by_the_batch_mean(device, key_block, monkeypatch):
-    """A padded batch's rows (histories of 896, 64, 0 and 576 tokens) with `hist_lengths`: each split takes at least
-    the batch mean's share and the long rows take more splits than the launch's default (checked on the launch), and
-    the result is the reference's rule against float64 — every row reads exactly its own history."""
-    H_kv, group, D = 2, 4, 128
-    lengths = [(64, 896, 7), (64, 64, 3), (10, 0, 0), (64, 576, 9)]
-    hist = [h for _, h, _ in lengths]
-    launches = []
-    real = ops.launch_decode
-    monkeypatch.setattr(ops, "launch_decode", lambda *a, **k: launches.append(k) or real(*a, **k))
-    if key_block:
-        clean, dirty = _channel_cache(lengths, H_kv, D, device, 5, key_block)
-        q = _channel_query(len(lengths), H_kv * group, D, device, 5)
-        o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=D**-0.5, key_block=key_block, hist_lengths=hist)
-        _check_channel(o, lse, q, clean, D**-0.5, key_block, device)
-    else:
-        clean, dirty = _cache(None, H_kv, D, device, seed=5, lengths=lengths)
-        q = _query(len(lengths), H_kv * group, D, device, 5)
-        o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=D**-0.5, hist_lengths=hist)
-        _check_rule(o, lse, q, clean, D**-0.5)
-    (launch,) = launches
-    default = ops.int2_splits(len(lengths), H_kv, group, D, dirty["codes_k"].shape[2], q.device)
-    per = launch["hist_per"]
-    assert per > 0 and launch["s_hist"] == max(default, -(-max(hist) // per)) > default
-    tile = ops.hist_block_n(q.device, D, D, key_block)
-    assert per % tile == 0 and per * len(lengths) * default >= sum(hist) > (per - tile) * len(lengths) * default

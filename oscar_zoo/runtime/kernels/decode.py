@@ -300,8 +300,7 @@ def _attend(
     q_in,  # (q_ptr, stride_qb, stride_qh, lb_ptr, stride_lbb): q, and the softcap's logit shift per (batch, query head)
     kv_in,  # (k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd): the tier
     sz_in,  # (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt): INT2
-    len_in,  # (len_ptr, split, S, MIN_PER): the tier's lengths [B], which of its S splits this program reads, and
-    # the fewest tokens a split takes (0, or a multiple of BLOCK_N: a padded batch's rows split by the batch's mean)
+    len_in,  # (len_ptr, split, S): the tier's lengths [B], and which of its S splits this program reads
     out_in,  # (o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split)
     chan_in,  # (qb_ptr, qf_ptr, row0): keys per channel on the integer path, `block_query.py`'s operands and the
     # index of this (batch, KV head)'s first block in them
@@ -319,7 +318,7 @@ def _attend(
     q_ptr, stride_qb, stride_qh, lb_ptr, stride_lbb = q_in
     k_ptr, v_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_vd = kv_in
     szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt = sz_in
-    len_ptr, split, S, MIN_PER = len_in
+    len_ptr, split, S = len_in
     o_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, out_split = out_in
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -338,7 +337,7 @@ def _attend(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     L = tl.load(len_ptr + b)
-    per = tl.maximum(tl.cdiv(tl.cdiv(L, S), BLOCK_N) * BLOCK_N, MIN_PER)
+    per = tl.cdiv(tl.cdiv(L, S), BLOCK_N) * BLOCK_N
     start = split * per
     end = tl.minimum(start + per, L)
 
@@ -507,7 +506,7 @@ def _attend(
 # the split and block counts (and the lse strides, which are split counts) change as the history grows: not
 # specialised on their values, so one compiled kernel serves a whole generation (`attention.warm_up` builds it before
 # the first decode step)
-@triton.jit(do_not_specialize=["S_SINK", "S_HIST", "S_RECENT", "NB", "HIST_PER", "stride_lb", "stride_lh"])
+@triton.jit(do_not_specialize=["S_SINK", "S_HIST", "S_RECENT", "NB", "stride_lb", "stride_lh"])
 def _decode_kernel(
     q_ptr,  # [B, H_q, D]
     sk_ptr, sv_ptr, slen_ptr,  # sink K/V [B, H_kv, SINK_CAP, D] bf16, lengths [B] int32
@@ -517,8 +516,8 @@ def _decode_kernel(
     o_ptr, lse_ptr,  # partials [B, H_q, S, D] f32, [B, H_q, S] f32
     qb_ptr, qf_ptr,  # keys per channel, BLOCK_Q: the blocks' int8 q·s parts and (w, bias) (`block_query.py`)
     lb_ptr,  # SOFTCAP > 0: the logit shift per (batch, query head) [B, H_q] f32, log2 units, added before the cap
-    H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale, NB, HIST_PER,  # sizes: heads, splits per tier; scale·log2(e);
-    # blocks per (batch, KV head) in qb/qf; the fewest history tokens a split takes (0: each row's length / S_HIST)
+    H_kv, GROUP, S_SINK, S_HIST, S_RECENT, qk_scale, NB,  # sizes: heads, splits per tier; scale·log2(e); blocks
+    # per (batch, KV head) in qb/qf
     stride_qb, stride_qh, stride_lbb,  # strides: q, the logit shift, sink K/V, history codes and scales, recent K/V,
     # o, lse
     stride_skb, stride_skh, stride_skt, stride_svb, stride_svh, stride_svt,
@@ -554,7 +553,7 @@ def _decode_kernel(
                    tl.where(in_sink, stride_svh + z, stride_rvh), tl.where(in_sink, stride_svt + z, stride_rvt),
                    1)  # stride_vd: BF16 rows are dims-contiguous
         bf16_len = (tl.where(in_sink, slen_ptr, rlen_ptr), tl.where(in_sink, s, s - S_SINK - S_HIST),
-                    tl.where(in_sink, S_SINK, S_RECENT), 0)
+                    tl.where(in_sink, S_SINK, S_RECENT))
         _attend(q_in, bf16_kv, (q_ptr, q_ptr, 0, 0, 0, 0, 0, 0), bf16_len, out_in, chan_in, b, h, GROUP, qk_scale,
                 False, D, G, GP, BLOCK_NB, DOT_DTYPE, USE_ASM, 1, 0.0, 2,
                 SOFTCAP=SOFTCAP)  # (no scales: placeholders)
@@ -562,5 +561,5 @@ def _decode_kernel(
         _attend(q_in,
                 (ck_ptr, cv_ptr, stride_ckb, stride_ckh, stride_ckt, stride_cvb, stride_cvh, stride_cvt, stride_cvd),
                 (szk_ptr, szv_ptr, stride_szkb, stride_szkh, stride_szkt, stride_szvb, stride_szvh, stride_szvt),
-                (hlen_ptr, s - S_SINK, S_HIST, HIST_PER), out_in, chan_in, b, h, GROUP, qk_scale,
+                (hlen_ptr, s - S_SINK, S_HIST), out_in, chan_in, b, h, GROUP, qk_scale,
                 True, D, G, GP, BLOCK_N, DOT_DTYPE, USE_ASM, STAGES, SLACK, KEY_BITS, KEY_BLOCK, BLOCK_Q, SOFTCAP)
