@@ -241,7 +241,8 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
 
     def is_static_step(self, n: int) -> bool:
         """True when a chunk of `n` tokens is a static decode step: one token, sink full, recent tier past its window
-        (so each step writes one recent slot, and every `flush`-th step demotes the oldest `flush` rows), in every row."""
+        (so each step writes one recent slot, and every `flush`-th step demotes the oldest `flush` rows), in every
+        row."""
         if self.rows is not None:
             return n == 1 and self.rows_static()
         return n == 1 and self.n_sink == self.sink and self.n_recent >= self.recent

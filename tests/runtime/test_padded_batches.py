@@ -4,6 +4,8 @@ recent window, past several demotions — and batch operations keep each row's o
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -178,6 +180,7 @@ def test_padded_batch_on_the_gpu_replays_per_row_demotions(key_block):
     from oscar_zoo.runtime.graph import decode_graphs
 
     model = enable_oscar(_llama(device="cuda"), compile=False)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     model.generation_config.pad_token_id = PAD
     prompts = _prompts((10, 50, 700, 450))
     ids, mask = _left_padded(prompts)
@@ -185,7 +188,7 @@ def test_padded_batch_on_the_gpu_replays_per_row_demotions(key_block):
     runs = {}
     for mode in ("eager", "graph"):
         cache = _cache(2, sink=16, recent=64, key_block=key_block)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=300, do_sample=False, cache=cache,
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=300, do_sample=False, **{kw: cache},
                              disable_compile=mode == "eager", output_logits=True, return_dict_in_generate=True)
         runs[mode] = (out.sequences, torch.stack(out.logits, 1).float(), cache)
     graphs = decode_graphs(model)
@@ -196,7 +199,7 @@ def test_padded_batch_on_the_gpu_replays_per_row_demotions(key_block):
     T = ids.shape[1]
     for b, prompt in enumerate(prompts):
         alone_cache = _cache(2, sink=16, recent=64, key_block=key_block)
-        alone = model.generate(prompt[None].cuda(), max_new_tokens=300, do_sample=False, cache=alone_cache,
+        alone = model.generate(prompt[None].cuda(), max_new_tokens=300, do_sample=False, **{kw: alone_cache},
                                output_logits=True, return_dict_in_generate=True)
         assert torch.equal(seqs[b, T : T + 24], alone.sequences[0, len(prompt) : len(prompt) + 24]), f"row {b}"
         assert (logits[b, 0] - alone.logits[0][0].float()).abs().max() < 0.05

@@ -3,10 +3,10 @@
     y[b, h] = x[b, h]·M[h // (H / H_M)] − μ[h // (H / H_μ)]      (float32 math; M absent: y = x − μ)
 
 stored in the output's dtype and, optionally, also at row `slot[b]` of a tier buffer dest [B, H, T, D] (each batch
-row at its own slot, read on the device, so a CUDA graph can hold the launch). The decode step uses it three times: the new key and value
-(rotated, centred, written to the recent tier), the query (rotated by its KV head's M_K, kept float32) and, when the
-value rotation is not folded into the weights, the attention output (by M_Vᵀ, a transposed view: M is read through
-its strides).
+row at its own slot, read on the device, so a CUDA graph can hold the launch). The decode step uses it three times:
+the new key and value (rotated, centred, written to the recent tier), the query (rotated by its KV head's M_K, kept
+float32) and, when the value rotation is not folded into the weights, the attention output (by M_Vᵀ, a transposed
+view: M is read through its strides).
 
 Grid (H, D / BLOCK_E, ⌈B / ROWS⌉): a program loads one [D, BLOCK_E] column block of its head's M once and serves up
 to ROWS rows with it, each as float32 products summed over D (no tensor-core dot: a decode step has a few rows, and an
