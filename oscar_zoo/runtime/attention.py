@@ -125,13 +125,7 @@ def oscar_attention(
         if attention_mask is None:
             out = dense_attention(query, key, value, scale, softcap, causal=bool(causal))
             return out.transpose(1, 2).contiguous(), None
-        n, out = query.shape[2], query.new_zeros(query.transpose(1, 2).shape)  # padded rows: each row's tokens alone
-        for b, m in enumerate(attention_mask.sum(1).tolist()):
-            if m:
-                own = (slice(b, b + 1), slice(None), slice(n - m, None))
-                out[b : b + 1, n - m :] = dense_attention(query[own], key[own], value[own], scale, softcap,
-                                                          causal=bool(causal)).transpose(1, 2)
-        return out, None
+        return _padded_exact(query, key, value, attention_mask, scale, softcap, bool(causal)), None
 
     if not getattr(oscar_cache, "kernels_ready", True) and query.is_cuda:  # build before the first decode step
         rehearsed = binding.rehearsed if binding is not None else set()
@@ -144,8 +138,29 @@ def oscar_attention(
 
 
 def _is_padding(mask: Tensor, query: Tensor) -> bool:
-    """Whether an attention function's mask is `oscar_mask`'s padding of a prompt chunk (bool [B, n])."""
-    return isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == (query.shape[0], query.shape[2])
+    """Whether an attention function's mask is `oscar_mask`'s padding of the keys (bool [B, kv_length])."""
+    return isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.dim() == 2 and \
+        mask.shape[0] == query.shape[0] and mask.shape[1] >= query.shape[2]
+
+
+def _padded_exact(query: Tensor, key: Tensor, value: Tensor, tokens: Tensor, scale: float, softcap: float | None,
+                  causal: bool) -> Tensor:
+    """Exact attention (no OscarCache) of a left-padded batch, row by row: row b's real keys are the last
+    tokens[b].sum() of key [B, H_kv, S, D] (`tokens` bool [B, S]), its real queries the last of those; padding
+    queries get zeros. Returns [B, n, H_q, D]."""
+    n, S = query.shape[2], key.shape[2]
+    if tokens.shape[1] != S:
+        raise NotImplementedError(f"oscar attention got a padding mask of {tokens.shape[1]} positions for {S} keys: "
+                                  f"use the model's own attention for this cache")
+    out = query.new_zeros(query.transpose(1, 2).shape)
+    for b, m in enumerate(tokens.sum(1).tolist()):
+        q_real = min(n, m)
+        if q_real:
+            row, keys = slice(b, b + 1), slice(S - m, None)
+            o = dense_attention(query[row, :, n - q_real :], key[row, :, keys], value[row, :, keys], scale, softcap,
+                                causal=causal)
+            out[row, n - q_real :] = o.transpose(1, 2)
+    return out
 
 
 def _attend_rows(layer: OscarLayer, query: Tensor, value: Tensor, scale: float, softcap: float | None) -> Tensor:
@@ -356,30 +371,31 @@ def oscar_mask(
     batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
     attention_mask: Tensor | None = None, **kwargs,
 ) -> None:  # fmt: skip
-    """Mask factory for "oscar": causality is implicit, so no causal mask is built. A prompt chunk of a left-padded
-    batch (a 2D padding mask [B, kv_length] with padding, each row's padding before its tokens) gets its own padding
-    back, bool [B, q_length] (True: a token), which the attention module's hook hands to the cache
-    (`OscarLayer.expect_padding`) and the attention function reads as "padded rows": every row is then filed and
-    attended as it would be alone. Single-token steps get None (padding only ever leads a sequence, and the cache
-    knows each row's lengths), so a decode step stays capturable. Refused: padding anywhere but before a row's tokens
-    (right padding), and any other departure from the causal pattern for a query chunk: transformers then turns off
-    its causal shortcut (`allow_is_causal_skip`), which it does for packed sequences (position ids that restart),
-    custom `or_mask_function`/`and_mask_function`s and block overlays; "oscar" would silently attend across them.
-    (Single-token steps of a compileable cache also get the shortcut turned off; one query has nothing to mask.)"""
-    if q_length == 1:
+    """Mask factory for "oscar": causality is implicit, so no causal mask is built. A left-padded batch (a 2D padding
+    mask [B, kv_length] with padding, each row's padding before its tokens) gets the padding of its keys back, bool
+    [B, kv_length] (True: a token): the attention module's hook hands a prompt chunk's part to an OscarCache
+    (`OscarLayer.expect_padding`), which from then on files and attends every row as it would be alone; without an
+    OscarCache the attention attends each row's own tokens (`_padded_exact`). A single-token step of a compileable
+    cache (transformers turns the causal shortcut off for it) gets None: padding only ever leads a sequence and an
+    OscarCache knows each row's lengths, so the step stays capturable (transformers' own compileable caches are not
+    supported by "oscar" attention). Refused: padding anywhere but before a row's tokens (right padding), and any
+    other departure from the causal pattern for a query chunk: transformers then turns off its causal shortcut
+    (`allow_is_causal_skip`), which it does for packed sequences (position ids that restart), custom
+    `or_mask_function`/`and_mask_function`s and block overlays; "oscar" would silently attend across them."""
+    skip = kwargs.get("allow_is_causal_skip", True)
+    if q_length == 1 and not skip:
         return None
     padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         tokens = attention_mask.bool()
         if bool((tokens[:, :-1] & ~tokens[:, 1:]).any()):  # a token followed by padding
             raise NotImplementedError(
-                "OscarCache takes padded batches padded on the left (padding before each prompt, as "
+                "\"oscar\" attention takes padded batches padded on the left (padding before each prompt, as "
                 "tokenizer(..., padding=True, padding_side=\"left\") makes them); this batch has padding after "
                 "tokens"
             )
-        chunk = tokens[:, -q_length:]
-        padding = None if bool(chunk.all()) else chunk.contiguous()
-    if not kwargs.get("allow_is_causal_skip", True):
+        padding = tokens.contiguous()
+    if q_length > 1 and not skip:
         raise NotImplementedError(
             "oscar attention is plain causal attention and this call needs another mask (packed sequences whose "
             "position ids restart, or a custom mask function): run it with the model's own attention "
@@ -402,10 +418,13 @@ def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tup
         return args, kwargs
     cache = cache_argument(kwargs)
     kwargs.update(binding.enter(module, cache))
-    mask = kwargs.get("attention_mask")
-    if isinstance(cache, OscarCache) and module.layer_idx < len(cache.layers) and isinstance(mask, Tensor) \
-            and mask.dtype == torch.bool and mask.dim() == 2:  # `oscar_mask`'s padding of a prompt chunk
-        cache.layers[module.layer_idx].expect_padding((~mask).sum(1).tolist())
+    mask, hidden = kwargs.get("attention_mask"), kwargs.get("hidden_states", args[0] if args else None)
+    n = hidden.shape[1] if isinstance(hidden, Tensor) and hidden.dim() == 3 else 1
+    if isinstance(cache, OscarCache) and module.layer_idx < len(cache.layers) and n > 1 and isinstance(mask, Tensor) \
+            and mask.dtype == torch.bool and mask.dim() == 2:  # `oscar_mask`'s padding: a prompt chunk's part
+        pads = (~mask[:, -n:]).sum(1).tolist()
+        if any(pads):
+            cache.layers[module.layer_idx].expect_padding(pads)
     return args, kwargs
 
 

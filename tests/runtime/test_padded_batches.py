@@ -98,6 +98,25 @@ def test_right_padding_is_refused(model):
         model(ids, attention_mask=mask, cache=_cache(2, **TIERS))
 
 
+def test_without_an_oscar_cache_padded_rows_attend_their_own_tokens(model):
+    """"oscar" attention without an OscarCache (DynamicCache, or no cache) is exact attention: a padded batch then
+    generates what the model's own sdpa attention generates, and a forward without a cache gives its logits."""
+    ids, mask = _left_padded(_prompts((5, 21, 30)))
+    got = model.generate(ids, attention_mask=mask, cache=DynamicCache(), max_new_tokens=10, do_sample=False)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, use_cache=False).logits
+    model.set_attn_implementation("sdpa")
+    try:
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        with torch.no_grad():
+            want_logits = model(ids, attention_mask=mask, use_cache=False).logits
+    finally:
+        enable_oscar(model)
+    assert torch.equal(got, want)
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
+
+
 def test_beam_search_and_return_sequences_keep_each_rows_lengths(model):
     """Beam search (reorder_cache) and num_return_sequences (batch_repeat_interleave) over a padded batch, with the BF16
     history and identity rotations (an OscarCache then holds exact K/V): the same sequences as DynamicCache."""
