@@ -15,6 +15,11 @@ answer is the five digits, decoded greedily through the runtime (`oscar` attenti
 
 BF16 runs the same way on its DynamicCache. An answer is right when its first non-space characters are the passkey's
 digits and no other digit follows.
+
+Needles (NEEDLES, fixed here before any codec is measured on them): `passkey` (the above, verify's), `name` (a
+person's name from the fixed list NAMES) and `code` (a multi-token code such as "QX-4417-ZB"), each with its own
+sentence and question and an exact answer check; the key is drawn from the grid's seeded generator. The filler is any
+haystack's token ids (evaluation/haystacks.py: plays, poems, docs); verify's is the held-out text.
 """
 
 from __future__ import annotations
@@ -39,6 +44,74 @@ from .teacher_forcing import cache_argument
 
 NEEDLE = " The secret passkey is {key}. Remember it: the passkey is {key}. "
 QUESTION = "\nQuestion: what is the secret passkey? Answer: the secret passkey is"
+# The name needle's keys: two-word names, ASCII, 3 to 7 tokens each with the demo model's tokenizer, none of them in
+# any haystack (tests/evaluation/test_haystacks.py).
+NAMES = (
+    "Maria Lindqvist", "Paulo Medeiros", "Ingrid Halvorsen", "Kwame Mensah", "Priya Raghunathan", "Olusegun Adeyemi",
+    "Mateo Alvarado", "Yuki Tanabe", "Amara Okonkwo", "Dmitri Volkov", "Lucia Ferrante", "Tariq Haddad",
+    "Elena Markovic", "Rafael Quintero", "Nadia Petrenko", "Jonas Eberhardt", "Aditya Kulkarni", "Freya Lindholm",
+    "Marcus Whitfield", "Hana Novakova", "Idris Bellamy", "Sofia Castellano", "Viktor Halloran", "Leila Farahani",
+    "Oskar Brandvold", "Chiara Benedetti", "Kenji Morimoto", "Beatriz Saldanha", "Emeka Nwosu", "Greta Vanderberg",
+    "Samir Khoury", "Astrid Nyberg",
+)
+CODE_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"  # no I or O, which read as digits
+
+
+def _passkey(rng: random.Random) -> str:
+    return str(rng.randint(10000, 99999))
+
+
+def _name(rng: random.Random) -> str:
+    return rng.choice(NAMES)
+
+
+def _code(rng: random.Random) -> str:
+    """Two letters, four digits, two letters: "QX-4417-ZB" (about ten tokens)."""
+    a, b = rng.choice(CODE_LETTERS), rng.choice(CODE_LETTERS)
+    n = rng.randint(1000, 9999)
+    c, d = rng.choice(CODE_LETTERS), rng.choice(CODE_LETTERS)
+    return f"{a}{b}-{n}-{c}{d}"
+
+
+def _digits_right(text: str, key: str) -> bool:
+    """Exact: the first characters after any spaces are the passkey's digits, and no further digit follows."""
+    found = re.match(r"\s*(\d+)", text)
+    return found is not None and found.group(1) == key
+
+
+def _verbatim_right(text: str, key: str) -> bool:
+    """Exact: the first characters after any spaces are the key, case and all, and no letter, digit, underscore or
+    hyphen follows ("Maria Lindqvist." and "QX-4417-ZB" are right; "Maria Lindqvists", "QX-4417-ZBA" are not)."""
+    return re.match(r"\s*" + re.escape(key) + r"(?![\w-])", text) is not None
+
+
+@dataclass(frozen=True)
+class Needle:
+    """A fact to hide, its question and its exact answer check; `new_tokens`: the greedy answer tokens decoded (the
+    longest key's tokens after the question, and one more that must not extend it)."""
+
+    name: str
+    sentence: str  # with {key}, twice
+    question: str
+    draw: Callable[[random.Random], str]  # one key from the grid's seeded generator
+    check: Callable[[str, str], bool]  # (answer text, key) -> right
+    new_tokens: int
+    key_example: str  # the shape of its keys, for check_filler's token count and the docs
+
+    def is_right(self, text: str, key: str) -> bool:
+        return self.check(text, key)
+
+
+NEEDLES = {n.name: n for n in (
+    Needle("passkey", NEEDLE, QUESTION, _passkey, _digits_right, 7, "48213"),
+    Needle("name", " The courier who carried the sealed letter was called {key}. Remember it: the courier's name was "
+           "{key}. ", "\nQuestion: what was the courier's name? Answer: the courier's name was",
+           _name, _verbatim_right, 9, "Olusegun Adeyemi"),
+    Needle("code", " The vault's access code is {key}. Write it down: the access code is {key}. ",
+           "\nQuestion: what is the vault's access code? Answer: the vault's access code is",
+           _code, _verbatim_right, 12, "QX-4417-ZB"),
+)}
+PASSKEY = NEEDLES["passkey"]
 DEFAULT_DEPTHS = (0.2, 0.5, 0.8)
 QUICK_DEPTHS = (0.25, 0.75)
 # The most prompts one grid may hold (lengths × depths × trials): every prompt's answer per method and its passkey are
@@ -70,14 +143,29 @@ def default_lengths(max_tokens: int, quick: bool = False) -> tuple[int, ...]:
     return tuple(lengths)
 
 
-def build_prompt(tokenizer, filler: list[int], length: int, depth: float, rng: random.Random) -> NeedlePrompt:
-    """`length` tokens in all (context + question): filler tokens with the needle's tokens inserted whole at
-    round(depth · filler tokens), the question after. The passkey is five random digits from `rng`."""
+def needle_named(name: str) -> Needle:
+    """The registry's needle `name`; InputError naming the known ones otherwise."""
+    if name not in NEEDLES:
+        raise InputError(f"unknown needle {name!r}; known: {', '.join(NEEDLES)}")
+    return NEEDLES[name]
+
+
+def needle_of_report(sentence: str) -> Needle:
+    """The needle whose sentence a report records (`NeedleReport.needle`); the passkey for any other (reports written
+    before needles had names recorded the passkey's)."""
+    return next((n for n in NEEDLES.values() if n.sentence.strip() == sentence.strip()), PASSKEY)
+
+
+def build_prompt(tokenizer, filler: list[int], length: int, depth: float, rng: random.Random,
+                 fact: Needle = PASSKEY) -> NeedlePrompt:
+    """`length` tokens in all (context + question): filler tokens (any haystack's) with the needle's tokens inserted
+    whole at round(depth · filler tokens), the question after. The key comes from `rng` first (the passkey: five random
+    digits), then the filler window's start."""
     if not 0.0 <= depth <= 1.0:
         raise InputError(f"needle depth must be in [0, 1], got {depth}")
-    key = str(rng.randint(10000, 99999))
-    needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids
-    question = tokenizer(QUESTION, add_special_tokens=False).input_ids
+    key = fact.draw(rng)
+    needle = tokenizer(fact.sentence.format(key=key), add_special_tokens=False).input_ids
+    question = tokenizer(fact.question, add_special_tokens=False).input_ids
     n_filler = length - len(needle) - len(question)
     if n_filler < 1:
         raise InputError(f"needle length {length} is too short for the needle and the question")
@@ -90,10 +178,10 @@ def build_prompt(tokenizer, filler: list[int], length: int, depth: float, rng: r
     return NeedlePrompt(text[:pos] + needle + text[pos:], question, key, pos, len(needle))
 
 
-def answer_is_right(text: str, key: str) -> bool:
-    """Exact: the first characters after any spaces are the passkey's digits, and no further digit follows."""
-    found = re.match(r"\s*(\d+)", text)
-    return found is not None and found.group(1) == key
+def answer_is_right(text: str, key: str, fact: Needle = PASSKEY) -> bool:
+    """The needle's exact check; the passkey's: the first characters after any spaces are its digits, and no further
+    digit follows."""
+    return fact.is_right(text, key)
 
 
 PROTOCOLS = tuple(p.value for p in NeedleProtocol)
@@ -105,12 +193,17 @@ class NeedleSettings:
     depths: tuple[float, ...] = DEFAULT_DEPTHS
     trials: int = 2
     seed: int = 0
-    new_tokens: int = 7  # " 48213." and a spare: the first non-space characters decide
+    new_tokens: int | None = None  # None: the needle's (the passkey's 7: " 48213." — the first non-space characters
+    # decide)
     min_relative_accuracy: float = DEFAULT_MIN_NEEDLE_ACCURACY  # the artifact's overall accuracy / BF16's
     protocol: str = NeedleProtocol.FOLLOW_UP.value  # one of PROTOCOLS
     batch: int = 1  # prompts of one length run as the rows of one batch (the same prompts; round-off may differ)
+    needle: str = PASSKEY.name  # one of NEEDLES
 
     def __post_init__(self):
+        fact = needle_named(self.needle)  # an unknown needle: InputError
+        if self.new_tokens is None:
+            self.new_tokens = fact.new_tokens
         if self.protocol not in PROTOCOLS:  # before any model work, not after the teacher-forced run
             raise InputError(f"needle protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.batch < 1:
@@ -135,8 +228,9 @@ def check_lengths(settings: NeedleSettings, limit: int | None) -> None:
 def check_filler(tokenizer, filler: list[int], settings: NeedleSettings) -> None:
     """InputError unless the held-out text (`filler`, token ids) is long enough for the longest prompt: checked before
     any model work (`build_prompt` checks each prompt again)."""
-    fixed = len(tokenizer(NEEDLE.format(key="10000"), add_special_tokens=False).input_ids) + \
-        len(tokenizer(QUESTION, add_special_tokens=False).input_ids)
+    fact = needle_named(settings.needle)
+    fixed = len(tokenizer(fact.sentence.format(key=fact.key_example), add_special_tokens=False).input_ids) + \
+        len(tokenizer(fact.question, add_special_tokens=False).input_ids)
     longest = max(settings.lengths, default=0)
     if longest - fixed > len(filler):
         raise InputError(f"--needle-lengths {longest}: the held-out text has {len(filler):,} tokens, about "
@@ -217,6 +311,7 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
     q = manifest.quant
     check_lengths(settings, getattr(model.config, "max_position_embeddings", None))
     check_batch(settings.batch, baselines)
+    fact = needle_named(settings.needle)
     reference, *others = build_methods(Setup.of(manifest, rotations, model, info), baselines)
     methods = [m for m in others if m.cache_path is not None]
     names = [reference.name] + [m.name for m in methods]
@@ -232,7 +327,7 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
         enable_oscar(model)  # exact attention with a DynamicCache; the runtime with an OscarCache
         with torch.inference_mode():
             for li, length in enumerate(settings.lengths):
-                cells = ((di, build_prompt(tok, filler, length, depth, rng)) for di, depth in
+                cells = ((di, build_prompt(tok, filler, length, depth, rng, fact)) for di, depth in
                          enumerate(settings.depths) for _ in range(settings.trials))  # the grid's order, built lazily
                 while batch := list(itertools.islice(cells, settings.batch)):  # one batch of prompts held at a time
                     prompts = [p for _, p in batch]
@@ -241,7 +336,7 @@ def run_needle(loaded: LoadedModel, manifest, rotations, filler: list[int], sett
                         answers[m.name] += tok.batch_decode(_answer(model, cache, ids, settings.new_tokens))
                     for n in names:
                         for (di, p), text in zip(batch, answers[n][-len(batch) :]):
-                            right[n][li][di] += answer_is_right(text, p.key)
+                            right[n][li][di] += fact.is_right(text, p.key)
                     done += len(batch)
                     progress("needle retrieval", done, total, rate=f"{length} tokens")
     finally:
@@ -261,9 +356,10 @@ def paired_against_reference(needle: NeedleReport) -> list[tuple[str, int, Paire
     if not needle.keys:
         return []
     per_length = len(needle.depths) * needle.trials
+    fact = needle_of_report(needle.needle)
 
     def right(m: NeedleMethod) -> list[bool]:
-        return [answer_is_right(a, k) for a, k in zip(m.answers, needle.keys)]
+        return [fact.is_right(a, k) for a, k in zip(m.answers, needle.keys)]
 
     ref = right(next(m for m in needle.methods if m.kind == "reference"))
     out = []
@@ -284,8 +380,9 @@ def needle_report(results: list[NeedleMethod], settings: NeedleSettings, sink: i
     bf16 = next(r for r in results if r.kind == "reference")
     artifact = next(r for r in results if r.kind == "artifact")
     failures = needle_gate(bf16.overall, artifact.overall, settings.min_relative_accuracy, len(keys))
+    fact = needle_named(settings.needle)
     return NeedleReport(lengths=list(settings.lengths), depths=list(settings.depths), trials=settings.trials,
-                        seed=settings.seed, needle=NEEDLE.strip(), question=QUESTION.strip(), sink=sink, recent=recent,
-                        methods=results, min_relative_accuracy=settings.min_relative_accuracy,
+                        seed=settings.seed, needle=fact.sentence.strip(), question=fact.question.strip(), sink=sink,
+                        recent=recent, methods=results, min_relative_accuracy=settings.min_relative_accuracy,
                         passed=not failures, failures=failures, wall_seconds=round(wall, 2),
                         protocol=settings.protocol, batch=settings.batch, keys=keys)
