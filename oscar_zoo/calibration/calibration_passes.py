@@ -1,5 +1,10 @@
 """Calibration orchestration: capture passes → float64 targets → rotations → clip search → manifest + tensors.
 
+Pass 2 needs only each token's key and value, which pass 1 computes already: when the model runs on the CPU and
+they fit in a share of the host memory (`REPLAY_SHARE`), pass 1 keeps them and pass 2 replays them, batch by batch
+and layer by layer as its forward pass would present them (the same tensors, so the same sums bit for bit), instead
+of running the model a second time.
+
 Accumulators are checkpointed after batches (in a background writer, skipped while the last write is in flight; the end
 of each pass always) into a cache folder keyed by (model, token ids, dtype): a re-run with
 the same inputs reuses them (a re-fit with another granularity, value target or clip mode runs no forward pass), and
@@ -40,6 +45,7 @@ from ..texts import TokenSequences
 from . import clip_search
 from .capture import capturing, forward_batches
 from .distributed import DataParallel
+from .memory import GiB, host_available
 from .placement import accumulator_device, layer_devices, model_device, sample_on
 from .rotation_fit import fit_rotations, spectrum_ratio
 from .settings import DEFAULT_KEY_BITS, CalibrationSettings  # noqa: F401 -- DEFAULT_KEY_BITS: read from here too
@@ -49,6 +55,8 @@ Progress = Callable[..., None]  # progress(description, done, total, rate="", ru
 Info = Callable[[str], None]  # one line for the user (resumed from where, reused what)
 BPE_CONTEXTS = (2048, 32768, 131072)
 PASS1, HELDOUT, PASS2 = "pass 1/2: key target", "held-out capture", "pass 2/2: value target"  # the passes' bars
+REPLAY_SHARE = 0.5  # pass 1 keeps the keys and values for pass 2 when they take at most this share of the host
+# memory available as it starts (per process on the host, under data parallelism)
 class PassesClock:
     """Time left for all of a run's capture passes together, not for the one running: the tokens still to go in
     every planned pass (`plan`) over the rate this run has measured across its passes so far. `clock` is injectable
@@ -98,7 +106,8 @@ class CalibrationResult:
     key_objective: torch.Tensor | None  # [L, R, H] clip-search tables (None for fixed clips)
     value_objective: torch.Tensor | None
     grid: list[float]
-    forward_passes: list[str] = field(default_factory=list)  # which passes ran (empty: all reused from the cache)
+    # which passes ran (empty: all reused from the cache); "pass2" also when replayed from pass 1's keys and values
+    forward_passes: list[str] = field(default_factory=list)
 
 
 class AccumulatorStore:
@@ -235,6 +244,45 @@ def _pass(model, ids: torch.Tensor, batch_size: int, start: int, observer, desc:
         forward_batches(model, ids, batch_size, start=start, on_batch=on_batch)
 
 
+def replay_bytes(ids: torch.Tensor, loaded: LoadedModel) -> int:
+    """Bytes of the keys and values of every layer for the sequences `ids` [N, T], in the model's dtype."""
+    info = loaded.info
+    element = next(loaded.model.parameters()).element_size()
+    return 2 * ids.numel() * info.num_layers * info.num_kv_heads * info.head_dim * element
+
+
+def can_replay(loaded: LoadedModel, nbytes: int, dp: DataParallel | None = None) -> bool:
+    """Whether pass 1 may keep `nbytes` of keys and values for pass 2: every layer runs on the CPU (there the second
+    forward pass is the long part of a run) and they fit in `REPLAY_SHARE` of the host memory available now."""
+    model = loaded.model
+    if model_device(model).type != "cpu" or any(d.type != "cpu" for d in layer_devices(model).values()):
+        return False
+    return nbytes <= REPLAY_SHARE * host_available() / (dp.local_world if dp else 1)
+
+
+Kept = list[list[tuple[int, torch.Tensor, torch.Tensor]]]  # per batch, in call order: (layer, k, v)
+
+
+def _replay(kept: Kept, n: int, T: int, batch_size: int, observer, desc: str, progress: Progress,
+            checkpoint: Callable[[int, bool], None], clock: PassesClock) -> None:
+    """Pass `desc` over the keys and values pass 1 kept (per batch, the attention calls in the order they came):
+    `observer` sees them in the order a forward pass over the sequences would show them, with the same checkpoints,
+    clock and progress as `_pass`. Each batch is released once replayed."""
+    t0 = time.perf_counter()
+    clock.start(desc, n * T)
+    progress(desc, 0, n * T, rate="", run_left=clock.seconds_left())
+    with torch.inference_mode():
+        for b in range(len(kept)):
+            for layer, k, v in kept[b]:
+                observer(layer, None, k, v, None, None)
+            kept[b] = []
+            done = min((b + 1) * batch_size, n)
+            checkpoint(done, done == n)
+            clock.advance(desc, (done - min(b * batch_size, n)) * T)
+            rate = done * T / max(time.perf_counter() - t0, 1e-9)
+            progress(desc, done * T, n * T, rate=f"{rate:,.0f} tok/s", run_left=clock.seconds_left())
+
+
 def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationSettings, store: AccumulatorStore,
                progress: Progress, dp: DataParallel | None = None, note: Info = lambda msg: None
                ) -> tuple[SecondMoment, SecondMoment, SecondMoment, dict, list[str], tuple[FirstMoment, ...]]:
@@ -269,20 +317,37 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         clock.plan(PASS1, (N - done1) * T)
         clock.plan(HELDOUT, 0 if (store.folder / "heldout.safetensors").is_file() else seqs.heldout_ids.numel())
         weighted = settings.value_target == ValueTarget.WEIGHTED
-        clock.plan(PASS2, (N - min(store.counter("pass2", "pass2_done"), N)) * T if weighted else 0)
+        done2_kept = min(store.counter("pass2", "pass2_done"), N)
+        # pass 2 replays pass 1's keys and values when this run forwards all of both passes and they fit in memory
+        nbytes = replay_bytes(ids, loaded)
+        replay = weighted and done1 == 0 and done2_kept == 0 and can_replay(loaded, nbytes, dp)
+        if replay:
+            note(f"pass 1/2 keeps the keys and values in host memory ({nbytes / GiB:.2f} GiB): pass 2/2 replays them "
+                 "instead of a second forward pass")
+        kept: Kept = []  # per finished batch of pass 1, when replaying
+        batch: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        clock.plan(PASS2, (N - done2_kept) * T if weighted and not replay else 0)
         if done1 < N:
             def observe1(layer, q, k, v, out, scaling):
                 key.add(layer, group_heads(q, H_kv))
                 soft.add(layer, group_heads(out, H_kv))
                 k_mean.add(layer, group_heads(k, H_kv))
                 v_mean.add(layer, group_heads(v, H_kv))
+                if replay:  # clones: the values and strides the attention call of pass 2 would hand its observer
+                    batch.append((layer, k.clone(), v.clone()))
 
             def state1() -> dict[str, torch.Tensor]:
                 return {**key.state("key"), **soft.state("softmax"), **k_mean.state("k_mean"),
                         **v_mean.state("v_mean")}
 
-            _pass(model, ids, bs, done1, observe1, PASS1, progress,
-                  lambda done, final: store.save_async("pass1", state1, wait=final, pass1_done=done), clock)
+            def checkpoint1(done: int, final: bool) -> None:
+                nonlocal batch
+                if replay:
+                    kept.append(batch)
+                    batch = []
+                store.save_async("pass1", state1, wait=final, pass1_done=done)
+
+            _pass(model, ids, bs, done1, observe1, PASS1, progress, checkpoint1, clock)
             ran.append("pass1")
         # the checkpoint keeps this rank's sums; the reduced ones are new objects
         key, soft, k_mean, v_mean = reduce(key), reduce(soft), reduce(k_mean), reduce(v_mean)
@@ -318,6 +383,7 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
         if settings.value_target == ValueTarget.WEIGHTED:
             _report_checkpoint(note, store, "pass 2/2", done2, N)
         if settings.value_target == ValueTarget.WEIGHTED and done2 < N:
+            replay = replay and done2 == 0 and len(kept) == -(-N // bs)  # every batch of pass 1 kept
             key_target = key.mean()
             on_layer_device: dict[int, torch.Tensor] = {}  # C_Q[layer] where that layer runs (one copy per run)
 
@@ -329,11 +395,16 @@ def accumulate(loaded: LoadedModel, seqs: TokenSequences, settings: CalibrationS
                 value.add(layer, vg, w)
                 v_wmean.add(layer, vg, w)
 
-            _pass(model, ids, bs, done2, observe2, PASS2, progress,
-                  lambda done, final: store.save_async("pass2", lambda: {**value.state("value"),
-                                                                         **v_wmean.state("v_wmean")},
-                                                       wait=final, pass2_done=done), clock)
+            def checkpoint2(done: int, final: bool) -> None:
+                store.save_async("pass2", lambda: {**value.state("value"), **v_wmean.state("v_wmean")}, wait=final,
+                                 pass2_done=done)
+
+            if replay:
+                _replay(kept, N, T, bs, observe2, PASS2, progress, checkpoint2, clock)
+            else:
+                _pass(model, ids, bs, done2, observe2, PASS2, progress, checkpoint2, clock)
             ran.append("pass2")
+        kept.clear()
         return key, reduce(value), soft, heldout, ran, (k_mean, v_mean, reduce(v_wmean))
     finally:
         store.flush()  # the last checkpoints are on disk before anyone reads the store

@@ -132,7 +132,7 @@ def calibrate_command(
         return
     console.print(_table(result))
     reused = "all accumulators reused from the cache" if not result.forward_passes else \
-        f"forward passes run: {', '.join(result.forward_passes)}"
+        f"passes run: {', '.join(result.forward_passes)}"
     console.print(f"BPE: {manifest.bits_per_element['32768']:.3f} at 32K, {manifest.bits_per_element['131072']:.3f} "
                   f"at 128K · keys {manifest.mean_key_bits:.2f} bits · "
                   f"{'centred' if manifest.centred else 'uncentred'} · {manifest.calibration.tokens:,} tokens · "

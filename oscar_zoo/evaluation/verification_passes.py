@@ -174,8 +174,8 @@ def run_verification(loaded: LoadedModel, manifest, rotations, input_ids: Tensor
             with verifying(model, exact):
                 logits = _logits(model, ids)
             ref = metrics.reference_of(logits)
-            scores[methods[0].name].add(metrics.token_metrics(logits, targets, None))
             del logits
+            scores[methods[0].name].add(metrics.reference_metrics(ref, targets))
             done += 1
             progress("teacher forcing", done, passes, rate=f"{(T / (time.perf_counter() - t_pass)):,.0f} tok/s")
             for m in quantized:

@@ -142,9 +142,19 @@ def clip_rows(x: Tensor, ratio: float | Tensor) -> Tensor:
     """Symmetric per-row clamp to ±τ, τ = sort(|x|)[⌊r·D⌋]; `ratio` broadcasts to x.shape[:-1]; r ≤ 0 disables."""
     x = x.float()
     D = x.shape[-1]
-    k = clip_index(ratio, D).to(x.device).expand(x.shape[:-1])
-    tau = torch.sort(x.abs(), dim=-1).values.gather(-1, k.clamp(min=0).unsqueeze(-1))
-    tau = torch.where(k.unsqueeze(-1) < 0, torch.full_like(tau, math.inf), tau)
+    k = clip_index(ratio, D)
+    host = k.device.type == "cpu"
+    k = k.expand(x.shape[:-1])  # a ratio that does not broadcast to the rows fails here, on every path
+    # Two uniform cases skip the sort when the ratios are on the host (no device sync): no row clipped (τ = ∞), or
+    # every row's τ its largest |x| (r ≥ (D−1)/D: amax is sort's last entry, NaN included). Same τ, same clamp.
+    if host and bool((k < 0).all()):
+        tau = torch.full((*x.shape[:-1], 1), math.inf, dtype=x.dtype, device=x.device)
+    elif host and bool((k == D - 1).all()):
+        tau = x.abs().amax(-1, keepdim=True)
+    else:
+        k = k.to(x.device)
+        tau = torch.sort(x.abs(), dim=-1).values.gather(-1, k.clamp(min=0).unsqueeze(-1))
+        tau = torch.where(k.unsqueeze(-1) < 0, torch.full_like(tau, math.inf), tau)
     return torch.minimum(torch.maximum(x, -tau), tau)
 
 

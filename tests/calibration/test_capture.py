@@ -173,3 +173,31 @@ def test_two_models_capture_at_once_each_into_its_own_observer():
     assert heard["a"] == [(0, 6), (1, 6)] * 3
     assert heard["b"] == [(0, 4), (1, 4), (2, 4)]
     assert a.config._attn_implementation == b.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_pass_two_replayed_from_pass_one_equals_its_forward_pass_bit_for_bit(batch_size, tmp_path, monkeypatch):
+    """Pass 1 keeps the keys and values when they fit (`REPLAY_SHARE` of the host memory), and pass 2 replays them:
+    the same sums as a second forward pass, bit for bit (a last batch shorter than the others included)."""
+    from oscar_zoo.calibration import calibration_passes
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (4, 24))
+    info = arch_info(model.config)
+    loaded = LoadedModel(model, None, info, model_identity("tiny", None, model.config), "memory")
+    seqs = TokenSequences(ids[:3], ids[3:], "random", False)
+    settings = CalibrationSettings(batch_size=batch_size)
+    notes, forwards = [], []
+    model.model.register_forward_hook(lambda *a: forwards.append(1))
+    replayed = accumulate(loaded, seqs, settings, AccumulatorStore(tmp_path / "replayed"), lambda *a, **k: None,
+                          note=notes.append)
+    assert any("replays them" in n for n in notes) and replayed[4] == ["pass1", "heldout", "pass2"]
+    assert len(forwards) == -(-3 // batch_size) + 1  # pass 1 and the held-out capture: no second pass over the three
+    monkeypatch.setattr(calibration_passes, "REPLAY_SHARE", 0.0)
+    forwards.clear()
+    forwarded = accumulate(loaded, seqs, settings, AccumulatorStore(tmp_path / "forwarded"), lambda *a, **k: None)
+    assert len(forwards) == 2 * -(-3 // batch_size) + 1
+    for a, b in [(replayed[1], forwarded[1]), (replayed[5][2], forwarded[5][2])]:  # value target, weighted mean
+        assert torch.equal(a.sums, b.sums) and torch.equal(a.weights, b.weights)
+    assert torch.equal(replayed[0].sums, forwarded[0].sums)

@@ -74,7 +74,11 @@ def test_the_bar_shows_the_run_s_time_left_where_reported():
         assert "all passes" not in column.render(tasks[plain]).plain  # rich's own time remaining
 
 
-def test_calibrate_reports_the_whole_run_s_time_left_on_every_pass(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("replay", [True, False])
+def test_calibrate_reports_the_whole_run_s_time_left_on_every_pass(replay, tiny_model_dir, tmp_path, monkeypatch):
+    """Replayed from the keys and values pass 1 kept, pass 2 is no forward work to plan; run again, it is."""
+    if not replay:
+        monkeypatch.setattr(calibration_passes, "REPLAY_SHARE", 0.0)
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
     text = tmp_path / "play.txt"
     text.write_text((corpus_dir() / "coriolanus_gut.txt").read_text()[:20000])
@@ -98,7 +102,7 @@ def test_calibrate_reports_the_whole_run_s_time_left_on_every_pass(tiny_model_di
     assert all("run_left" in r[3] for r in passes)
     T, heldout_tokens = seqs.input_ids.shape[1], seqs.heldout_ids.numel()
     first_batch = next(r for r in passes if r[0] == PASS1 and r[1] > 0)
-    # one batch of 2 sequences in 1 s; left: the rest of pass 1, the held-out capture and all of pass 2
-    left = (6 - 2) * T + heldout_tokens + 6 * T
+    # one batch of 2 sequences in 1 s; left: the rest of pass 1, the held-out capture and (run again) all of pass 2
+    left = (6 - 2) * T + heldout_tokens + (0 if replay else 6 * T)
     assert first_batch[3]["run_left"] == pytest.approx(left / (2 * T))
     assert passes[-1][0] == PASS2 and passes[-1][3]["run_left"] == 0.0

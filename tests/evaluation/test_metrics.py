@@ -53,3 +53,24 @@ def test_relative_error_and_bins():
     assert abs(metrics.relative_error(torch.tensor([3.0, 4.5]), ref) - 0.1) < 1e-12
     values = torch.arange(10.0).reshape(2, 5)  # 2 sequences × 5 positions
     assert metrics.binned_mean(values, 2) == [3.0, 5.0, 6.5]
+
+
+def test_token_metrics_equal_the_plain_formulas_bit_for_bit():
+    """The in-place KL and the kept reference probabilities change no bit of NLL, KL or agreement; the reference
+    run's own row read from its `Reference` equals `token_metrics` without one."""
+    torch.manual_seed(0)
+    T, V = 600, 300
+    logits = (3 * torch.randn(T + 1, V)).bfloat16()
+    other = (logits.float() + 0.3 * torch.randn(T + 1, V)).bfloat16()
+    targets = torch.randint(0, V, (T,))
+    ref = metrics.reference_of(logits[:T])
+    got = metrics.token_metrics(other[:T], targets, ref)
+    lp = torch.log_softmax(other[:T].float(), -1)
+    plain_kl = (ref.logprobs.exp() * (ref.logprobs - lp)).sum(-1).clamp(min=0.0)
+    assert torch.equal(got.kl, plain_kl) and torch.equal(got.agree, lp.argmax(-1) == ref.top1)
+    assert torch.equal(got.nll, -lp.gather(-1, targets[:, None]).squeeze(-1))
+    without = metrics.token_metrics(other[:T], targets, metrics.Reference(ref.logprobs, ref.top1))  # probs made here
+    assert torch.equal(without.kl, got.kl)
+    own = metrics.reference_metrics(ref, targets)
+    plain = metrics.token_metrics(logits[:T], targets, None)
+    assert torch.equal(own.nll, plain.nll) and torch.equal(own.kl, plain.kl) and torch.equal(own.agree, plain.agree)
