@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Here, before a GPU session: what `gpu_session.sh needle` needs, in the ignored folder .cache (the GPU machine takes at
+# Here, before the GPU calls: what `gpu_run.sh needle` needs, in the ignored folder .cache (the GPU machine takes at
 # most 64 MiB of files per call, the demo model's bfloat16 weights are 269 MB):
 #   .cache/needle/models/SmolLM2-135M-Instruct-bf16   config, tokenizer and the weights' sha256 (not the weights)
 #   .cache/needle/texts   the evaluation plays (the needle's filler)

@@ -18,12 +18,14 @@ phase of the rows in the `flush` cycle). The decode kernels read every tier leng
 
 The views share the layer's storage: history growth is always the layer's (a view asks the layer, which regrows every
 row and re-points the views), and batch operations (`reorder_cache`, `batch_select_indices`, ...) move the views with
-their rows."""
+their rows. The batch operations transformers calls (`reorder_cache`, `batch_repeat_interleave`,
+`batch_select_indices`) and `crop` are here too, for uniform and ragged layers alike."""
 
 from __future__ import annotations
 
 import copy
 
+import torch
 from torch import Tensor
 
 
@@ -114,6 +116,57 @@ class PaddedRows:
             for row, s in zip(self.rows, state):
                 row.restore_host_state(s)
         self.pending = None
+
+    # ------------------------------------------------------------- transformers' batch operations and crop
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens of every row (transformers' convention: ≤ 0; assisted decoding
+        rejects draft tokens this way). They must still be BF16: in the recent window, or in the sink while the
+        history is empty (INT2 demotion is not reversible); ValueError otherwise, before anything changes."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a negative number, got {tokens_to_remove}")
+        drop = -tokens_to_remove
+        if drop == 0 or not self.is_initialized:
+            return
+        rows = self.rows if self.rows is not None else [self]
+        for row in rows:
+            bf16 = row.n_recent + (row.n_sink if row.n_hist == row.n_pinned == 0 else 0)
+            if row.staged is not None or drop > bf16:
+                raise ValueError(f"layer {self.layer_idx}: cannot remove the last {drop} tokens: only the last {bf16} "
+                                 f"are still BF16 (the rest are INT2 history, which is not reversible)")
+        for row in rows:
+            from_recent = min(drop, row.n_recent)
+            row.n_recent -= from_recent
+            row.n_sink -= drop - from_recent
+        self._sync_lengths()
+
+    def _map_storage(self, fn, index: list[int]) -> None:
+        """Apply `fn` (a map of the batch axis that takes rows `index`) to every storage tensor."""
+        if not self.is_initialized:
+            return
+        for name in self._STORAGE:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if name == "hist_v" and self.quantize:  # fn maps the batch axis: apply it to the token-major storage
+                setattr(self, name, fn(t.transpose(2, 3)).transpose(2, 3))
+            else:
+                setattr(self, name, fn(t))
+        if self.staged is not None:
+            self.staged = (fn(self.staged[0]), fn(self.staged[1]))
+        self.batch_size = self.sink_k.shape[0]
+        self.map_rows(index)
+        self._new_lengths()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_storage(lambda t: t.index_select(0, beam_idx.to(t.device)), beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_storage(lambda t: t.repeat_interleave(repeats, dim=0),
+                          [b for b in range(self.batch_size) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._map_storage(lambda t: t[indices], torch.arange(self.batch_size)[indices.cpu()].tolist())
 
     def map_rows(self, index: list[int]) -> None:
         """After a batch operation took rows `index` of the storage: the views of those rows, re-pointed."""

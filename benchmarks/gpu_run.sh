@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_session.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_run.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -14,10 +14,10 @@
 #   thing to run after a kernel change, within one 10-minute call
 # keybits-tests: the quantize/pack, decode-kernel, merge, rotate and static-step GPU tests (3-bit keys included)
 # keybits-bench: no tests; quantize/pack at 2 and 3 bits, the headline decode rows with 2- and 3-bit keys, and
-#   generate() at 100K batch 1 and 8 with 2-bit keys and with calibrate's default (--key-bits 2.7), same session
+#   generate() at 100K batch 1 and 8 with 2-bit keys and with calibrate's default (--key-bits 2.7), same call
 # pin-tests: the pinned-token, static-step and attention GPU tests (docs/format.md §6c)
 # pin-bench: no tests; generate() at 100K batch 1 and 8 with calibrate's default keys (--key-bits 2.7), without and
-#   with 32 pinned tokens (calibrate --pin 32), same session
+#   with 32 pinned tokens (calibrate --pin 32), same call
 # compile-tests: the compiled-step, static-step and attention GPU tests (runtime/compiled.py: generate() replaying
 #   inductor-compiled layers around the OSCAR custom op, every supported architecture)
 # compile-bench: no tests; generate() at 100K and 32K, batch 1 (BATCHES), OSCAR and bf16graph with compiled layers
@@ -29,7 +29,7 @@
 # channel-bench: no tests; quantize/pack of key blocks (128 tokens) at 2 and 3 bits, the headline decode rows with keys
 #   per row and per channel (64- and 128-token blocks) at 2 and 3 bits
 # channel-generate: no tests; generate() at 100K batch 1 and 8 with calibrate's key bits (2.7), keys per row vs per
-#   channel over 128-token blocks, same session
+#   channel over 128-token blocks, same call
 # blockq: the channel decode GPU tests, then the decode rows with keys per row and per channel (128-token blocks) at 2
 #   and 3 bits (the block-query prepass), again at 2 bits with q·s folded per tile (OSCAR_BLOCK_QUERY=0), and
 #   generate() at 100K batch 1 and 8 (calibrate's key bits 2.7), keys per channel then per row (OSCAR rows only)
