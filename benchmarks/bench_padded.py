@@ -25,9 +25,10 @@ import time
 
 import torch
 
+from oscar_zoo.runtime import config
 from oscar_zoo.runtime.cache import OscarCache
 
-from .bench_generate import build_model, cache_kwarg, decode, fill_kv, make_cache, use_attention
+from .bench_generate import build_model, cache_kwarg, decode, fill_kv, kernel_times, make_cache, use_attention
 
 
 @torch.inference_mode()
@@ -51,7 +52,7 @@ def fill_padded(cache: OscarCache, model, lengths: list[int], reserve: int, chun
                 row.file_rotated(k[:, :, :m], v[:, :, :m])
 
 
-def run(model, lengths: list[int], padded: bool, steps: int, warmup: int) -> dict:
+def run(model, lengths: list[int], padded: bool, steps: int, warmup: int, kernels: bool = False) -> dict:
     use_attention(model, "oscar")
     cache = make_cache("oscar", model, max(lengths) + warmup + steps + 1)
     extra = warmup + steps + 256
@@ -69,8 +70,11 @@ def run(model, lengths: list[int], padded: bool, steps: int, warmup: int) -> dic
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / steps
-    return dict(batch=len(lengths), tokens=sum(lengths), longest=max(lengths), ms_per_step=ms,
-                tokens_per_s=len(lengths) * 1e3 / ms)
+    row = dict(batch=len(lengths), tokens=sum(lengths), longest=max(lengths), ms_per_step=ms,
+               tokens_per_s=len(lengths) * 1e3 / ms)
+    if kernels:  # the replayed step's kernels (torch.profiler), costliest first: ms per step and launches per step
+        row["kernels"] = [(name, round(t, 4), n) for name, t, n in kernel_times(model, cache, tokens, 8, True)[2][:8]]
+    return row
 
 
 def main(argv=None) -> dict:
@@ -82,7 +86,17 @@ def main(argv=None) -> dict:
                     "(captures), 2 × 128 + 16")
     ap.add_argument("--key-bits", type=float, default=2.7)
     ap.add_argument("--key-block", type=int, default=128)
+    ap.add_argument("--kernels", action="store_true", help="also each row's costliest kernels (torch.profiler)")
+    ap.add_argument("--programs-per-sm", type=int, default=None,
+                    help="the decode kernel's split target (RuntimeConfig.decode_*.programs_per_sm) for every row")
     args = ap.parse_args(argv)
+    if args.programs_per_sm:
+        with config.use(config.current().with_decode(programs_per_sm=args.programs_per_sm)):
+            return _main(args)
+    return _main(args)
+
+
+def _main(args) -> dict:
     model = build_model("qwen3-8b", args.layers, torch.device("cuda"))
     model._oscar_mean_key_bits, model._oscar_key_block, model._oscar_pin = args.key_bits, args.key_block, 0
     cache_kwarg(model)
@@ -91,16 +105,19 @@ def main(argv=None) -> dict:
     plan = [("equal", [max(lengths)] * B, False), ("padded-equal", [max(lengths)] * B, True),
             ("mixed", lengths, True), ("equal-mean", [mean] * B, False)]
     result = dict(device=torch.cuda.get_device_name(), layers=model.config.num_hidden_layers, lengths=lengths,
-                  key_bits=args.key_bits, key_block=args.key_block, steps=args.steps, rows=[])
+                  key_bits=args.key_bits, key_block=args.key_block, steps=args.steps,
+                  programs_per_sm=config.current().decode_128.programs_per_sm, rows=[])
     for name, row_lengths, padded in plan:
         t0 = time.perf_counter()
-        row = dict(name=name, padded=padded, **run(model, row_lengths, padded, args.steps, args.warmup))
+        row = dict(name=name, padded=padded, **run(model, row_lengths, padded, args.steps, args.warmup, args.kernels))
         row["wall_s"] = time.perf_counter() - t0
         result["rows"].append(row)
         print(f"{name}: {row['ms_per_step']:.2f} ms/step ({row['tokens']} tokens)", flush=True)
+        for kname, t, n in row.get("kernels", []):
+            print(f"    {t:8.4f} ms  ×{n:<5g} {kname[:90]}", flush=True)
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_padded.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"bench_padded_{result['programs_per_sm']}.json"), "w") as f:
             json.dump(result, f, indent=2)
     print(f"\n| row | batch | tokens | longest | ms/step | tok/s |\n|---|---|---|---|---|---|")
     for r in result["rows"]:

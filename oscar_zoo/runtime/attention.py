@@ -203,7 +203,8 @@ def _attend(layer: OscarLayer, pending, query: Tensor, key: Tensor, value: Tenso
         out_dtype = query.dtype if Mvt_q is None else torch.float32
         o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale, v_mean=mu_v, out_dtype=out_dtype,
                                            key_block=layer.key_block, softcap=softcap,
-                                           logit_bias=_key_mean_logits(q_rot, layer, softcap, scale))
+                                           logit_bias=_key_mean_logits(q_rot, layer, softcap, scale),
+                                           ragged=layer.rows is not None)
         if Mvt_q is not None:
             o = rotate_op.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
         return o.unsqueeze(1)  # [B, 1, H_q, D]

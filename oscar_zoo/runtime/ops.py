@@ -86,9 +86,9 @@ def gpu_block_n(D: int | None, G: int | None = None) -> int:
 
 
 def int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torch.device,
-                num_splits: int | None = None) -> int:
-    """The INT2 history's split count for a launch (`num_splits` given: that one): the one-warp programs that fit the
-    SMs at once, and at least `decode_min_tiles` tiles per split."""
+                num_splits: int | None = None, waves: int = 1) -> int:
+    """The INT2 history's split count for a launch (`num_splits` given: that one): `waves` times the one-warp programs
+    that fit the SMs at once, and at least `decode_min_tiles` tiles per split."""
     if num_splits is not None:
         check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
@@ -96,7 +96,7 @@ def int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torch
     # rounded down: the INT2 programs of one launch fit the SMs at once (the few short BF16-tier programs of the same
     # grid come on top); rounding up left a second wave whenever B · KV heads does not divide the target. Programs
     # with more warps (large GQA groups) count for as many one-warp slots.
-    by_programs = max(1, _programs_target(device, D) * decode_config(D).warps // _warps(group, D) // programs)
+    by_programs = max(1, waves * _programs_target(device, D) * decode_config(D).warps // _warps(group, D) // programs)
     # at least decode_min_tiles tiles per split
     by_tokens = -(-T_cap // (config.current().decode_min_tiles * _block_n(device, D)))
     return max(1, min(by_programs, by_tokens))
@@ -351,6 +351,7 @@ def tiered_decode_attention(
     key_block: int = 0,
     softcap: float | None = None,
     logit_bias: Tensor | None = None,
+    ragged: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`; the history's keys 2- or 3-bit
     by codes_k's width, `layout.packed_dim`), exact softmax over their union. q [B, H_q, D] already rotated by M_K.
@@ -363,7 +364,9 @@ def tiered_decode_attention(
     folds each block's channel scales into q once per tile (`kernels/decode.py`).
     `softcap` (Gemma2's attention logit softcap): every logit x = q·k·sm_scale becomes softcap·tanh((x + b)/softcap),
     b = `logit_bias` [B, H_q] per query (the centred codec's q·μ_K·M_K·sm_scale, which the cap does not ignore; None:
-    0), inside the decode kernel: the step stays two launches and capturable."""
+    0), inside the decode kernel: the step stays two launches and capturable.
+    `ragged`: the rows' lengths differ (a padded batch): the history takes `RuntimeConfig.ragged_waves` times the
+    splits, so that the step's time follows the rows' total length rather than B × the longest."""
     H_kv, G, hist_len_i, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
                                                   key_block)  # fmt: skip
     sink_len_i, recent_len_i = validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)
@@ -385,7 +388,8 @@ def tiered_decode_attention(
             logit_bias=logit_bias,
         )  # fmt: skip
         return reference.add_value_mean(o.unsqueeze(2), v_mean)[:, :, 0].to(out_dtype), lse
-    s_hist = int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None)
+    waves = config.current().ragged_waves if ragged else 1
+    s_hist = int2_splits(B, H_kv, H_q // H_kv, D, codes_k.shape[2], q.device, None, waves)
     s_sink, s_recent = bf16_splits(sink_k.shape[2], q.device), bf16_splits(recent_k.shape[2], q.device)
     S = s_sink + s_hist + s_recent
     o_part = dispatch.alloc((B, H_q, S, D), torch.float32, q.device)
