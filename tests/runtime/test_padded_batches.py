@@ -75,6 +75,29 @@ def test_padded_batch_generates_what_each_prompt_generates_alone(model, settings
     assert cache.get_seq_length() == ids.shape[1] + new - 1
 
 
+def test_padded_batch_of_the_real_smollm2_generates_what_each_prompt_generates_alone(smollm2):
+    """The bundled SmolLM2 (real weights, float32 on the CPU reference path) with an OscarCache of its shapes (30
+    layers, 3 KV heads, random rotations; sink 4, recent 16, flush 8): a left-padded batch of prompts of 3, 13, 61
+    and 44 tokens of real text generates, row for row, the 24 greedy tokens each prompt generates alone."""
+    tok, model = smollm2.tokenizer, smollm2.model
+    text = ("The quick brown fox jumps over the lazy dog while the farmer watches from the old stone wall, "
+            "counting the sheep that wander across the green hills toward the river. ") * 4
+    ids_all = tok(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    prompts = [ids_all[:n] for n in LENGTHS]
+    ids, mask = _left_padded(prompts)
+    previous = model.config._attn_implementation
+    enable_oscar(model)
+    try:
+        kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+        out = model.generate(ids, attention_mask=mask, cache=_cache(30, **TIERS, flush=8), **kw)
+        for b, prompt in enumerate(prompts):
+            alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   cache=_cache(30, **TIERS, flush=8), **kw)
+            assert torch.equal(out[b, ids.shape[1]:], alone[0, len(prompt):]), f"row {b} ({len(prompt)} tokens)"
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def test_padded_batch_sampling_matches_alone(model):
     """Sampling with a seed: the batch's draws come from one generator, so compare the distributions instead — each
     row's first-step logits with padding equal its logits alone (float32 reference path, within 1e-5)."""
