@@ -13,12 +13,18 @@ filing path; a ragged cache row by row through its rows' views, as a left-padded
 A step of "mixed" should cost about what "equal-mean" costs (time proportional to the tokens read), not what "equal"
 costs (B × the longest); "padded-equal" against "equal" is the ragged path's own overhead.
 
-Usage: python -m benchmarks.bench_padded [--lengths 8192 ... 100000] [--layers N] [--steps 64]
+`--kernels` adds each row's costliest kernels per step (torch.profiler over replayed steps); `--programs-per-sm N`
+sets the decode kernel's split target for every row, and padded rows take `--ragged-waves` (default
+`RuntimeConfig.ragged_waves`) times it: `--ragged-waves 1 --programs-per-sm 8, 16, 32, 64` is the sweep behind it.
+
+Usage: python -m benchmarks.bench_padded [--lengths 8192 ... 100000] [--layers N] [--steps 64] [--kernels]
+    [--programs-per-sm N] [--ragged-waves N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -89,11 +95,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernels", action="store_true", help="also each row's costliest kernels (torch.profiler)")
     ap.add_argument("--programs-per-sm", type=int, default=None,
                     help="the decode kernel's split target (RuntimeConfig.decode_*.programs_per_sm) for every row")
+    ap.add_argument("--ragged-waves", type=int, default=None,
+                    help="RuntimeConfig.ragged_waves for the padded rows (1: the equal-length split count)")
     args = ap.parse_args(argv)
+    cfg = config.current()
     if args.programs_per_sm:
-        with config.use(config.current().with_decode(programs_per_sm=args.programs_per_sm)):
-            return _main(args)
-    return _main(args)
+        cfg = cfg.with_decode(programs_per_sm=args.programs_per_sm)
+    if args.ragged_waves:
+        cfg = dataclasses.replace(cfg, ragged_waves=args.ragged_waves)
+    with config.use(cfg):
+        return _main(args)
 
 
 def _main(args) -> dict:
@@ -106,7 +117,8 @@ def _main(args) -> dict:
             ("mixed", lengths, True), ("equal-mean", [mean] * B, False)]
     result = dict(device=torch.cuda.get_device_name(), layers=model.config.num_hidden_layers, lengths=lengths,
                   key_bits=args.key_bits, key_block=args.key_block, steps=args.steps,
-                  programs_per_sm=config.current().decode_128.programs_per_sm, rows=[])
+                  programs_per_sm=config.current().decode_128.programs_per_sm,
+                  ragged_waves=config.current().ragged_waves, rows=[])
     for name, row_lengths, padded in plan:
         t0 = time.perf_counter()
         row = dict(name=name, padded=padded, **run(model, row_lengths, padded, args.steps, args.warmup, args.kernels))

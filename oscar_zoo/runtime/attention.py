@@ -204,7 +204,7 @@ def _attend(layer: OscarLayer, pending, query: Tensor, key: Tensor, value: Tenso
         o, _ = ops.tiered_decode_attention(q_rot, *layer.tier_args(), scale, v_mean=mu_v, out_dtype=out_dtype,
                                            key_block=layer.key_block, softcap=softcap,
                                            logit_bias=_key_mean_logits(q_rot, layer, softcap, scale),
-                                           ragged=layer.rows is not None)
+                                           ragged=layer.rows is not None and query.shape[0] > 1)
         if Mvt_q is not None:
             o = rotate_op.rotate_rows(o, rot.v.transpose(-1, -2), None, out_dtype=query.dtype)
         return o.unsqueeze(1)  # [B, 1, H_q, D]

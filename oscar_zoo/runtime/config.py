@@ -53,9 +53,9 @@ class RuntimeConfig:
     decode_128: DecodeConfig = DecodeConfig(64, 1, 3, 8, None)  # larger head dims
     decode_block_nb: int = 32  # BF16 sink/recent tokens per tile (not pipelined: 320 tokens in all)
     decode_min_tiles: int = 2  # INT2 history tiles per split at least (short contexts: fewer, longer splits)
-    # a padded batch's decode (rows of different lengths) takes this many times the splits: the INT2 programs come in
-    # as many waves, so the SM slots a short row's programs free take the long rows' next ones (one wave: the step
-    # costs about B × the longest row; benchmarks/RESULTS.md, "Padded batches")
+    # a padded batch's decode (rows of different lengths) takes up to this many times the splits: the INT2 programs
+    # come in as many waves, so the SM slots that a short row's programs free take the long rows' next ones (in one
+    # wave a step costs about B × the longest row; benchmarks/RESULTS.md, "Padded batches")
     ragged_waves: int = 8
     merge_programs: int = 512  # the merge splits head dims until it has about this many programs
     merge_tile: int = 8192  # [splits × dims] elements a merge program loads per step

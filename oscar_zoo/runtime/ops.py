@@ -88,12 +88,12 @@ def gpu_block_n(D: int | None, G: int | None = None) -> int:
 def int2_splits(B: int, H_kv: int, group: int, D: int, T_cap: int, device: torch.device,
                 num_splits: int | None = None, waves: int = 1) -> int:
     """The INT2 history's split count for a launch (`num_splits` given: that one): `waves` times the one-warp programs
-    that fit the SMs at once, and at least `decode_min_tiles` tiles per split."""
+    that fit the SMs at once, but at least `decode_min_tiles` tiles per split (which can cap it first)."""
     if num_splits is not None:
         check(int(num_splits) >= 1, lambda: f"num_splits must be ≥ 1, got {num_splits}")
         return int(num_splits)
     programs = B * H_kv
-    # rounded down: the INT2 programs of one launch fit the SMs at once (the few short BF16-tier programs of the same
+    # rounded down: the INT2 programs of one wave fit the SMs at once (the few short BF16-tier programs of the same
     # grid come on top); rounding up left a second wave whenever B · KV heads does not divide the target. Programs
     # with more warps (large GQA groups) count for as many one-warp slots.
     by_programs = max(1, waves * _programs_target(device, D) * decode_config(D).warps // _warps(group, D) // programs)
@@ -365,8 +365,8 @@ def tiered_decode_attention(
     `softcap` (Gemma2's attention logit softcap): every logit x = q·k·sm_scale becomes softcap·tanh((x + b)/softcap),
     b = `logit_bias` [B, H_q] per query (the centred codec's q·μ_K·M_K·sm_scale, which the cap does not ignore; None:
     0), inside the decode kernel: the step stays two launches and capturable.
-    `ragged`: the rows' lengths differ (a padded batch): the history takes `RuntimeConfig.ragged_waves` times the
-    splits, so that the step's time follows the rows' total length rather than B × the longest."""
+    `ragged`: the rows' lengths differ (a padded batch): the history takes up to `RuntimeConfig.ragged_waves` times
+    the splits (`int2_splits`), so that the step's time follows the rows' total length rather than B × the longest."""
     H_kv, G, hist_len_i, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
                                                   key_block)  # fmt: skip
     sink_len_i, recent_len_i = validate_bf16(q, sink_k, sink_v, sink_len, recent_k, recent_v, recent_len)

@@ -223,10 +223,11 @@ def test_head_dim_128_ragged_batch(device):
 
 @pytest.mark.parametrize("key_block", [0, 64], ids=["keys-per-row", "keys-per-channel"])
 def test_ragged_batch_takes_waves_of_splits(device, key_block, monkeypatch):
-    """A padded batch's step (`ragged=True`: the rows' lengths differ) splits the history into
-    `RuntimeConfig.ragged_waves` times the splits of a uniform batch, up to the tiles' cap (under the interpreter 1 →
-    10; a GPU's uniform split count already fills this short cache's tiles), and still answers within the rule of
-    float64: histories of 1,024, 0 and 576 tokens (a row with none, one past several splits) in one launch."""
+    """A padded batch's step (`ragged=True`: the rows' lengths differ) splits the history into up to
+    `RuntimeConfig.ragged_waves` times the splits of a uniform batch, capped by the tiles (one program per SM, so that
+    the cap lies above the uniform count on a GPU too: under the interpreter 1 → 10 splits, on a 132-SM GPU 22 → 32
+    with keys per row), and still answers within the rule of float64: histories of 1,024, 0 and 576 tokens (a row
+    with none, one past several splits) in one launch."""
     H_kv, group, D = 2, 4, 128
     lengths = [(64, 1024, 9), (5, 0, 0), (64, 576, 17)]
     splits = []
@@ -236,19 +237,21 @@ def test_ragged_batch_takes_waves_of_splits(device, key_block, monkeypatch):
         clean, dirty = _channel_cache(lengths, H_kv, D, device, 21, key_block)
         q = _channel_query(3, H_kv * group, D, device, 21)
     else:
-        clean, dirty = _cache(None, H_kv, D, device, seed=21, lengths=lengths, hist_cap=1800)
+        clean, dirty = _cache(None, H_kv, D, device, seed=21, lengths=lengths, hist_cap=4096)
         q = _query(3, H_kv * group, D, device, 21)
     T_cap = dirty["codes_k"].shape[2]
-    for ragged in (False, True):
-        o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=D**-0.5, key_block=key_block, ragged=ragged)
-        if key_block:
-            _check_channel(o, lse, q, clean, D**-0.5, key_block, device)
-        else:
-            _check_rule(o, lse, q, clean, D**-0.5)
-    waves = config.current().ragged_waves
-    uniform = ops.int2_splits(3, H_kv, group, D, T_cap, q.device)
-    assert splits == [uniform, ops.int2_splits(3, H_kv, group, D, T_cap, q.device, waves=waves)]
-    assert waves > 1 and (splits[1] > splits[0] or device != "cpu")
+    with config.use(config.current().with_decode(programs_per_sm=1)):
+        for ragged in (False, True):
+            o, lse = ops.tiered_decode_attention(q, **dirty, sm_scale=D**-0.5, key_block=key_block, ragged=ragged)
+            if key_block:
+                _check_channel(o, lse, q, clean, D**-0.5, key_block, device)
+            else:
+                _check_rule(o, lse, q, clean, D**-0.5)
+        waves = config.current().ragged_waves
+        uniform = ops.int2_splits(3, H_kv, group, D, T_cap, q.device)
+        assert splits == [uniform, ops.int2_splits(3, H_kv, group, D, T_cap, q.device, waves=waves)]
+    # (keys per channel: the cache holds one block more than its longest history, whose tiles cap a GPU's count)
+    assert waves > 1 and (splits[1] > splits[0] or (key_block and device.type != "cpu"))
 
 
 def test_group_size_below_head_dim(device):

@@ -98,6 +98,34 @@ def test_padded_batch_of_the_real_smollm2_generates_what_each_prompt_generates_a
         model.set_attn_implementation(previous)
 
 
+def test_a_ragged_demotion_reserves_the_history_as_a_captured_step_does():
+    """The eager step and the CUDA-graph capture of a padded batch must run on the same history capacity (the decode
+    kernel's split count follows it, and with it the last bits). Rows of 276 tokens (sink 4, history 256 — exactly the
+    first capacity —, recent 16) and 27 (a prompt of 20, then 7 single tokens: recent 23, it demotes next): before its
+    capture the step's key reserves the longest history plus a flush; the eager step, whose only demoting row needs 8
+    rows, reserves the same."""
+    H, D = 3, 64
+    g = torch.Generator().manual_seed(4)
+    caches = []
+    for _ in range(2):
+        cache = _cache(1, **TIERS, flush=8)
+        layer = cache.layers[0]
+        k, v = torch.randn(2, H, 276, D, generator=g), torch.randn(2, H, 276, D, generator=g)
+        layer.lazy_initialization(k, v)
+        layer.make_rows([0, 276 - 27])
+        layer.rows[0].file_rotated(k[:1], v[:1])
+        layer.rows[1].file_rotated(k[1:, :, :20], v[1:, :, :20])
+        for t in range(20, 27):
+            layer.rows[1].update(k[1:, :, t : t + 1], v[1:, :, t : t + 1])
+        assert layer.hist_k.shape[2] == 256 and layer.demotes_next() == (False, True)
+        caches.append(cache)
+    captured, eager = caches
+    captured.static_step_key()  # what DecodeGraphs asks before each static step (and so before a capture)
+    eager.update(torch.randn(2, H, 1, D), torch.randn(2, H, 1, D), 0)
+    assert eager.layers[0].rows[1].n_hist == 8
+    assert eager.layers[0].hist_k.shape[2] == captured.layers[0].hist_k.shape[2] >= 256 + 8
+
+
 def test_padded_batch_sampling_matches_alone(model):
     """Sampling with a seed: the batch's draws come from one generator, so compare the distributions instead — each
     row's first-step logits with padding equal its logits alone (float32 reference path, within 1e-5)."""
