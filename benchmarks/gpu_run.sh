@@ -38,7 +38,8 @@
 #   and decode-kernel GPU tests, twelve at a time (≈ 4 min): the two calls together are the whole GPU suite
 # needle: no tests; `verify --needle`'s loop with the demo model's real weights (benchmarks/bench_needle.py --weights):
 #   the LENGTHS (1024,2048,4096) grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100),
-#   BATCH (20) prompts per batch, for ARTIFACTS ("default=artifacts/demo"), starting no run after BUDGET (420) s. The weights travel in parts:
+#   BATCH (20) prompts per batch, for ARTIFACTS ("default=artifacts/demo"), on HAYSTACKS (plays) with NEEDLES (passkey)
+#   in the PROTOCOL (follow-up), starting no run after BUDGET (420) s. The weights travel in parts:
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
 #   part, .cache/needle and artifacts (bench_needle and needle_mechanism need torch, triton and transformers only);
@@ -73,8 +74,9 @@ if [ "$mode" = needle ]; then
   python3 -m benchmarks.bench_needle --model-dir "$model" --weights \
     --texts .cache/needle/texts --lengths "${LENGTHS:-1024,2048,4096}" --depths 0.1,0.3,0.5,0.7,0.9 --trials "${TRIALS:-20}" \
     --seeds ${SEEDS:-100} --batch "${BATCH:-20}" --time-budget "${BUDGET:-420}" --baselines none \
+    --haystacks "${HAYSTACKS:-plays}" --needles "${NEEDLES:-passkey}" --protocol "${PROTOCOL:-follow-up}" \
     --artifacts ${ARTIFACTS:-default=artifacts/demo} 2>&1 | grep -v "^Loading" | tee "$OUT/needle.log"
-  if [ -n "${MECH:-}" ]; then  # then the harness on the GPU: MECH="--lengths 4096 --trials 8 --seed 100 --only …"
+  if [ -n "${MECH:-}" ]; then  # then the harness: MECH="--haystack poems --needle name --lengths 4096 --trials 8 …"
     OSCAR_ZOO_CACHE=.cache/needle python3 -m benchmarks.experiments.needle_mechanism --device cuda \
       --texts .cache/needle/texts --json "$OUT/needle_mechanism.json" $MECH 2>&1 | tee "$OUT/needle_mechanism.log"
   fi

