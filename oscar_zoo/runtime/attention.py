@@ -171,7 +171,7 @@ def _attend_rows(layer: OscarLayer, query: Tensor, value: Tensor, scale: float, 
     out = query.new_zeros(B, n, H_q, D)
     for b, row in enumerate(layer.rows):
         pending = row.pending  # what the row's update left (a chunk's rows only)
-        if pending is None and n > 1:  # a row of padding only
+        if pending is None and (n > 1 or row.get_seq_length() == 0):  # a row of padding only
             continue
         m = pending.key.shape[2] if pending is not None else 1
         if pending is not None:
@@ -372,19 +372,20 @@ def oscar_mask(
     batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
     attention_mask: Tensor | None = None, **kwargs,
 ) -> None:  # fmt: skip
-    """Mask factory for "oscar": causality is implicit, so no causal mask is built. A left-padded batch (a 2D padding
-    mask [B, kv_length] with padding, each row's padding before its tokens) gets the padding of its keys back, bool
-    [B, kv_length] (True: a token): the attention module's hook hands a prompt chunk's part to an OscarCache
-    (`OscarLayer.expect_padding`), which from then on files and attends every row as it would be alone; without an
-    OscarCache the attention attends each row's own tokens (`_padded_exact`). A single-token step of a compileable
-    cache (transformers turns the causal shortcut off for it) gets None: padding only ever leads a sequence and an
-    OscarCache knows each row's lengths, so the step stays capturable (transformers' own compileable caches are not
-    supported by "oscar" attention). Refused: padding anywhere but before a row's tokens (right padding), and any
-    other departure from the causal pattern for a query chunk: transformers then turns off its causal shortcut
-    (`allow_is_causal_skip`), which it does for packed sequences (position ids that restart), custom
-    `or_mask_function`/`and_mask_function`s and block overlays; "oscar" would silently attend across them."""
+    """Mask factory for "oscar": causality is implicit, so no causal mask is built. A left-padded batch (a 2D
+    padding mask [B, kv_length] with padding, each row's padding before its tokens) gets the padding of its keys
+    back, bool [B, kv_length] (True: a token): the attention module's hook hands a prompt chunk's part to an
+    OscarCache (`OscarLayer.expect_padding`), which from then on files and attends every row as it would be alone;
+    without an OscarCache the attention attends each row's own tokens (`_padded_exact`). A single-token decode step
+    of a compileable cache (transformers turns the causal shortcut off for it; a one-token prompt is not one) gets
+    None: padding only ever leads a sequence and an OscarCache knows each row's lengths, so the step stays
+    capturable (transformers' own compileable caches are not supported by "oscar" attention). Refused: padding
+    anywhere but before a row's tokens (right padding), and any other departure from the causal pattern for a query
+    chunk: transformers then turns off its causal shortcut (`allow_is_causal_skip`), which it does for packed
+    sequences (position ids that restart), custom `or_mask_function`/`and_mask_function`s and block overlays;
+    "oscar" would silently attend across them."""
     skip = kwargs.get("allow_is_causal_skip", True)
-    if q_length == 1 and not skip:
+    if q_length == 1 and not skip and kv_length > 1:  # a decode step (a one-token prompt still hands its padding)
         return None
     padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
@@ -421,7 +422,7 @@ def _bind_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     kwargs.update(binding.enter(module, cache))
     mask, hidden = kwargs.get("attention_mask"), kwargs.get("hidden_states", args[0] if args else None)
     n = hidden.shape[1] if isinstance(hidden, Tensor) and hidden.dim() == 3 else 1
-    if isinstance(cache, OscarCache) and module.layer_idx < len(cache.layers) and n > 1 and isinstance(mask, Tensor) \
+    if isinstance(cache, OscarCache) and module.layer_idx < len(cache.layers) and isinstance(mask, Tensor) \
             and mask.dtype == torch.bool and mask.dim() == 2:  # `oscar_mask`'s padding: a prompt chunk's part
         pads = (~mask[:, -n:]).sum(1).tolist()
         if any(pads):

@@ -165,13 +165,16 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         """Rotate (and centre, `reference.rotate_centred`) the new K/V [B, H_kv, n, D], file them into the tiers, and
         return the rotated chunk as the tiers hold it (in the input dtype, unquantized: a chunk attends to its own exact
         K/V). Leaves a `Pending` for this layer's attention. A chunk announced as padded (`expect_padding`) must be
-        the first; from then on every row is filed as it would be alone (`rows.PaddedRows`)."""
+        the first, or (chunked prefill) pad only rows that hold no token yet; from then on every row is filed as it
+        would be alone (`rows.PaddedRows`)."""
         pads, self.next_pads = self.next_pads, None
         if not self.is_initialized or (self.get_seq_length() == 0 and key_states.shape[0] != self.batch_size):
             self.lazy_initialization(key_states, value_states)  # an empty (new or reset) cache takes any batch size
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"batch size changed from {self.batch_size} to {key_states.shape[0]} within one cache")
-        if pads is not None:
+        if pads is not None and self.rows is not None:
+            self.pad_more(pads)  # a later chunk of a padded prompt (chunked prefill) still padding some rows
+        elif pads is not None:
             if self.get_seq_length() > 0:
                 raise ValueError("a padded chunk after earlier tokens: padding can only lead a sequence (pad prompts "
                                  "on the left, and start each padded batch with an empty cache)")
@@ -222,6 +225,8 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
                 f"OscarCache's; fold_value_rotation with this cache's rotations, or reload the model"
             )
         self.v_folded = fold is not None
+        for row in self.rows or ():  # a padded batch's row views rotate and un-rotate by the same switch
+            row.v_folded = self.v_folded
 
     def take_pending(self, key: Tensor) -> Pending:
         """The update this layer's attention call belongs to, consumed. Raises if there is none, or if the key the

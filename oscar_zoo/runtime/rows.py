@@ -54,6 +54,15 @@ class PaddedRows:
         self.pads = list(pads)
         self.bind_rows()
 
+    def pad_more(self, pads: list[int]) -> None:
+        """A later prompt chunk with `pads[b]` more leading padding positions (transformers' chunked prefill, when a
+        row's padding is longer than a chunk): only rows that hold no token yet may still be padded."""
+        for b, (row, pad) in enumerate(zip(self.rows, pads)):
+            if pad and row.get_seq_length():
+                raise ValueError(f"row {b} of a padded batch has padding after its tokens: padding can only lead a "
+                                 f"sequence (pad prompts on the left)")
+        self.pads = [a + b for a, b in zip(self.pads, pads)]
+
     def bind_rows(self) -> None:
         """Point every view at row b of the layer's current storage and lengths (after any of them was replaced)."""
         for b, row in enumerate(self.rows or ()):
@@ -133,6 +142,9 @@ class PaddedRows:
         rows = self.rows if self.rows is not None else [self]
         for row in rows:
             bf16 = row.n_recent + (row.n_sink if row.n_hist == row.n_pinned == 0 else 0)
+            if drop > row.get_seq_length():
+                raise ValueError(f"layer {self.layer_idx}: cannot remove the last {drop} tokens: a row holds "
+                                 f"{row.get_seq_length()} (the rest of its positions are padding)")
             if row.staged is not None or drop > bf16:
                 raise ValueError(f"layer {self.layer_idx}: cannot remove the last {drop} tokens: only the last {bf16} "
                                  f"are still BF16 (the rest are INT2 history, which is not reversible)")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from oscar_zoo.runtime.attention import enable_oscar
+from oscar_zoo.runtime.attention import enable_oscar, fold_value_rotation
 from oscar_zoo.runtime.cache import OscarCache
 
 from .test_static_step import _cache, _llama
@@ -126,6 +126,66 @@ def test_a_ragged_demotion_reserves_the_history_as_a_captured_step_does():
     assert eager.layers[0].hist_k.shape[2] == captured.layers[0].hist_k.shape[2] >= 256 + 8
 
 
+def _sdpa_generate(model, ids, mask, **gen) -> torch.Tensor:
+    model.set_attn_implementation("sdpa")
+    try:
+        return model.generate(ids, attention_mask=mask, cache=DynamicCache(), do_sample=False, **gen)
+    finally:
+        enable_oscar(model)
+
+
+def test_a_one_token_prompt_beside_an_empty_row(model):
+    """The narrowest padded batch: a one-token prompt and a row of padding only (generate() calls the one-token
+    prompt a decode-sized step). The padding is not filed — the empty row's first step attends nothing, as the model's
+    own sdpa attention with a DynamicCache gives it — and both rows generate sdpa's tokens."""
+    ids, mask = torch.tensor([[PAD], [5]]), torch.tensor([[0], [1]])
+    cache = _cache(2, sink=4, recent=8, flush=4)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False)
+    assert cache.layers[0].rows is not None and cache.layers[0].rows[0].n_sink == 4  # its own tokens only
+    assert torch.equal(out, _sdpa_generate(model, ids, mask, max_new_tokens=6))
+
+
+def test_chunked_prefill_of_a_padded_batch(model):
+    """transformers' chunked prefill (`prefill_chunk_size`) of prompts of 8 and 24 tokens in chunks of 8: the short
+    row's padding fills two chunks, so the second still pads it, and its tokens make the third — the chunk it makes
+    alone. Every row generates what it generates alone in chunks of 8, and holds its own tokens only."""
+    prompts = _prompts((8, 24))
+    ids, mask = _left_padded(prompts)
+    gen = dict(max_new_tokens=12, do_sample=False, prefill_chunk_size=8)
+    cache = _cache(2, **TIERS, flush=8)
+    out = model.generate(ids, attention_mask=mask, cache=cache, **gen)
+    for b, prompt in enumerate(prompts):
+        alone_cache = _cache(2, **TIERS, flush=8)
+        alone = model.generate(prompt[None], cache=alone_cache, **gen)
+        assert torch.equal(out[b, ids.shape[1]:], alone[0, len(prompt):]), f"row {b} ({len(prompt)} tokens)"
+        row, one = cache.layers[1].rows[b], alone_cache.layers[1]
+        assert (row.n_sink, row.n_hist, row.n_recent) == (one.n_sink, one.n_hist, one.n_recent)
+    assert cache.get_seq_length() == 24 + 11
+
+
+def test_a_value_fold_between_two_generations_reaches_every_row():
+    """`fold_value_rotation` between two generate() calls that continue one padded batch's cache: every row's second
+    generation equals that row's alone (the same calls, batch 1) — the rows' views take the fold too, or they would
+    rotate the values again and un-rotate what o_proj now un-rotates."""
+    prompts, more = _prompts((3, 13, 30)), _prompts((5,), seed=9)[0]
+
+    def two_generations(ids, mask):
+        model = enable_oscar(_llama(layers=2, dtype=torch.float32))
+        model.generation_config.pad_token_id = PAD
+        cache = _cache(2, sink=4, recent=8, flush=4)
+        first = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=10, do_sample=False)
+        fold_value_rotation(model, cache)
+        ids2 = torch.cat([first, more[None].expand(len(first), -1)], 1)
+        mask2 = torch.cat([mask, torch.ones(len(first), ids2.shape[1] - mask.shape[1], dtype=torch.long)], 1)
+        return model.generate(ids2, attention_mask=mask2, cache=cache, max_new_tokens=10, do_sample=False)[:, -10:]
+
+    ids, mask = _left_padded(prompts)
+    batched = two_generations(ids, mask)
+    for b, prompt in enumerate(prompts):
+        alone = two_generations(prompt[None], torch.ones(1, len(prompt), dtype=torch.long))
+        assert torch.equal(batched[b], alone[0]), f"row {b} ({len(prompt)} tokens)"
+
+
 def test_padded_batch_sampling_matches_alone(model):
     """Sampling with a seed: the batch's draws come from one generator, so compare the distributions instead — each
     row's first-step logits with padding equal its logits alone (float32 reference path, within 1e-5)."""
@@ -194,7 +254,8 @@ def _exact(**settings) -> OscarCache:
 def test_crop_drops_each_rows_last_tokens_as_dynamic_cache_does(model):
     """A padded batch, a 6-token chunk, crop(-6), another 3-token chunk: the same next-token logits as DynamicCache
     taking the same calls (within BF16 storage of K/V; the chunk demoted earlier tokens, which stay demoted); tokens
-    already demoted into the INT2 history cannot be dropped (ValueError, nothing changed)."""
+    already demoted into the INT2 history cannot be dropped, nor more tokens than a row holds (ValueError, nothing
+    changed)."""
     ids, mask = _left_padded(_prompts((5, 21, 30)))
     extra, more = torch.randint(1, 512, (3, 6)), torch.randint(1, 512, (3, 3))
     ones = lambda n: torch.ones(3, n, dtype=torch.long)  # noqa: E731
@@ -217,8 +278,10 @@ def test_crop_drops_each_rows_last_tokens_as_dynamic_cache_does(model):
     cache = _cache(2, **TIERS, flush=8)
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache)
-    with pytest.raises(ValueError, match="not reversible"):
-        cache.crop(-17)  # the 30-token row: 4 sink, 10 history, 16 recent
+    with pytest.raises(ValueError, match="a row holds 5 .* padding"):
+        cache.crop(-6)  # the 5-token row
+    with pytest.raises(ValueError, match="only the last 16 are still BF16 .* not reversible"):
+        cache.layers[0].rows[2].crop(-17)  # the 30-token row: 4 sink, 10 history, 16 recent
     assert cache.get_seq_length() == 30
 
 
