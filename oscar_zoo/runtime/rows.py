@@ -142,7 +142,7 @@ class PaddedRows:
         rows = self.rows if self.rows is not None else [self]
         for row in rows:
             bf16 = row.n_recent + (row.n_sink if row.n_hist == row.n_pinned == 0 else 0)
-            if drop > row.get_seq_length():
+            if self.rows is not None and drop > row.get_seq_length():
                 raise ValueError(f"layer {self.layer_idx}: cannot remove the last {drop} tokens: a row holds "
                                  f"{row.get_seq_length()} (the rest of its positions are padding)")
             if row.staged is not None or drop > bf16:

@@ -141,7 +141,7 @@ def test_a_one_token_prompt_beside_an_empty_row(model):
     ids, mask = torch.tensor([[PAD], [5]]), torch.tensor([[0], [1]])
     cache = _cache(2, sink=4, recent=8, flush=4)
     out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False)
-    assert cache.layers[0].rows is not None and cache.layers[0].rows[0].n_sink == 4  # its own tokens only
+    assert [row.get_seq_length() for row in cache.layers[0].rows] == [5, 6]  # their own tokens only
     assert torch.equal(out, _sdpa_generate(model, ids, mask, max_new_tokens=6))
 
 
