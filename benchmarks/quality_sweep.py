@@ -50,6 +50,7 @@ from oscar_zoo.evaluation.baselines import (
     RotatedInt2,
     hadamard_rotation,
 )
+from oscar_zoo.evaluation.haystacks import module_docstrings
 from oscar_zoo.evaluation.peers import PeerCache
 from oscar_zoo.evaluation.registry import ARTIFACT, BASELINES, PEERS, Setup, check_baselines
 from oscar_zoo.evaluation.teacher_forcing import verifying
@@ -74,24 +75,9 @@ SINK, RECENT = layout.SINK, layout.RECENT
 # ------------------------------------------------------------------------------------------------------------ data
 
 
-def module_docstrings(name: str) -> str:
-    """One document: the module's docstring, then every public class / routine defined in it (and the public methods
-    of its classes), each as `qualified.name` + its `inspect.getdoc`, in sorted order."""
-    mod = importlib.import_module(name)
-    parts = [f"{name}\n{inspect.getdoc(mod)}"] if inspect.getdoc(mod) else []
-    for attr in sorted(dir(mod)):
-        obj = getattr(mod, attr)
-        if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
-            continue
-        if getattr(obj, "__module__", None) != name:
-            continue
-        if doc := inspect.getdoc(obj):
-            parts.append(f"{name}.{attr}\n{doc}")
-        if inspect.isclass(obj):
-            for m, v in sorted(vars(obj).items()):
-                if not m.startswith("_") and inspect.isroutine(v) and (doc := inspect.getdoc(v)):
-                    parts.append(f"{name}.{attr}.{m}\n{doc}")
-    return "\n\n".join(parts)
+def module_document(name: str) -> str:
+    """One document: `haystacks.module_docstrings(name)` joined by blank lines."""
+    return "\n\n".join(module_docstrings(name))
 
 
 @dataclass
@@ -357,7 +343,7 @@ def main() -> None:
     # ---- calibrations: plays at two budgets, docstrings (domain ii, disjoint modules) at the larger one
     small, large = (int(b) for b in args.budgets.split(","))
     plays, plays_src = load_texts(None)
-    doc_cal = [module_docstrings(m) for m in DOC_CALIBRATION_MODULES]
+    doc_cal = [module_document(m) for m in DOC_CALIBRATION_MODULES]
     cal_large = calibrate_targets(loaded, plays, plays_src, large // 512, log)
     keep = None if not args.methods else set(args.methods.split(",")) | {"oscar"}
     done_cals = [cal_large]
@@ -461,7 +447,7 @@ def main() -> None:
     # ---- held-out sequences of both domains
     eval_plays, src_i = load_texts(None, plays=EVALUATION_PLAYS)
     dom_plays = make_sequences(loaded.tokenizer, eval_plays, args.context, args.sequences, 0, SEED, dataset=src_i)
-    doc_eval = [module_docstrings(m) for m in DOC_EVALUATION_MODULES]
+    doc_eval = [module_document(m) for m in DOC_EVALUATION_MODULES]
     dom_docs = make_sequences(loaded.tokenizer, doc_eval, args.context, args.sequences, 0, SEED,
                               dataset="stdlib-docstrings:evaluation-modules")
     domains = {"plays": dom_plays.input_ids, "docstrings": dom_docs.input_ids}
