@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_run.sh [quick|tests-1|tests-2|needle|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_run.sh [quick|tests-1|tests-2|needle|mech|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -39,11 +39,12 @@
 # needle: no tests; `verify --needle`'s loop with the demo model's real weights (benchmarks/bench_needle.py --weights):
 #   the LENGTHS (1024,2048,4096) grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100),
 #   BATCH (20) prompts per batch, for ARTIFACTS ("default=artifacts/demo"), on HAYSTACKS (plays) with NEEDLES (passkey)
-#   in the PROTOCOL (follow-up), starting no run after BUDGET (420) s. The weights travel in parts:
+#   in each PROTOCOL (follow-up; "follow-up prompt" runs both, each under $OUT/PROTOCOL), starting no run after
+#   BUDGET (420) s per protocol. The weights travel in parts:
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
 #   part, .cache/needle and artifacts (bench_needle and needle_mechanism need torch, triton and transformers only);
-#   MECH (arguments) then runs experiments/needle_mechanism.py there
+#   MECH (arguments) then runs experiments/needle_mechanism.py there; mech: the same call, the harness only
 # softcap-a: the decode-kernel and dequantize GPU tests, the headline decode rows, then time to first token (OSCAR and
 #   bf16graph: the later chunks' past dequantized straight into the chunk's dtype)
 # softcap-b: the compiled-step, static-step and attention GPU tests (Gemma2's softcap in the decode kernel, captured),
@@ -66,19 +67,25 @@ mode=${1:-quick}
 if [ -n "${WEIGHTS_PART:-}" ]; then  # kept in /tmp while this machine stays warm (see needle)
   mkdir -p /tmp/w && cp "$WEIGHTS_PART" /tmp/w/ && ls -l /tmp/w
 fi
-if [ "$mode" = needle ]; then
+if [ "$mode" = needle ] || [ "$mode" = mech ]; then
   model=.cache/needle/models/SmolLM2-135M-Instruct-bf16
   cat /tmp/w/part?? | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
     > "$model/model.safetensors" || exit 1
   [ "$(sha256sum "$model/model.safetensors" | cut -c1-64)" = "$(cat "$model/sha256")" ] || { echo "weights: sha256 differs"; exit 1; }
-  python3 -m benchmarks.bench_needle --model-dir "$model" --weights \
-    --texts .cache/needle/texts --lengths "${LENGTHS:-1024,2048,4096}" --depths 0.1,0.3,0.5,0.7,0.9 --trials "${TRIALS:-20}" \
-    --seeds ${SEEDS:-100} --batch "${BATCH:-20}" --time-budget "${BUDGET:-420}" --baselines none \
-    --haystacks "${HAYSTACKS:-plays}" --needles "${NEEDLES:-passkey}" --protocol "${PROTOCOL:-follow-up}" \
-    --artifacts ${ARTIFACTS:-default=artifacts/demo} 2>&1 | grep -v "^Loading" | tee "$OUT/needle.log"
-  if [ -n "${MECH:-}" ]; then  # then the harness: MECH="--haystack poems --needle name --lengths 4096 --trials 8 …"
+  if [ "$mode" = needle ]; then
+    for protocol in ${PROTOCOL:-follow-up}; do  # each protocol's runs and summary under $OUT/PROTOCOL
+      mkdir -p "$OUT/$protocol"
+      OUT="$OUT/$protocol" python3 -m benchmarks.bench_needle --model-dir "$model" --weights \
+        --texts .cache/needle/texts --lengths "${LENGTHS:-1024,2048,4096}" --depths 0.1,0.3,0.5,0.7,0.9 \
+        --trials "${TRIALS:-20}" --seeds ${SEEDS:-100} --batch "${BATCH:-20}" --time-budget "${BUDGET:-420}" \
+        --baselines none --haystacks "${HAYSTACKS:-plays}" --needles "${NEEDLES:-passkey}" --protocol "$protocol" \
+        --artifacts ${ARTIFACTS:-default=artifacts/demo} 2>&1 | grep -v "^Loading" | tee "$OUT/$protocol/needle.log"
+    done
+  fi
+  if [ -n "${MECH:-}" ]; then  # the harness: MECH="--haystack poems,docs --needle name,code --trials 8 …", MECH_ONLY
+    # its variants, ";"-separated (default: all)
     OSCAR_ZOO_CACHE=.cache/needle python3 -m benchmarks.experiments.needle_mechanism --device cuda \
-      --texts .cache/needle/texts --json "$OUT/needle_mechanism.json" $MECH 2>&1 | tee "$OUT/needle_mechanism.log"
+      --texts .cache/needle/texts --json "$OUT/needle_mechanism.json" $MECH ${MECH_ONLY:+--only "$MECH_ONLY"} 2>&1 | tee "$OUT/needle_mechanism.log"
   fi
   exit 0
 fi

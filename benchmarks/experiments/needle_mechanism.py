@@ -276,10 +276,19 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
     return kh.to(k.dtype), vh.to(v.dtype)
 
 
-def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[Variant]:
+def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_block: int = 0) -> list[Variant]:
     row = 32 / D  # one more float16 scale/zero pair per row, in bits per element
+    three = {i for i, b in enumerate(key_bits) if b == 3}
+    n3 = len(three) / layers
+    # the artifact as it is: its key bits per layer, keys per channel over its key block (else per row, its clips),
+    # values as its clips say; then with keys or values exact, to split a loss between them
+    own = dict(k_bits={i: 3 for i in three}) | (dict(k_chan=key_block) if key_block else {})
+    own_k = n3 + (32 / key_block - row if key_block else 0.0)
     out = [
         Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
+        Variant("the artifact", extra_bits_k=own_k, **own),
+        Variant("the artifact, K bf16", k_exact=True, extra_bits_k=13.5),
+        Variant("the artifact, V bf16", extra_bits_k=own_k, v_exact=True, extra_bits_v=13.5, **own),
         Variant("oscar"),
         Variant("K int2, V bf16", v_exact=True, extra_bits_v=13.5),
         Variant("K bf16, V int2", k_exact=True, extra_bits_k=13.5),
@@ -299,7 +308,7 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
         Variant("K top quarter 4 bits (own range)", quarter_bits=4, shared_range=False, extra_bits_k=0.5 + row),
     ]
     out += [Variant(f"{v.name}, K clip off", v.extra_k, v.extra_v, **(v.opts | {"k_clip": 0.0}))
-            for v in out[9:] if v.name != "K per-channel scale"]
+            for v in out[12:] if v.name != "K per-channel scale"]
     out += [Variant(f"K clip {r}", k_clip=r) for r in (0.96, 0.98)]
     out += [Variant("K groups of 16, K clip off", k_group=16, k_clip=0.0, extra_bits_k=2 - row)]
     out += [Variant("oscar, debiased", debias=1.0), Variant("K clip off, debiased", k_clip=0.0, debias=1.0),
@@ -321,9 +330,7 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
                     k_clip={i: 0.0 for i in top}, v_clip=0.0, extra_bits_k=22 / layers),
             Variant("K 3 bits clip off on top 22, V clip 0.96", k_bits={i: 3 for i in top},
                     k_clip={i: 0.0 for i in top}, v_clip=0.96, extra_bits_k=22 / layers)]
-    three = {i for i, b in enumerate(key_bits) if b == 3}  # the artifact's own codec: its 3-bit layers, unclipped
-    art = dict(k_bits={i: 3 for i in three}, k_clip={i: 0.0 for i in three})
-    n3 = len(three) / layers
+    art = dict(k_bits={i: 3 for i in three}, k_clip={i: 0.0 for i in three})  # its 3-bit layers, keys per row
     out += [Variant("artifact codec", extra_bits_k=n3, **art),
             Variant("artifact codec, V clip off", extra_bits_k=n3, **art, v_clip=0.0),
             Variant("artifact codec, V bf16", extra_bits_k=n3, **art, v_exact=True, extra_bits_v=13.5),
@@ -387,7 +394,6 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int]) -> list[
 
 
 def main() -> None:
-    global RECORD, MASS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", default="artifacts/demo")
     p.add_argument("--lengths", default="1024,2048,4096")
@@ -402,8 +408,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--texts", default=None, help="a folder of the haystacks' files (`bench_needle --write-texts`), "
                    "where the corpus package is missing")
-    p.add_argument("--haystack", default=DEFAULT_HAYSTACK, help=f"one of {', '.join(HAYSTACKS)}")
-    p.add_argument("--needle", default=PASSKEY.name, help=f"one of {', '.join(NEEDLES)}")
+    p.add_argument("--haystack", default=DEFAULT_HAYSTACK, help=f"comma-separated, of {', '.join(HAYSTACKS)}")
+    p.add_argument("--needle", default=PASSKEY.name, help=f"comma-separated, of {', '.join(NEEDLES)}: every "
+                   "(haystack, needle) pair is a family of its own prompts")
+    p.add_argument("--time-budget", type=float, default=0.0, help="start no round of prompts after this many seconds "
+                   "(0: no limit); a round is one prompt per family, length and depth")
     a = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -413,112 +422,88 @@ def main() -> None:
     loaded = load_model("demo", device=dev, dtype="bfloat16")
     model, tok, info = loaded.model, loaded.tokenizer, loaded.info
     model.set_attn_implementation("needle_debiased")
-    fact = needle_named(a.needle)
-    filler = tok(haystack_named(a.haystack).text(a.texts), add_special_tokens=False).input_ids
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
-    vs = variants(info.head_dim, info.num_layers, a.per_layer, manifest.key_bits)
+    vs = variants(info.head_dim, info.num_layers, a.per_layer, manifest.key_bits, manifest.quant.key_block)
     if a.only:
         keep = set(a.only.split(";"))
+        missing = keep - {v.name for v in vs}
+        if missing:
+            raise SystemExit(f"no variant named {', '.join(sorted(missing))}")
         vs = [v for v in vs if v.name in keep or v.name == "bf16"]
     sink, recent = manifest.quant.sink, manifest.quant.recent
-    rng = random.Random(a.seed)
-    right = {v.name: {L: 0 for L in lengths} for v in vs}
-    count = {L: 0 for L in lengths}
+    chosen = None if a.prompts is None else {int(i) for i in a.prompts.split(",")}
+    # every family's prompts drawn up front, in `verify --needle`'s order (length, depth, trial) from its own seeded
+    # generator, so an index names the same prompt however many families run; scored a round at a time
+    families = []
+    for hay in a.haystack.split(","):
+        filler = tok(haystack_named(hay).text(a.texts), add_special_tokens=False).input_ids
+        for name in a.needle.split(","):
+            fact = needle_named(name)
+            rng = random.Random(a.seed if "," not in a.haystack + a.needle else f"{a.seed}:{hay}:{name}")
+            grid = [(L, d, build_prompt(tok, filler, L, d, rng, fact)) for L in lengths for d in depths
+                    for _ in range(a.trials)]
+            families.append((f"{hay}/{name}", fact, grid))
+    right = {(f, v.name): {L: 0 for L in lengths} for f, _, _ in families for v in vs}
+    count = {f: {L: 0 for L in lengths} for f, _, _ in families}
     by_depth = {v.name: {d: 0 for d in depths} for v in vs}
     depth_count = {d: 0 for d in depths}
     mass = {v.name: [0.0] * info.num_layers for v in vs}  # Σ over prompts of each layer's needle mass
-    chosen = None if a.prompts is None else {int(i) for i in a.prompts.split(",")}
-    scored: dict[str, dict[int, bool]] = {v.name: {} for v in vs}  # per prompt index, for pairing with verify's
-    index = -1
+    scored: dict[str, dict[str, bool]] = {v.name: {} for v in vs}  # per family/prompt index
     t0 = time.time()
     with torch.inference_mode():
-        for L in lengths:
-            for depth in depths:
-                for _ in range(a.trials):
-                    pr = build_prompt(tok, filler, L, depth, rng, fact)
-                    index += 1
-                    if chosen is not None and index not in chosen:
+        for trial in range(a.trials):
+            if a.time_budget and time.time() - t0 > a.time_budget:
+                print(f"time budget: {trial} of {a.trials} rounds scored", flush=True)
+                break
+            for fam, fact, grid in families:
+                for index, (L, depth, pr) in enumerate(grid):
+                    if index % a.trials != trial or (chosen is not None and index not in chosen):
                         continue
                     if chosen is not None:
-                        print(f"prompt {index}: length {L}, depth {depth}, key {pr.key}", flush=True)
-                    tail = tok(fact.question + " " + pr.key + ".", add_special_tokens=False).input_ids
-                    if tail[: len(pr.question)] != pr.question:
-                        raise SystemExit("question tokens change when the answer follows")
-                    answer = tail[len(pr.question):]
-                    n_key = next(n for n in range(1, len(answer) + 1) if pr.key in tok.decode(answer[:n]))
-                    ctx = torch.tensor([pr.context], device=dev)
-                    base = DynamicCache()
-                    BIAS.clear()
-                    model(input_ids=ctx, use_cache=True, **{CACHE: base}, logits_to_keep=1)
-                    kv = [(lay.keys.clone(), lay.values.clone()) for lay in base.layers]
-                    T = ctx.shape[1]
-                    lo, hi = sink, T - recent
-                    RECORD = True  # the question's queries over the BF16 context (what prefill of the prompt sees)
-                    model(input_ids=torch.tensor([pr.question], device=dev), use_cache=True, **{CACHE: base},
-                          logits_to_keep=1)
-                    RECORD = False
-                    for var in vs:
-                        var.opts["lo"] = lo
-                    chunk = torch.tensor([tail], device=dev)
-                    count[L] += 1
+                        print(f"{fam} prompt {index}: length {L}, depth {depth}, key {pr.key}", flush=True)
+                    ok = score_prompt(model, tok, fact, pr, vs, sink, recent, rot, dev, mass)
+                    count[fam][L] += 1
                     depth_count[depth] += 1
-                    start = len(pr.question) - 1  # the logit of the question's last token predicts answer[0]
-                    MASS = (start, pr.needle_start, pr.needle_start + pr.needle_len)
                     for var in vs:
-                        cache = DynamicCache()
-                        BIAS.clear()
-                        for li, (k, v) in enumerate(kv):
-                            k2, v2 = k.clone(), v.clone()
-                            kh, vh = code_layer(var, li, k[0, :, lo:hi], v[0, :, lo:hi], rot)
-                            k2[0, :, lo:hi], v2[0, :, lo:hi] = kh, vh
-                            if li in BIAS:
-                                full = torch.zeros(k.shape[1], T + len(tail), device=dev)
-                                full[:, lo:hi] = BIAS[li]
-                                BIAS[li] = full
-                            cache.update(k2, v2, li)
-                        NEEDLE_MASS.clear()
-                        logits = model(input_ids=chunk, use_cache=True, **{CACHE: cache}).logits[0]
-                        pred = logits.argmax(-1).tolist()
-                        got = pred[start : start + n_key + 1]
-                        ok = got[:n_key] == answer[:n_key] and fact.is_right(tok.decode(got), pr.key)
-                        right[var.name][L] += ok
-                        by_depth[var.name][depth] += ok
-                        scored[var.name][index] = bool(ok)
-                        for li, m in NEEDLE_MASS.items():
-                            mass[var.name][li] += m
-                    MASS = None
-                print(f"{L} depth {depth}: {time.time() - t0:.0f} s", flush=True)
-    if not sum(count.values()):
+                        right[(fam, var.name)][L] += ok[var.name]
+                        by_depth[var.name][depth] += ok[var.name]
+                        scored[var.name][f"{fam}/{index}"] = ok[var.name]
+            print(f"round {trial + 1}: {time.time() - t0:.0f} s", flush=True)
+    n_all = sum(sum(c.values()) for c in count.values())
+    if not n_all:
         raise SystemExit("no prompt was scored (--prompts names none of the grid's indices)")
     D = info.head_dim
+    pooled = {v.name: {L: sum(right[(f, v.name)][L] for f, _, _ in families) for L in lengths} for v in vs}
+    n_len = {L: sum(count[f][L] for f, _, _ in families) for L in lengths}
+
+    def cell(k: int, n: int) -> str:
+        if not n:
+            return f"{'-':>16s}"
+        lo_, hi_ = wilson(k, n)
+        return f"{100 * k / n:5.1f} [{100 * lo_:3.0f},{100 * hi_:3.0f}]"
+
+    if len(families) > 1:
+        for fam, _, _ in families:
+            print(f"\n{fam}: " + ", ".join(f"{count[fam][L]} prompts at {L}" for L in lengths))
+            for var in vs:
+                print(f"  {var.name:40s} " + " ".join(cell(right[(fam, var.name)][L], count[fam][L]) for L in lengths))
     rows = []
-    print(f"\n{'variant':42s} bits@32K " + " ".join(f"{L:>16d}" for L in lengths) + "        all")
+    print(f"\n{'pooled' if len(families) > 1 else families[0][0]}\n{'variant':42s} bits@32K "
+          + " ".join(f"{L:>16d}" for L in lengths) + "        all")
     for var in vs:
-        ks = [right[var.name][L] for L in lengths]
-        n_all, k_all = sum(count.values()), sum(ks)
-        cells = []
-        for L, k in zip(lengths, ks):
-            if not count[L]:  # no prompt of this length chosen (--prompts)
-                cells.append(f"{'-':>16s}")
-                continue
-            lo_, hi_ = wilson(k, count[L])
-            cells.append(f"{100 * k / count[L]:5.1f} [{100 * lo_:3.0f},{100 * hi_:3.0f}]")
-        lo_, hi_ = wilson(k_all, n_all)
+        ks = [pooled[var.name][L] for L in lengths]
         bpe = var.bpe(32768, D, sink, recent)
-        print(f"{var.name:42s} {bpe:8.3f} " + " ".join(cells) + f" {100 * k_all / n_all:5.1f} [{100 * lo_:3.0f},"
-              f"{100 * hi_:3.0f}]")
-        rows.append({"variant": var.name, "bits_32k": round(bpe, 3), "right": ks, "n": [count[L] for L in lengths],
+        print(f"{var.name:42s} {bpe:8.3f} " + " ".join(cell(k, n_len[L]) for L, k in zip(lengths, ks))
+              + " " + cell(sum(ks), n_all))
+        rows.append({"variant": var.name, "bits_32k": round(bpe, 3), "right": ks, "n": [n_len[L] for L in lengths],
+                     "by_family": {f: [right[(f, var.name)][L] for L in lengths] for f, _, _ in families},
                      "right_by_depth": [by_depth[var.name][d] for d in depths],
                      "n_by_depth": [depth_count[d] for d in depths],
                      "needle_mass": [round(m / n_all, 5) for m in mass[var.name]], "prompts": scored[var.name]})
     print(f"\n{'variant':42s} " + " ".join(f"{'depth ' + format(d, 'g'):>16s}" for d in depths))
     for r in rows:
-        cells = []
-        for k, n in zip(r["right_by_depth"], r["n_by_depth"]):
-            lo_, hi_ = wilson(k, n)
-            cells.append(f"{100 * k / max(n, 1):5.1f} [{100 * lo_:3.0f},{100 * hi_:3.0f}]")
-        print(f"{r['variant']:42s} " + " ".join(f"{c:>16s}" for c in cells))
+        print(f"{r['variant']:42s} " + " ".join(cell(k, n) for k, n in zip(r["right_by_depth"], r["n_by_depth"])))
     ref_mass = rows[0]["needle_mass"]  # bf16 first
     print("\nneedle attention mass of the answering query (mean over layers; the 5 layers that lose most vs BF16)")
     for r in rows:
@@ -527,9 +512,56 @@ def main() -> None:
             f"L{i} {r['needle_mass'][i]:.3f}/{ref_mass[i]:.3f}" for i in drop))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"haystack": a.haystack, "needle": fact.name, "lengths": lengths, "depths": depths,
+            json.dump({"families": [f for f, _, _ in families], "count": count, "lengths": lengths, "depths": depths,
                        "trials": a.trials, "rows": rows, "wall_s": round(time.time() - t0, 1)}, f, indent=1)
 
+
+def score_prompt(model, tok, fact, pr, vs, sink: int, recent: int, rot, dev, mass) -> dict[str, bool]:
+    """One prompt: its context prefilled once in BF16, then per variant the question and key as one teacher-forced
+    chunk over the context's history coded by the variant; whether each variant retrieves the key, and each layer's
+    needle mass added to `mass`."""
+    global RECORD, MASS
+    tail = tok(fact.question + " " + pr.key + ".", add_special_tokens=False).input_ids
+    if tail[: len(pr.question)] != pr.question:
+        raise SystemExit("question tokens change when the answer follows")
+    answer = tail[len(pr.question):]
+    n_key = next(n for n in range(1, len(answer) + 1) if pr.key in tok.decode(answer[:n]))
+    ctx = torch.tensor([pr.context], device=dev)
+    base = DynamicCache()
+    BIAS.clear()
+    model(input_ids=ctx, use_cache=True, **{CACHE: base}, logits_to_keep=1)
+    kv = [(lay.keys.clone(), lay.values.clone()) for lay in base.layers]
+    T = ctx.shape[1]
+    lo, hi = sink, T - recent
+    RECORD = True  # the question's queries over the BF16 context (what prefill of the prompt sees)
+    model(input_ids=torch.tensor([pr.question], device=dev), use_cache=True, **{CACHE: base}, logits_to_keep=1)
+    RECORD = False
+    for var in vs:
+        var.opts["lo"] = lo
+    chunk = torch.tensor([tail], device=dev)
+    start = len(pr.question) - 1  # the logit of the question's last token predicts answer[0]
+    MASS = (start, pr.needle_start, pr.needle_start + pr.needle_len)
+    ok = {}
+    for var in vs:
+        cache = DynamicCache()
+        BIAS.clear()
+        for li, (k, v) in enumerate(kv):
+            k2, v2 = k.clone(), v.clone()
+            kh, vh = code_layer(var, li, k[0, :, lo:hi], v[0, :, lo:hi], rot)
+            k2[0, :, lo:hi], v2[0, :, lo:hi] = kh, vh
+            if li in BIAS:
+                full = torch.zeros(k.shape[1], T + len(tail), device=dev)
+                full[:, lo:hi] = BIAS[li]
+                BIAS[li] = full
+            cache.update(k2, v2, li)
+        NEEDLE_MASS.clear()
+        logits = model(input_ids=chunk, use_cache=True, **{CACHE: cache}).logits[0]
+        got = logits.argmax(-1).tolist()[start : start + n_key + 1]
+        ok[var.name] = got[:n_key] == answer[:n_key] and fact.is_right(tok.decode(got), pr.key)
+        for li, m in NEEDLE_MASS.items():
+            mass[var.name][li] += m
+    MASS = None
+    return ok
 
 if __name__ == "__main__":
     main()
