@@ -79,12 +79,21 @@ def _pct(x: float) -> str:
 def summarize(runs: list[dict]) -> list[dict]:
     """Per (haystack, needle, artifact), each method other than BF16 and each length (then all lengths), pooled over
     the runs' seeds: BF16's and the method's accuracy with Wilson 95 % intervals, the paired difference with its 95 %
-    interval and the discordant prompts."""
+    interval and the discordant prompts. With several needles, each haystack again pooled over its needles (needle
+    "all"); with several haystacks, each needle pooled over its haystacks (haystack "all")."""
+    families = list(dict.fromkeys((r["haystack"]["name"], r["needle"]["name"], r["artifact"]) for r in runs))
+    haystacks = list(dict.fromkeys(h for h, _, _ in families))
+    needles = list(dict.fromkeys(n for _, n, _ in families))
+    artifacts = list(dict.fromkeys(a for _, _, a in families))
+    groups = list(families)
+    if len(needles) > 1:
+        groups += [(h, "all", a) for a in artifacts for h in haystacks]
+    if len(haystacks) > 1:
+        groups += [("all", n, a) for a in artifacts for n in needles]
     rows = []
-    families = dict.fromkeys((r["haystack"]["name"], r["needle"]["name"], r["artifact"]) for r in runs)
-    for haystack, needle, artifact in families:
-        mine = [r for r in runs if (r["haystack"]["name"], r["needle"]["name"], r["artifact"]) ==
-                (haystack, needle, artifact)]
+    for haystack, needle, artifact in groups:
+        mine = [r for r in runs if r["artifact"] == artifact and haystack in (r["haystack"]["name"], "all")
+                and needle in (r["needle"]["name"], "all")]
         for method in (m for m in mine[0]["right"] if m != "bf16"):
             for length in [*mine[0]["lengths"], "all"]:
                 pairs = [(bf, me) for r in mine for (n, _), bf, me in zip(r["prompts"], r["right"]["bf16"],
@@ -92,9 +101,9 @@ def summarize(runs: list[dict]) -> list[dict]:
                 d = paired_difference([bf for bf, _ in pairs], [me for _, me in pairs])
                 k_ref, k_it = sum(bf for bf, _ in pairs), sum(me for _, me in pairs)
                 rows.append(dict(haystack=haystack, needle=needle, artifact=artifact, method=method, length=length,
-                                 seeds=len(mine), prompts=d.n, bf16=d.ref, bf16_wilson=wilson(k_ref, d.n), it=d.it,
-                                 it_wilson=wilson(k_it, d.n), diff=d.diff, diff_ci=(d.lo, d.hi),
-                                 bf16_only=d.ref_only, it_only=d.it_only, p_sign=d.p_sign))
+                                 seeds=len({r["seed"] for r in mine}), prompts=d.n, bf16=d.ref,
+                                 bf16_wilson=wilson(k_ref, d.n), it=d.it, it_wilson=wilson(k_it, d.n), diff=d.diff,
+                                 diff_ci=(d.lo, d.hi), bf16_only=d.ref_only, it_only=d.it_only, p_sign=d.p_sign))
     return rows
 
 

@@ -1,6 +1,6 @@
 """benchmarks/bench_needle.py's summary: per (haystack, needle, artifact), method and length, pooled over seeds, BF16's
 and the method's accuracy with Wilson intervals, the paired difference and the discordant prompts, each row naming its
-haystack and needle."""
+haystack and needle; with several needles or haystacks, each haystack and each needle pooled over the other."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_the_summary_pairs_each_family_over_its_seeds():
     b = _run("poems", "code", 2, [True, False, True, True], [True, False, False, False])
     c = _run("docs", "name", 1, [True, True, True, True], [True, True, True, True])
     rows = bench_needle.summarize([a, b, c])
-    assert [(r["haystack"], r["needle"], r["length"]) for r in rows] == [
+    assert [(r["haystack"], r["needle"], r["length"]) for r in rows][:6] == [
         ("poems", "code", 1024), ("poems", "code", 2048), ("poems", "code", "all"),
         ("docs", "name", 1024), ("docs", "name", 2048), ("docs", "name", "all")]
     first = rows[0]  # 1,024 tokens: seed 1's first two prompts, then seed 2's
@@ -39,3 +39,17 @@ def test_the_summary_pairs_each_family_over_its_seeds():
     assert lines[0].startswith("| haystack | needle |")
     assert lines[2].startswith("| poems | code | default | oscar | 1024 | 4 |")
     assert "75.0 [30.1, 95.4]" in lines[2] and "1 / 0" in lines[2]
+
+
+def test_each_haystack_and_each_needle_is_pooled_over_the_other():
+    runs = [_run("plays", "code", 1, [True, True, True, True], [True, False, True, True]),
+            _run("plays", "name", 1, [True, False, True, True], [False, False, True, True]),
+            _run("docs", "code", 1, [False, True, True, True], [False, True, True, False])]
+    rows = {(r["haystack"], r["needle"], r["length"]): r for r in bench_needle.summarize(runs)}
+    assert ("docs", "name", "all") not in rows  # no such family was run, so no row
+    plays = rows[("plays", "all", "all")]  # both needles' prompts on the plays: 8 pairs
+    assert plays["prompts"] == 8 and (plays["bf16_only"], plays["it_only"]) == (2, 0)
+    assert plays["bf16_wilson"] == wilson(7, 8) and plays["it_wilson"] == wilson(5, 8)
+    code = rows[("all", "code", 1024)]  # the code needle's 1,024-token prompts on both haystacks
+    assert code["prompts"] == 4 and (code["bf16"], code["it"]) == (0.75, 0.5)
+    assert rows[("all", "name", "all")]["prompts"] == 4 and rows[("docs", "all", 2048)]["prompts"] == 2
