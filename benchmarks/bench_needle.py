@@ -18,11 +18,11 @@ not reproduce) and prints each haystack's characters and sha256, which every run
 Default: the grid `verify --needle` (or `--quick`) runs on the plays with the passkey, its wall time. With more than
 one family, or `--lengths`, `--depths`, `--trials`, `--seeds`: that grid once per (seed, family, artifact) — every
 family and artifact on a seed's prompts before the next seed, starting no run after `--time-budget` seconds — then
-per family, artifact, method and length, pooled over the seeds: BF16's and the method's accuracy with 95 % Wilson
-intervals, the paired difference with its 95 % interval (evaluation/stats.py: Newcombe's, for the same prompts) and
-the discordant prompts (only BF16 / only the method answers, with a sign test). Each run's JSON (the family, the
-haystack's sha256, every prompt's key, every method's answer and whether it is right) goes to $OUT, and the table's
-rows to $OUT/bench_needle_summary.json.
+per family, artifact, method and length, pooled over the seeds (then each haystack over its needles and each needle
+over its haystacks): BF16's and the method's accuracy with 95 % Wilson intervals, the paired difference with its
+95 % interval (evaluation/stats.py: Newcombe's, for the same prompts) and the discordant prompts (only BF16 / only
+the method answers, with a sign test). Each run's JSON (the family, the haystack's sha256, every prompt's key, every
+method's answer and whether it is right) goes to $OUT, and the table's rows to $OUT/bench_needle_summary.json.
 
     python -m benchmarks.bench_needle --write-texts .cache/needle/texts
     python -m benchmarks.bench_needle --model-dir DIR --artifacts DIR --texts DIR [--weights] [--quick]
