@@ -9,9 +9,14 @@ token after it does not extend the key (the needle's own check: greedy decoding 
 Accuracy per length and per depth with 95 % Wilson intervals, bits per element at 32K context as `inspect` counts
 them, and per layer the attention mass that the question's last token (the one that predicts the answer) puts on
 the needle's tokens, averaged over query heads and prompts: where a codec loses the needle, and in which layers.
+Several haystacks and needles run as families in one process (each pair its own prompts, from its own seeded
+generator), scored a round at a time (one prompt per family, length and depth) until `--time-budget`; the tables are
+per family, then pooled. "the artifact" is the artifact's own codec (its key bits and key layout); "the artifact, K
+bf16" and "…, V bf16" keep the keys or the values exact, which splits a loss between them.
 
-    .venv/bin/python -m benchmarks.experiments.needle_mechanism --artifacts artifacts/demo --trials 8 \
-        --haystack poems --needle name --json /tmp/needle_mechanism.json
+    .venv/bin/python -m benchmarks.experiments.needle_mechanism --artifacts artifacts/demo --trials 2 \
+        --lengths 1024,2048 --haystack plays,poems,docs --needle passkey,name,code \
+        --only "the artifact;the artifact, K bf16;the artifact, V bf16" --json /tmp/needle_mechanism.json
 """
 
 from __future__ import annotations
@@ -282,12 +287,13 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
     n3 = len(three) / layers
     # the artifact as it is: its key bits per layer, keys per channel over its key block (else per row, its clips),
     # values as its clips say; then with keys or values exact, to split a loss between them
-    own = dict(k_bits={i: 3 for i in three}) | (dict(k_chan=key_block) if key_block else {})
+    # (with keys per channel the history holds whole blocks: `history_block`, also where the keys stay exact)
+    own = dict(k_bits={i: 3 for i in three}) | (dict(k_chan=key_block, history_block=key_block) if key_block else {})
     own_k = n3 + (32 / key_block - row if key_block else 0.0)
     out = [
         Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
         Variant("the artifact", extra_bits_k=own_k, **own),
-        Variant("the artifact, K bf16", k_exact=True, extra_bits_k=13.5),
+        Variant("the artifact, K bf16", k_exact=True, extra_bits_k=13.5, history_block=key_block),
         Variant("the artifact, V bf16", extra_bits_k=own_k, v_exact=True, extra_bits_v=13.5, **own),
         Variant("oscar"),
         Variant("K int2, V bf16", v_exact=True, extra_bits_v=13.5),
@@ -545,13 +551,16 @@ def score_prompt(model, tok, fact, pr, vs, sink: int, recent: int, rot, dev, mas
     for var in vs:
         cache = DynamicCache()
         BIAS.clear()
+        # keys per channel: the runtime's history takes whole blocks, the rest wait in the BF16 recent tier
+        block = var.opts.get("history_block") or var.opts.get("k_chan")
+        end = lo + (hi - lo) // block * block if block else hi
         for li, (k, v) in enumerate(kv):
             k2, v2 = k.clone(), v.clone()
-            kh, vh = code_layer(var, li, k[0, :, lo:hi], v[0, :, lo:hi], rot)
-            k2[0, :, lo:hi], v2[0, :, lo:hi] = kh, vh
+            kh, vh = code_layer(var, li, k[0, :, lo:end], v[0, :, lo:end], rot)
+            k2[0, :, lo:end], v2[0, :, lo:end] = kh, vh
             if li in BIAS:
                 full = torch.zeros(k.shape[1], T + len(tail), device=dev)
-                full[:, lo:hi] = BIAS[li]
+                full[:, lo:end] = BIAS[li]
                 BIAS[li] = full
             cache.update(k2, v2, li)
         NEEDLE_MASS.clear()
