@@ -44,7 +44,7 @@
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
 #   part, .cache/needle and artifacts (bench_needle and needle_mechanism need torch, triton and transformers only);
-#   MECH (arguments) then runs experiments/needle_mechanism.py there; mech: the same call, the harness only
+#   MECH (arguments) then runs experiments/needle_mechanism.py there; mech: the weights, then MECH's harness only
 # softcap-a: the decode-kernel and dequantize GPU tests, the headline decode rows, then time to first token (OSCAR and
 #   bf16graph: the later chunks' past dequantized straight into the chunk's dtype)
 # softcap-b: the compiled-step, static-step and attention GPU tests (Gemma2's softcap in the decode kernel, captured),
@@ -85,7 +85,8 @@ if [ "$mode" = needle ] || [ "$mode" = mech ]; then
   if [ -n "${MECH:-}" ]; then  # the harness: MECH="--haystack poems,docs --needle name,code --trials 8 …", MECH_ONLY
     # its variants, ";"-separated (default: all)
     OSCAR_ZOO_CACHE=.cache/needle python3 -m benchmarks.experiments.needle_mechanism --device cuda \
-      --texts .cache/needle/texts --json "$OUT/needle_mechanism.json" $MECH ${MECH_ONLY:+--only "$MECH_ONLY"} 2>&1 | tee "$OUT/needle_mechanism.log"
+      --texts .cache/needle/texts --json "$OUT/needle_mechanism.json" $MECH ${MECH_ONLY:+--only "$MECH_ONLY"} 2>&1 \
+      | tee "$OUT/needle_mechanism.log"
   fi
   exit 0
 fi
