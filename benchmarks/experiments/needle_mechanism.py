@@ -32,7 +32,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from oscar_zoo.artifacts import load_artifacts
-from oscar_zoo.evaluation.haystacks import DEFAULT_HAYSTACK, HAYSTACKS, haystack_named
+from oscar_zoo.evaluation.haystacks import DEFAULT_HAYSTACK, HAYSTACKS, filler, haystack_named
 from oscar_zoo.evaluation.needle import NEEDLES, PASSKEY, build_prompt, needle_named
 from oscar_zoo.evaluation.stats import wilson
 from oscar_zoo.evaluation.teacher_forcing import cache_argument
@@ -443,11 +443,11 @@ def main() -> None:
     # generator, so an index names the same prompt however many families run; scored a round at a time
     families = []
     for hay in a.haystack.split(","):
-        filler = tok(haystack_named(hay).text(a.texts), add_special_tokens=False).input_ids
+        ids = filler(tok, haystack_named(hay).text(a.texts))
         for name in a.needle.split(","):
             fact = needle_named(name)
             rng = random.Random(a.seed if "," not in a.haystack + a.needle else f"{a.seed}:{hay}:{name}")
-            grid = [(L, d, build_prompt(tok, filler, L, d, rng, fact)) for L in lengths for d in depths
+            grid = [(L, d, build_prompt(tok, ids, L, d, rng, fact)) for L in lengths for d in depths
                     for _ in range(a.trials)]
             families.append((f"{hay}/{name}", fact, grid))
     right = {(f, v.name): {L: 0 for L in lengths} for f, _, _ in families for v in vs}
