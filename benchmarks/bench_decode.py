@@ -210,6 +210,8 @@ def sweep_tiles(gen, copy_bw, values=(2, 4, 8, 16)):
 
 QUICK_ROWS = [((32, 8, 128), 1, 4096), ((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768),
               ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 1, 100_000), ((9, 3, 64), 8, 32768)]
+# the rows the kernel's bandwidth targets name: batch 8 at 32K and 100K and batch 1 at 100K, both head dims
+FLOOR_ROWS = [(shape, B, L) for shape in SHAPES for B, L in ((8, 32768), (8, 100_000), (1, 100_000))]
 
 
 def sweep_variants(gen, copy_bw, slacks=(0.0, 8.0)):
@@ -239,6 +241,8 @@ def sweep_merge(gen, copy_bw, values):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="headline rows only")
+    ap.add_argument("--floor", action="store_true", help="the bandwidth-target rows only: batch 8 at 32K and 100K, "
+                    "batch 1 at 100K, both head dims")
     ap.add_argument("--sweep", action="store_true", help="try launch settings first")
     ap.add_argument("--sweep-tiles", type=int, nargs="*", metavar="N",
                     help="try these RuntimeConfig.decode_min_tiles values (default 2 4 8 16) on short-context rows, "
@@ -271,6 +275,8 @@ def main():
     combos = [(s, B, L) for s in SHAPES for B in BATCHES for L in CONTEXTS]
     if args.quick:
         combos = QUICK_ROWS
+    if args.floor:
+        combos = FLOOR_ROWS
     if args.sweep_tiles is not None or args.sweep_variants or args.sweep_merge:
         combos = []
     for ((H_q, H_kv, D), B, L), kb, blk in itertools.product(combos, args.key_bits, args.key_block):

@@ -10,8 +10,9 @@ lands mid-generation shows where.
     python -m benchmarks.bench_first_steps --path eager --context 100000 --steps 2000
     python -m benchmarks.bench_first_steps --path graph --context 100000 --steps 2000
 
-Prints one line per run (prefill, first step, median / p99 / max of the later steps, the slowest step's index, Triton
-builds after the first step) and, with --json FILE, writes every step time.
+Prints one line per run (prefill, first step, median / p90 / p99 / max of the later steps, the slowest step's index,
+how many later steps took over twice the median, Triton builds after the first step) and, with --json FILE, writes
+every step time.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def summary(r: dict) -> dict:
     return {"prefill_ms": r["times_ms"][0], "first_step_ms": r["times_ms"][1] if len(r["times_ms"]) > 1 else None,
             "median_ms": statistics.median(later) if later else None,
             "steady_median_ms": statistics.median(steady) if steady else None,
+            "p90_ms": ordered[min(len(ordered) - 1, int(0.90 * len(ordered)))] if later else None,
             "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if later else None,
+            "over_twice_median": sum(t > 2 * statistics.median(later) for t in later) if later else None,
             "max_ms": ordered[-1] if later else None, "slowest_step": slowest,
             "builds_after_first_step": files[-1] - files[1] if len(files) > 1 else 0,
             "transition_steps": transitions,
@@ -117,8 +120,9 @@ def main(argv=None) -> dict:
             json.dump(r, f)
     print(f"{r['device']} {args.model} {args.layers} layers, context {args.context}, batch {args.batch}, "
           f"{args.path}: prefill {s['prefill_ms']:.0f} ms, first step {s['first_step_ms']:.0f} ms, later steps "
-          f"median {s['median_ms']:.2f} / p99 {s['p99_ms']:.2f} / max {s['max_ms']:.1f} ms (step "
-          f"{s['slowest_step']}), Triton builds after the first step: {s['builds_after_first_step']}"
+          f"median {s['median_ms']:.2f} / p90 {s['p90_ms']:.2f} / p99 {s['p99_ms']:.2f} / max {s['max_ms']:.1f} ms "
+          f"(step {s['slowest_step']}; {s['over_twice_median']} over twice the median), Triton builds after the first "
+          f"step: {s['builds_after_first_step']}"
           + (f"; steps that did not replay: {s['transition_steps']} (slowest {s['max_transition_ms']:.1f} ms), the "
              f"replays median {s['steady_median_ms']:.2f} / max {s['max_steady_ms']:.1f} ms"
              if s["transition_steps"] else ""))

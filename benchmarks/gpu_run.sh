@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_run.sh [quick|tests-1|tests-2|needle|mech|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_run.sh [quick|tests-1|tests-2|needle|mech|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|first-steps|floor|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -56,6 +56,11 @@
 # budget-codec: no tests; the 100 GB KV-budget rows at 100K with the shipped codec (calibrate's defaults: --key-bits 2.7,
 #   keys per channel over 128-token blocks) and compiled layers, beside 100K batch 1 and 8, then the same rows with
 #   eager OSCAR (--no-graph) for the peak-memory comparison (needs an H200: 100 GB of KV; BUDGET_GB=50 fits an H100)
+# first-steps: no tests; one generate() in a fresh process (empty Triton and inductor caches), 100K prompt, 2,000 steps,
+#   CUDA graphs of compiled layers: every step's time (benchmarks/bench_first_steps.py)
+# floor: no tests; ncu's full set on the decode kernel with calibrate's codec (3-bit keys per channel over 128-token
+#   blocks) at batch 8 and 1, 100K, and batch 8, 32K (duration, DRAM throughput, instructions, issue, occupancy, the
+#   top stall reasons; details and raw CSV under $OUT), then bench_decode.py --floor with the same keys
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -134,6 +139,39 @@ if [ "$mode" = profile ]; then
       "$OUT/details_b$1.txt"
     rm -f "$OUT/decode_b$1.ncu-rep"
   done
+  exit 0
+fi
+if [ "$mode" = first-steps ]; then
+  python3 -m benchmarks.bench_first_steps --path graph --context 100000 --steps 2000 \
+    --json "$OUT/first_steps_graph.json" 2>&1 | tee "$OUT/first_steps_graph.log" | grep -v "^Loading"
+  exit 0
+fi
+if [ "$mode" = floor ]; then
+  for row in "8 100000" "1 100000" "8 32768"; do
+    set -- $row
+    ncu --clock-control none -k regex:'_decode_kernel' --launch-skip 4 --launch-count 1 --set full -o "$OUT/floor_b$1_$2" \
+      python3 -m benchmarks.experiments.profile_decode --batch "$1" --context "$2" --key-bits 3 --key-block 128 \
+      > "$OUT/floor_b$1_$2.log" 2>&1
+    ncu --import "$OUT/floor_b$1_$2.ncu-rep" --page details --print-units base > "$OUT/floor_details_b$1_$2.txt" 2>&1
+    ncu --import "$OUT/floor_b$1_$2.ncu-rep" --page raw --csv > "$OUT/floor_raw_b$1_$2.csv" 2>&1
+    rm -f "$OUT/floor_b$1_$2.ncu-rep"
+    echo "== batch $1, context $2, 3-bit keys per channel over 128-token blocks"
+    grep -E "^    (Duration|DRAM Throughput|Executed Instructions  |Issue Slots Busy|Executed Ipc Active|No Eligible|\
+Achieved Occupancy|Warp Cycles Per Issued|Registers Per Thread|Block Limit Registers|Waves Per SM|Grid Size)" \
+      "$OUT/floor_details_b$1_$2.txt"
+    python3 - "$OUT/floor_raw_b$1_$2.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+names, vals = rows[head], rows[head + 2]
+stalls = {n.split("stalled_")[1].split("_per_warp_active")[0]: float(v.replace(",", "") or 0)
+          for n, v in zip(names, vals) if n.startswith("smsp__average_warps_issue_stalled_")
+          and n.endswith("_per_warp_active.pct") and v.replace(",", "").replace(".", "").isdigit()}
+print("    stalls (% of active warp cycles):", ", ".join(f"{k} {v:.0f}" for k, v in
+      sorted(stalls.items(), key=lambda kv: -kv[1])[:6]))
+PY
+  done
+  python3 -m benchmarks.bench_decode --floor --key-bits 3 --key-block 128 2>&1 | tee "$OUT/bench_decode.log" | tail -9
   exit 0
 fi
 if [ "$mode" = channel-tests ]; then

@@ -18,6 +18,8 @@ device (int32 [B], updated in place) and writes are indexed by them, so the step
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,6 +194,9 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         n, past_len = key_states.shape[2], self.get_seq_length()
         past = None
         if self.is_static_step(n):
+            # room for the next demotion, every step (as `OscarCache.static_step_key` before a capture): the eager and
+            # the captured step run on the same capacity, and so the same splits
+            self.reserve_demotion()
             k_rot, v_rot = self.write_token(key_states, value_states, self.demotes_next())
             self.advance_host()
         else:
@@ -277,7 +282,7 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         """The oldest `flush` recent rows quantized (clip → INT2 → pack) onto the history at row `hist_len`; the recent
         window shifts down by `flush`."""
         F, W = self.flush, self.recent
-        self._ensure_history(self.n_hist + F)  # eager only: a captured step has its capacity reserved beforehand
+        self._ensure_history(self.n_hist + F)  # (reserved before the step already: `reserve_demotion`)
         rows = self.hist_len[:1].long() + torch.arange(F, device=self.device)  # [F] history rows written
         for tier, hist, sz in ((self.recent_k, self.hist_k, self.sz_k), (self.recent_v, self.hist_v, self.sz_v)):
             if self.quantize:
@@ -532,7 +537,8 @@ class OscarCache(Cache):
         identity with each layer's storage version and value fold); None when it is not static (a layer uninitialised,
         sink or recent window still filling, BF16 history switch). A captured step replays fixed addresses and a fixed
         fold, so a deep copy (same versions, other tensors) and a cache whose values were folded into o_proj since
-        must not match it. Reserves the history rows a demotion needs first, so the step itself never allocates."""
+        must not match it. Reserves the history rows the next demotion needs first, whether or not this step demotes,
+        so neither step kind allocates and both can be captured against the same storage (`rehearsal`)."""
         live = [layer for layer in self.layers if layer.rotation is not None]
         if not live or not all(layer.is_initialized and layer.quantize and layer.is_static_step(1)
                                and layer.staged is None for layer in live):  # staged rows: the eager step files them
@@ -540,11 +546,27 @@ class OscarCache(Cache):
         demote = {layer.demotes_next() for layer in live}
         if len(demote) != 1:
             return None
-        demote = demote.pop()
-        if any(demote) if isinstance(demote, tuple) else demote:
-            for layer in live:
-                layer.reserve_demotion()
-        return (demote, (id(self),) + tuple((layer.storage_version, layer.v_folded) for layer in live))
+        for layer in live:
+            layer.reserve_demotion()
+        return (demote.pop(), (id(self),) + tuple((layer.storage_version, layer.v_folded) for layer in live))
+
+    @contextlib.contextmanager
+    def rehearsal(self, demote: bool) -> Iterator[None]:
+        """The host mirror set so that the next static step demotes (`demote`) or does not, inside the block; restored
+        on exit. `graph.DecodeGraphs` captures a step kind this way before it first comes: a capture runs the step's
+        Python (which reads the mirror) and never its device work, and a static step reads the tier lengths on the
+        device, so the tiers and their lengths are untouched. Equal-length rows only: a padded batch's rows demote on
+        their own schedules."""
+        saved = self.host_lengths()
+        try:
+            for layer in self.layers:
+                if layer.is_initialized:
+                    if layer.rows is not None:
+                        raise ValueError("rehearsal: a padded batch's rows demote on their own schedules")
+                    layer.n_recent = layer.recent + (layer.flush - 1 if demote else 0)
+            yield
+        finally:
+            self.restore_host_lengths(saved)
 
     def host_lengths(self) -> list[tuple]:
         return [layer.host_state() for layer in self.layers]

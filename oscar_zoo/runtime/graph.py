@@ -3,11 +3,13 @@
 A static decode step (`OscarLayer.is_static_step`: sink full, recent window full) touches only tensors of fixed
 address and shape and reads the tier lengths on the device, so it can be captured. Two graphs exist per batch shape:
 the plain step and the every-`flush`-steps step that also demotes (the host knows which comes next from its mirror of
-the lengths; it never reads the device). The first step of each kind runs uncaptured (it compiles the kernels, the
-decoder layers too (compiled.py), and makes the per-layer constants), the next is captured and replayed,
-and every later one is a replay. A history reallocation
-(growth past its reserve) or another cache drops the graphs, and each kind runs once eagerly and is captured again;
-`OscarCache.reserve(tokens)` after prefill avoids that.
+the lengths; it never reads the device). The first static step runs uncaptured (it compiles the decoder layers
+(compiled.py) and makes the per-layer constants; the kernels were built during prefill), then both kinds are
+captured at once, the demoting one by rehearsal (`OscarCache.rehearsal`), and every later step is a replay: no
+capture lands mid-generation. A history reallocation (growth past its reserve, by a quarter of the history at a time)
+or another cache drops the graphs, and the next step runs eagerly and captures both again;
+`OscarCache.reserve(tokens)` after prefill avoids that. A padded batch (rows demoting on their own schedules) captures
+each pattern of demoting rows at its second occurrence instead.
 
 `install(model)` routes transformers' `generate()` through this: OscarCache is a compileable cache, so on a GPU
 generate() asks `model.get_compiled_call()` for its decode forward, and gets a `DecodeGraphs` (other caches get the
@@ -72,7 +74,10 @@ class DecodeGraphs:
             step = _Step(kwargs)  # the arguments the capture will pass: compiled layers see the same guards
             step.load(kwargs, cache)
             with self._layers(cache, kwargs):
-                return self.model(**{**kwargs, **step.inputs})
+                out = self.model(**{**kwargs, **step.inputs})
+                if isinstance(demote, bool):
+                    self._capture_ahead(cache, kwargs, kind)
+            return out
         step = self.graphs.get(kind)
         if step is None:
             with self._layers(cache, kwargs):
@@ -125,6 +130,23 @@ class DecodeGraphs:
                 return None  # an attention mask or embeddings: not part of a captured step
             others.append((name, repr(value)))
         return (tuple(ids.shape), tuple(sorted(others)))
+
+    def _capture_ahead(self, cache, kwargs: dict, kind: tuple) -> None:
+        """Capture both kinds of `kind`'s step, the plain and the demoting one, right after its first (eager) run, so
+        that no capture lands mid-generation: the demoting kind through `cache.rehearsal` (the host mirror set as
+        before a demotion; the kernels it launches were built during prefill, `attention.warm_up`, and the compiled
+        layers are the plain step's: the demotion runs inside the OSCAR op). A kind that cannot come (`flush` 1: every
+        step demotes) or whose rehearsal would move the storage is left to come on its own."""
+        for demote in (False, True):
+            ahead = (demote,) + kind[1:]
+            if ahead in self.graphs:
+                continue
+            with cache.rehearsal(demote):
+                key = cache.static_step_key()
+                if key is None or key != (demote, self.versions):
+                    continue
+                self.graphs[ahead] = self._capture(cache, kwargs)
+            self.warm.add(ahead)
 
     def _capture(self, cache, kwargs: dict) -> _Step:
         step = _Step(kwargs)  # its input values are loaded before each replay

@@ -92,8 +92,7 @@ class PaddedRows:
         """A static single-token step of a ragged layer, batched: the token written at each row's recent slot, then
         the rows whose window is full demote (each at its own history length); the host lengths advance per row."""
         demote = self.demotes_next()
-        if any(demote):  # the history grows as `OscarCache.static_step_key` grows it before a capture: the eager
-            self.reserve_demotion()  # step and the captured one run on the same capacity (and so the same splits)
+        self.reserve_demotion()  # as `OscarCache.static_step_key` before a capture: same capacity, same splits
         k, v = self._rotate(key, value, write=True)
         self.recent_len.add_(1)
         for row, d in zip(self.rows, demote):

@@ -186,8 +186,56 @@ def test_decode_graphs_capture_anew_for_a_deep_copy(monkeypatch):
             for t in range(3):
                 pos = torch.tensor([[cache.get_seq_length()]])
                 graphs(input_ids=torch.tensor([[7 + t]]), position_ids=pos, cache=cache, use_cache=True)
-    assert len(replayed) == 4  # per copy: one eager warm-up step, then a capture and two replays
+    assert len(replayed) == 4  # per copy: one eager step that captures both step kinds, then two replays
     assert all(c is copies[0] for c in replayed[:2]) and all(c is copies[1] for c in replayed[2:])
+
+
+def test_decode_graphs_capture_both_step_kinds_at_the_first_step(monkeypatch):
+    """DecodeGraphs' dispatch on CPU, with capture recording the host mirror it captured under: the first static step
+    runs eagerly and captures the plain and the demoting step at once (the demoting one rehearsed: the mirror set as
+    before a demotion, then put back), so no capture lands mid-generation; then every step, across four demotions, is
+    a replay of the graph of its own kind, and the host lengths advance as the eager path's do."""
+    model = enable_oscar(_llama(layers=2))
+    graphs = DecodeGraphs(model)
+    captured, replayed = {}, []
+
+    class Recorded:  # stands in for a CUDA graph: replay records the kind it was captured as and the kind due now
+        def __init__(self, cache, demote):
+            self.cache, self.demote = cache, demote
+
+        def replay(self):
+            replayed.append((self.demote, self.cache.layers[0].demotes_next()))
+
+    def capture(cache, kwargs):
+        step = _Step(kwargs)
+        step.out_type, step.logits, step.cache_field = type(out), torch.zeros(1, 1, 512), None
+        demote = cache.layers[0].demotes_next()
+        assert all(layer.demotes_next() == demote for layer in cache.layers)
+        captured[demote] = cache.host_lengths()
+        step.graph = Recorded(cache, demote)
+        return step
+
+    monkeypatch.setattr(graphs, "_step_kind", lambda kwargs, cache: (tuple(kwargs["input_ids"].shape), ()))
+    monkeypatch.setattr(graphs, "_capture", capture)
+    cache, twin = _cache(2), _cache(2)
+    flush = cache.layers[0].flush
+    with torch.no_grad():
+        ids = torch.randint(0, 512, (1, 330), generator=torch.Generator().manual_seed(1))
+        out = model(ids, cache=cache)
+        model(ids, cache=twin)
+        for t in range(4 * flush + 3):
+            before = cache.host_lengths()
+            pos = torch.tensor([[cache.get_seq_length()]])
+            graphs(input_ids=torch.tensor([[7 + t]]), position_ids=pos, cache=cache, use_cache=True)
+            if t == 0:  # the eager step filed its token; both kinds captured under rehearsed mirrors, then put back
+                assert graphs.warm == {(False, (1, 1), ()), (True, (1, 1), ())} and set(captured) == {False, True}
+                assert cache.host_lengths() != before
+            model(torch.tensor([[7 + t]]), position_ids=pos, cache=twin)  # the eager path, for the host lengths
+            assert cache.host_lengths() == twin.host_lengths()
+    n_recent = cache.layers[0].recent
+    assert [state[0][2] for state in (captured[False], captured[True])] == [n_recent, n_recent + flush - 1]
+    assert len(replayed) == 4 * flush + 2 and all(kind == due for kind, due in replayed)
+    assert sum(kind for kind, _ in replayed) == 4
 
 
 # ------------------------------------------------------------------------------------------------------ binding
