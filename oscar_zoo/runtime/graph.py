@@ -51,7 +51,7 @@ class DecodeGraphs:
         self.compiled = CompiledLayers(model) if compile else None  # the layers a static step runs (None: eager)
         self.experts = STATIC_EXPERTS  # routed experts' implementation in a static step (a probe tries others)
         self.graphs: dict[tuple, _Step] = {}
-        self.warm: set[tuple] = set()  # step kinds that have run eagerly once (kernels compiled, workspaces made)
+        self.warm: set[tuple] = set()  # step kinds run eagerly once (layers compiled, constants made) or captured ahead
         self.versions: tuple | None = None  # the cache, storage versions and value folds the graphs were captured for
         self.pool = None
         self.replays = self.captures = 0
