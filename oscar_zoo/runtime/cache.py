@@ -264,9 +264,10 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         return self.n_recent + 1 >= self.recent + self.flush
 
     def reserve_demotion(self) -> None:
-        """Grow the history now for the rows the next demotion writes (a captured step never allocates)."""
+        """Grow the history now for the rows the next two demotions write (a captured step never allocates; the step
+        that captures both step kinds ahead of their turn may itself demote, and still finds room for the next)."""
         hist = max(row.n_hist for row in self.rows) if self.rows is not None else self.n_hist
-        self._ensure_history(hist + self.flush)
+        self._ensure_history(hist + 2 * self.flush)
 
     def write_token(self, key: Tensor, value: Tensor, demote: bool) -> tuple[Tensor, Tensor]:
         """The static decode write (device work only): the new key and value [B, H, 1, D] are rotated, centred and

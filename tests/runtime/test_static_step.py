@@ -190,11 +190,14 @@ def test_decode_graphs_capture_anew_for_a_deep_copy(monkeypatch):
     assert all(c is copies[0] for c in replayed[:2]) and all(c is copies[1] for c in replayed[2:])
 
 
-def test_decode_graphs_capture_both_step_kinds_at_the_first_step(monkeypatch):
+@pytest.mark.parametrize("lead", [0, 7])
+def test_decode_graphs_capture_both_step_kinds_at_the_first_step(monkeypatch, lead):
     """DecodeGraphs' dispatch on CPU, with capture recording the host mirror it captured under: the first static step
     runs eagerly and captures the plain and the demoting step at once (the demoting one rehearsed: the mirror set as
     before a demotion, then put back), so no capture lands mid-generation; then every step, across four demotions, is
-    a replay of the graph of its own kind, and the host lengths advance as the eager path's do."""
+    a replay of the graph of its own kind, and the host lengths advance as the eager path's do. With `lead` eager steps
+    first (7: the first step DecodeGraphs sees demotes itself) it is the same: the history keeps room for the
+    demotion after it, so the storage the captures saw does not move."""
     model = enable_oscar(_llama(layers=2))
     graphs = DecodeGraphs(model)
     captured, replayed = {}, []
@@ -220,9 +223,15 @@ def test_decode_graphs_capture_both_step_kinds_at_the_first_step(monkeypatch):
     cache, twin = _cache(2), _cache(2)
     flush = cache.layers[0].flush
     with torch.no_grad():
-        ids = torch.randint(0, 512, (1, 330), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, 512, (1, 568), generator=torch.Generator().manual_seed(1))
         out = model(ids, cache=cache)
         model(ids, cache=twin)
+        for t in range(lead):
+            for c in (cache, twin):
+                model(torch.tensor([[3 + t]]), position_ids=torch.tensor([[c.get_seq_length()]]), cache=c)
+        # (568 tokens: 248 history rows in a 256-row allocation; had the steps kept room for one demotion only, the
+        # first step's own demotion would leave none for the rehearsed one, and the history would grow under it)
+        assert cache.layers[0].demotes_next() == (lead == flush - 1)
         for t in range(4 * flush + 3):
             before = cache.host_lengths()
             pos = torch.tensor([[cache.get_seq_length()]])
