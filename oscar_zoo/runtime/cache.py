@@ -194,8 +194,8 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         n, past_len = key_states.shape[2], self.get_seq_length()
         past = None
         if self.is_static_step(n):
-            # room for the next demotion, every step (as `OscarCache.static_step_key` before a capture): the eager and
-            # the captured step run on the same capacity, and so the same splits
+            # room for the next two demotions, every step (as `OscarCache.static_step_key` before a capture): the eager
+            # and the captured step run on the same capacity, and so the same splits
             self.reserve_demotion()
             k_rot, v_rot = self.write_token(key_states, value_states, self.demotes_next())
             self.advance_host()
@@ -538,8 +538,8 @@ class OscarCache(Cache):
         identity with each layer's storage version and value fold); None when it is not static (a layer uninitialised,
         sink or recent window still filling, BF16 history switch). A captured step replays fixed addresses and a fixed
         fold, so a deep copy (same versions, other tensors) and a cache whose values were folded into o_proj since
-        must not match it. Reserves the history rows the next demotion needs first, whether or not this step demotes,
-        so neither step kind allocates and both can be captured against the same storage (`rehearsal`)."""
+        must not match it. Reserves the history rows the next two demotions need first, whether or not this step
+        demotes, so neither step kind allocates and both can be captured against the same storage (`rehearsal`)."""
         live = [layer for layer in self.layers if layer.rotation is not None]
         if not live or not all(layer.is_initialized and layer.quantize and layer.is_static_step(1)
                                and layer.staged is None for layer in live):  # staged rows: the eager step files them
