@@ -301,6 +301,8 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
         Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
         Variant("the artifact, 3-bit K and V in the needle-reading layers", extra_bits_k=own_k + (len(moved) - len(
             three)) / layers, extra_bits_v=len(reading) / layers, **out_reading),
+        Variant("the artifact, 3-bit V in the needle-reading layers", extra_bits_k=own_k,
+                extra_bits_v=len(reading) / layers, **own, v_bits={i: 3 for i in reading}, v_clip=0.0),
         Variant("the artifact", extra_bits_k=own_k, **own),
         Variant("the artifact, K bf16", k_exact=True, extra_bits_k=13.5, history_block=key_block),
         Variant("the artifact, V bf16", extra_bits_k=own_k, v_exact=True, extra_bits_v=13.5, **own),
