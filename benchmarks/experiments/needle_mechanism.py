@@ -281,6 +281,11 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
     return kh.to(k.dtype), vh.to(v.dtype)
 
 
+# SmolLM2's layers by descending no-clip INT2 key logit noise on the calibration held-out set
+KEY_NOISE_ORDER = [18, 19, 16, 27, 25, 17, 20, 13, 11, 26, 12, 22, 15, 14, 7,
+                   28, 21, 29, 9, 8, 10, 23, 5, 3, 24, 6, 4, 1, 2, 0]
+
+
 def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_block: int = 0) -> list[Variant]:
     row = 32 / D  # one more float16 scale/zero pair per row, in bits per element
     three = {i for i, b in enumerate(key_bits) if b == 3}
@@ -290,19 +295,18 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
     # (with keys per channel the history holds whole blocks: `history_block`, also where the keys stay exact)
     own = dict(k_bits={i: 3 for i in three}) | (dict(k_chan=key_block, history_block=key_block) if key_block else {})
     own_k = n3 + (32 / key_block - row if key_block else 0.0)
-    # the same bits spent where the needle is read: 3-bit values and keys in the layers that give the needle most of
-    # its attention mass (20–24 of SmolLM2's 30), paid for by 2-bit keys in the five 3-bit-key layers of least key
-    # noise outside them (`order` below)
+    # 3-bit values in the layers that give the needle most of its attention mass (20–24 of SmolLM2's 30); then also
+    # 3-bit keys there, paid for by 2-bit keys in the five 3-bit-key layers of least key noise outside them
     reading = set(range(20, 25)) & set(range(layers))
-    quiet = [i for i in (29, 9, 8, 10, 28, 7) if i in three and i not in reading][: len(reading)]
+    own_v3 = dict(own, v_bits={i: 3 for i in reading}, v_clip=0.0)
+    quiet = [i for i in reversed(KEY_NOISE_ORDER) if i in three and i not in reading][: len(reading)]
     moved = (three | reading) - set(quiet)
-    out_reading = dict(own, k_bits={i: 3 for i in moved}, v_bits={i: 3 for i in reading}, v_clip=0.0)
     out = [
         Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
         Variant("the artifact, 3-bit K and V in the needle-reading layers", extra_bits_k=own_k + (len(moved) - len(
-            three)) / layers, extra_bits_v=len(reading) / layers, **out_reading),
+            three)) / layers, extra_bits_v=len(reading) / layers, **(own_v3 | {"k_bits": {i: 3 for i in moved}})),
         Variant("the artifact, 3-bit V in the needle-reading layers", extra_bits_k=own_k,
-                extra_bits_v=len(reading) / layers, **own, v_bits={i: 3 for i in reading}, v_clip=0.0),
+                extra_bits_v=len(reading) / layers, **own_v3),
         Variant("the artifact", extra_bits_k=own_k, **own),
         Variant("the artifact, K bf16", k_exact=True, extra_bits_k=13.5, history_block=key_block),
         Variant("the artifact, V bf16", extra_bits_k=own_k, v_exact=True, extra_bits_v=13.5, **own),
@@ -331,16 +335,13 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
     out += [Variant("oscar, debiased", debias=1.0), Variant("K clip off, debiased", k_clip=0.0, debias=1.0),
             Variant("K clip off, debiased x2", k_clip=0.0, debias=2.0),
             Variant("K 3 bits, K clip off, debiased", k_bits=3, k_clip=0.0, debias=1.0, extra_bits_k=1.0)]
-    # layers by descending no-clip INT2 key logit noise on the calibration held-out set
-    order = [18, 19, 16, 27, 25, 17, 20, 13, 11, 26, 12, 22, 15, 14, 7,
-             28, 21, 29, 9, 8, 10, 23, 5, 3, 24, 6, 4, 1, 2, 0]
     for n in (14, 18, 22):
-        top = set(order[:n])
+        top = set(KEY_NOISE_ORDER[:n])
         out += [Variant(f"K 3 bits clip off on top {n}", k_bits={i: 3 for i in top},
                         k_clip={i: 0.0 for i in top}, extra_bits_k=n / layers),
                 Variant(f"K 3 bits clip off on top {n}, rest clip off", k_bits={i: 3 for i in top}, k_clip=0.0,
                         extra_bits_k=n / layers)]
-    top = set(order[:22])
+    top = set(KEY_NOISE_ORDER[:22])
     out += [Variant("K 3 bits clip off on top 22, V bf16", k_bits={i: 3 for i in top}, k_clip={i: 0.0 for i in top},
                     v_exact=True, extra_bits_k=22 / layers, extra_bits_v=13.5),
             Variant("K 3 bits clip off on top 22, V clip off", k_bits={i: 3 for i in top},

@@ -281,9 +281,8 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
 
     def _demote(self) -> None:
         """The oldest `flush` recent rows quantized (clip → INT2 → pack) onto the history at row `hist_len`; the recent
-        window shifts down by `flush`."""
+        window shifts down by `flush`. The step reserved the rows first (`reserve_demotion`)."""
         F, W = self.flush, self.recent
-        self._ensure_history(self.n_hist + F)  # (reserved before the step already: `reserve_demotion`)
         rows = self.hist_len[:1].long() + torch.arange(F, device=self.device)  # [F] history rows written
         for tier, hist, sz in ((self.recent_k, self.hist_k, self.sz_k), (self.recent_v, self.hist_v, self.sz_v)):
             if self.quantize:
