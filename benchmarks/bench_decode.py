@@ -165,32 +165,40 @@ def bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits=layout.BITS, key_block=
 
 
 C = config.DecodeConfig
-# RuntimeConfig.decode_64 / decode_128 candidates (tile tokens, warps, stages, programs per SM, register cap), each for
-# both dims
-SWEEP = [
-    # (the one-warp settings with 4–12 programs per SM are measured in notes/2026-12-02-decode-kernel-two-warps.md)
-    C(64, 1, 3, 8, None), C(64, 1, 3, 12, 168), C(64, 2, 3, 8, 128), C(64, 2, 2, 8, 128), C(64, 2, 3, 10, 96),
-]
+# RuntimeConfig.decode_128 / decode_64 candidates (tile tokens, warps, stages, programs per SM, register cap), each
+# tried on its own head dim's rows. programs per SM is what an SM holds at once (registers and shared memory, from
+# `python -m benchmarks.experiments.kernel_sass --shape 32,8,128 --key-bits 3 --key-block 128 --block-n … --warps …`):
+# 64-token one-warp programs (the settings in force) against two- and four-warp programs, 128-token tiles (a key block's
+# q·s operands loaded once per tile, not twice) and register caps that let more warps in
+SWEEP = {
+    128: [C(64, 1, 3, 8, None), C(128, 2, 3, 5, None), C(64, 2, 3, 6, None), C(64, 2, 3, 8, 128),
+          C(128, 2, 2, 4, None), C(128, 4, 3, 3, None)],
+    64: [C(64, 1, 3, 12, 168), C(64, 2, 3, 6, None), C(64, 2, 3, 8, 128), C(128, 2, 3, 4, None)],
+}
 SWEEP_ROWS = [((32, 8, 128), 1, 100_000), ((32, 8, 128), 32, 32768), ((32, 8, 128), 1, 4096), ((9, 3, 64), 1, 100_000),
               ((9, 3, 64), 8, 32768)]  # fmt: skip
 
 
-def _bench_rows(rows, label: str, setting: dict, gen, copy_bw, out: list) -> None:
+def _bench_rows(rows, label: str, setting: dict, gen, copy_bw, out: list, key_bits=layout.BITS, key_block=0) -> None:
     """Time `rows` under the setting in force, tagging each result with `setting` and printing it after `label`."""
     for (H_q, H_kv, D), B, L in rows:
-        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw)
+        r = bench_row(H_q, H_kv, D, B, L, gen, copy_bw, key_bits, key_block)
+        if r is None:
+            continue
         r.update(setting)
         out.append(r)
         print(f"{label} {H_q}/{H_kv} d={D} B={B} L={L}: {r['oscar_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us "
-              f"({r['speedup']:.2f}x)", flush=True)  # fmt: skip
+              f"({r['speedup']:.2f}x), {r['oscar_bw_frac']:.0%} of copy bandwidth", flush=True)  # fmt: skip
 
 
-def sweep(gen, copy_bw):
-    """Try launch settings of the decode kernel on the headline rows (each setting for every head dim)."""
+def sweep(gen, copy_bw, rows=SWEEP_ROWS, key_bits=layout.BITS, key_block=0):
+    """Try launch settings of the decode kernel on `rows` with these keys: each head dim's candidates on its rows."""
     out, base = [], config.current()
-    for cfg in SWEEP:
-        with config.use(dataclasses.replace(base, decode_64=cfg, decode_128=cfg)):
-            _bench_rows(SWEEP_ROWS, f"sweep {cfg}", dataclasses.asdict(cfg), gen, copy_bw, out)
+    for D, candidates in SWEEP.items():
+        dim_rows = [r for r in rows if r[0][2] == D]
+        for cfg in candidates:
+            with config.use(dataclasses.replace(base, **{f"decode_{D}": cfg})):
+                _bench_rows(dim_rows, f"sweep {cfg}", dataclasses.asdict(cfg), gen, copy_bw, out, key_bits, key_block)
     return out
 
 
@@ -243,7 +251,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="headline rows only")
     ap.add_argument("--floor", action="store_true", help="the bandwidth-target rows only: batch 8 at 32K and 100K, "
                     "batch 1 at 100K, both head dims")
-    ap.add_argument("--sweep", action="store_true", help="try launch settings first")
+    ap.add_argument("--sweep", action="store_true", help="try launch settings first (with --floor: on those rows, with "
+                    "the first --key-bits and --key-block)")
     ap.add_argument("--sweep-tiles", type=int, nargs="*", metavar="N",
                     help="try these RuntimeConfig.decode_min_tiles values (default 2 4 8 16) on short-context rows, "
                          "then stop")
@@ -266,8 +275,9 @@ def main():
                   triton=triton.__version__, rows=[])  # fmt: skip
     if args.sweep_tiles is not None:
         result["sweep_tiles"] = sweep_tiles(gen, copy_bw, args.sweep_tiles or (2, 4, 8, 16))
-    if args.sweep:
-        result["sweep"] = sweep(gen, copy_bw)
+    if args.sweep:  # on the --floor rows with the first --key-bits and --key-block, if given
+        result["sweep"] = sweep(gen, copy_bw, FLOOR_ROWS if args.floor else SWEEP_ROWS, args.key_bits[0],
+                                args.key_block[0])
     if args.sweep_variants:
         result["sweep_variants"] = sweep_variants(gen, copy_bw)
     if args.sweep_merge:

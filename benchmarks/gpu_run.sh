@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests of the runtime, then the decode benchmarks; logs and JSON under $OUT, tables last.
-# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_run.sh [quick|tests-1|tests-2|needle|mech|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|first-steps|floor|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
+# Usage (repository root on the GPU machine): OUT=/tmp/out bash benchmarks/gpu_run.sh [quick|tests-1|tests-2|needle|mech|bench|full|budget|peers|variants|decode|kernels|keybits-tests|keybits-bench|pin-tests|pin-bench|compile-tests|compile-bench|prefill|softcap-a|softcap-b|gemma2-bench|rotate-prefill|profile|first-steps|floor|floor-sweep|channel-tests|channel-bench|channel-generate|blockq|budget-codec]
 # quick: tests + the 100K/8K batch-1 rows; bench: those rows only; full: tests + every row of RESULTS.md;
 # budget: tests + the 100K batch 1/8 rows, the 100 GB KV-budget rows and the eager OSCAR rows (peak memory)
 # peers: no tests; installs the wheels under .whl/peers (if any: optimum-quanto, hqq and their small deps, --no-deps),
@@ -61,6 +61,10 @@
 # floor: no tests; ncu's full set on the decode kernel with calibrate's codec (3-bit keys per channel over 128-token
 #   blocks) at batch 8 and 1, 100K, and batch 8, 32K (duration, DRAM throughput, instructions, issue, occupancy, the
 #   top stall reasons; details and raw CSV under $OUT), then bench_decode.py --floor with the same keys
+# floor-sweep: no tests; the decode kernel of the batch-8, 100K row with calibrate's codec profiled per source line
+#   (ncu --import-source; the lines with the most L2 sectors, excess sectors, shared wavefronts, instructions and stall
+#   samples: experiments/ncu_source_top.py), then bench_decode.py --floor --sweep with those keys (each head dim's
+#   launch candidates on its rows), then the floor rows with keys of 2 and 3 bits, per row and per channel
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
 #   full set on the decode kernel at 100K batch 1 and 32K batch 32 (key lines printed, details and raw CSV under $OUT)
@@ -144,6 +148,23 @@ fi
 if [ "$mode" = first-steps ]; then
   python3 -m benchmarks.bench_first_steps --path graph --context 100000 --steps 2000 \
     --json "$OUT/first_steps_graph.json" 2>&1 | tee "$OUT/first_steps_graph.log" | grep -v "^Loading"
+  exit 0
+fi
+if [ "$mode" = floor-sweep ]; then
+  ncu --clock-control none -k regex:'_decode_kernel' --launch-skip 4 --launch-count 1 --set full --import-source yes \
+    -o "$OUT/src" python3 -m benchmarks.experiments.profile_decode --batch 8 --context 100000 --key-bits 3 \
+    --key-block 128 > "$OUT/src.log" 2>&1
+  for view in cuda sass; do
+    ncu --import "$OUT/src.ncu-rep" --page source --print-source $view --csv > "$OUT/src_$view.csv" 2>&1
+    python3 -m benchmarks.experiments.ncu_source_top "$OUT/src_$view.csv" 8 > "$OUT/top_$view.txt" 2>&1
+    gzip -f "$OUT/src_$view.csv"
+  done
+  rm -f "$OUT/src.ncu-rep"
+  head -c 4000 "$OUT/top_cuda.txt"
+  python3 -m benchmarks.bench_decode --floor --sweep --key-bits 3 --key-block 128 2>&1 | tee "$OUT/sweep.log" \
+    | grep '^sweep'
+  python3 -m benchmarks.bench_decode --floor --key-bits 2 3 --key-block 0 128 2>&1 | tee "$OUT/bench_decode.log" \
+    | tail -26
   exit 0
 fi
 if [ "$mode" = floor ]; then

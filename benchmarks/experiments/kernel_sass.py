@@ -8,7 +8,7 @@ reading one token-head of a d = 128 INT2 row (K and V, 72 B) at the copy bandwid
 a loop above that cannot reach the bandwidth floor whatever its memory pipeline does. Shared memory per program is
 printed too (a kernel above 227 KiB does not launch). Usage:
     python -m benchmarks.experiments.kernel_sass [--shape 32,8,128] [--block-n 64] [--warps 1] [--stages 3]
-        [--key-block 128]
+        [--key-block 128] [--key-bits 3]
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def _specialise(fn, values: dict, constexprs: dict):
 
 
 def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, group_size: int = 0,
-                   key_block: int = 0):
+                   key_block: int = 0, key_bits: int = layout.BITS):
     """The decode kernel as `ops.tiered_decode_attention` would launch it on an H200 (132 SMs) for this shape
-    (`key_block` > 0: keys per channel over blocks of that many tokens)."""
+    (`key_block` > 0: keys per channel over blocks of that many tokens; `key_bits`: the history keys' code width)."""
     captured = {}
 
     class Grab:  # stands in for the kernel: records the launch arguments instead of running
@@ -75,7 +75,7 @@ def compile_decode(H_q: int, H_kv: int, D: int, context: int, batch: int = 1, gr
     tiers = dict(
         sink=(torch.empty(batch, H_kv, layout.SINK, D, dtype=torch.bfloat16),) * 2
              + (torch.empty(batch, dtype=torch.int32),),
-        hist=(layout.history_codes(batch, H_kv, hist, D, "cpu"),
+        hist=(layout.history_codes(batch, H_kv, hist, D, "cpu", bits=key_bits),
               torch.empty(batch, H_kv, hist // key_block, D, 2, dtype=torch.float16) if key_block
               else torch.empty(batch, H_kv, hist, NG, 2, dtype=torch.float16),
               layout.history_codes(batch, H_kv, hist, D, "cpu", tokens_contiguous=True),
@@ -206,6 +206,7 @@ def main():
     ap.add_argument("--slack", type=float, help="DecodeConfig.rescale_slack (0: rescale whenever a maximum grows)")
     ap.add_argument("--group-size", type=int, default=0, help="scale/zero group (0: one per row)")
     ap.add_argument("--key-block", type=int, default=0, help="keys per channel over blocks of this many tokens")
+    ap.add_argument("--key-bits", type=int, default=layout.BITS, choices=layout.KEY_BITS, help="the history keys' bits")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = ap.parse_args()
     H_q, H_kv, D = (int(x) for x in args.shape.split(","))
@@ -220,7 +221,7 @@ def main():
 
     with config.use(dataclasses.replace(config.current(), decode_64=cfg, decode_128=cfg)):
         compiled, kw, warps = compile_decode(H_q, H_kv, D, args.context, args.batch, args.group_size,
-                                               args.key_block)
+                                               args.key_block, args.key_bits)
     with tempfile.TemporaryDirectory() as tmp:
         found = loops(compiled.asm["cubin"], Path(tmp))
         res = resources(compiled.asm["cubin"], Path(tmp))
