@@ -191,14 +191,31 @@ def _bench_rows(rows, label: str, setting: dict, gen, copy_bw, out: list, key_bi
               f"({r['speedup']:.2f}x), {r['oscar_bw_frac']:.0%} of copy bandwidth", flush=True)  # fmt: skip
 
 
+def history_error(H_q, H_kv, D, gen, key_bits, key_block, B=2, L=4480) -> float:
+    """The INT2 history's attention by the kernel under the settings in force, against the reference's float
+    dequantization and softmax (`ops._int2_partial_ref`): the largest |difference| over the largest |o|. A launch
+    setting that breaks the kernel gives O(1); the bfloat16 dots give ≈ 1e-2 or less."""
+    c = int2_cache(B, H_kv, D, L, gen, key_bits, key_block)
+    q = torch.randn(B, H_q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    hist = (c["codes_k"], c["scale_zero_k"], c["codes_v"], c["scale_zero_v"], c["hist_len"])
+    o, lse = ops.decode_int2_partial(q, *hist, sm_scale=D**-0.5, key_block=key_block)
+    o_ref, lse_ref = ops._int2_partial_ref(q, *hist, D**-0.5, 1, key_bits, key_block)
+    o, o_ref = ops.merge_partials(o, lse)[0], ops.merge_partials(o_ref, lse_ref)[0]
+    return ((o - o_ref).abs().max() / o_ref.abs().max()).item()
+
+
 def sweep(gen, copy_bw, rows=SWEEP_ROWS, key_bits=layout.BITS, key_block=0):
-    """Try launch settings of the decode kernel on `rows` with these keys: each head dim's candidates on its rows."""
+    """Try launch settings of the decode kernel on `rows` with these keys: each head dim's candidates on its rows,
+    each first checked against the reference (`history_error`, printed as "err")."""
     out, base = [], config.current()
     for D, candidates in SWEEP.items():
         dim_rows = [r for r in rows if r[0][2] == D]
         for cfg in candidates:
             with config.use(dataclasses.replace(base, **{f"decode_{D}": cfg})):
-                _bench_rows(dim_rows, f"sweep {cfg}", dataclasses.asdict(cfg), gen, copy_bw, out, key_bits, key_block)
+                (H_q, H_kv, _), _, _ = dim_rows[0]
+                err = history_error(H_q, H_kv, D, gen, key_bits, key_block)
+                _bench_rows(dim_rows, f"sweep {cfg} err {err:.1e}", dataclasses.asdict(cfg) | dict(error=err), gen,
+                            copy_bw, out, key_bits, key_block)  # fmt: skip
     return out
 
 
