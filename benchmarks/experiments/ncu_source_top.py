@@ -24,7 +24,11 @@ def main() -> None:
     path, top = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10
     with open(path, newline="", errors="replace") as f:
         rows = list(csv.reader(f))
-    head = next(i for i, r in enumerate(rows) if len(r) > 3 and ("Source" in r or "# Source" in r or "Address" in r))
+    head = next((i for i, r in enumerate(rows) if "Source" in r or "# Source" in r), None)
+    if head is None or not any(c in n for n in rows[head] for c in COUNTERS):
+        print(f"{path}: no per-line counters in this view (Triton's kernels correlate with their SASS, not always with "
+              "their Python source)")
+        return
     names, data = rows[head], [r for r in rows[head + 1 :] if len(r) == len(rows[head])]
     source = next(i for i, n in enumerate(names) if n in ("Source", "# Source"))
     for col, name in enumerate(names):

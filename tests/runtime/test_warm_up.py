@@ -98,10 +98,12 @@ def test_a_generation_on_cpu_never_rehearses(monkeypatch):
 def test_fresh_process_builds_nothing_after_the_first_decode_step(tmp_path, path, shape):
     """A new process, empty Triton and inductor caches: a generate() across ≥ 2 demotions of each kind (rows every 8
     steps at d = 64; 128-token key blocks at d = 128, one 3-bit and one 2-bit layer) builds no Triton kernel after
-    its first decode step, and its slowest later step is at most twice the median — on the graph path, of the steps
-    that replay; the few that do not (the first static step, and again the one after the history grows past its
-    reserve: an eager run that captures both step kinds, milliseconds, no build) are bounded apart, at 25 × the
-    median."""
+    its first decode step, and no later step stalls: the slowest is at most 5 × the median — on the graph path, of
+    the steps that replay; the few that do not (the first static step, and again the one after the history grows past
+    its reserve: an eager run that captures both step kinds, milliseconds, no build) are bounded apart, at 25 × the
+    median. A build costs ≥ 100 ms, 20–100 × these steps. The 2 × target is the benchmark's, measured alone on the GPU
+    (benchmarks/bench_first_steps.py, benchmarks/RESULTS.md); under the GPU suite's parallel workers a neighbour's
+    kernels delay single steps by up to 2.5 × the median (seen on an H100 with eight workers)."""
     model, layers, key_block, key_bits = shape
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind"),
            "PYTHONPATH": str(ROOT)}
@@ -113,7 +115,7 @@ def test_fresh_process_builds_nothing_after_the_first_decode_step(tmp_path, path
     assert done.returncode == 0, done.stderr[-3000:]
     s = json.loads(out.read_text())["summary"]
     assert s["builds_after_first_step"] == 0, (s, done.stdout)
-    assert s["max_steady_ms"] <= 2 * s["steady_median_ms"], (s, done.stdout)
+    assert s["max_steady_ms"] <= 5 * s["steady_median_ms"], (s, done.stdout)
     assert (s["max_transition_ms"] or 0) <= 25 * s["steady_median_ms"], (s, done.stdout)
     if path == "graph":  # each step that did not replay ran eagerly and captured both step kinds, ahead of their turn
         caps = json.loads(out.read_text())["captures"]
