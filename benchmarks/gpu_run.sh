@@ -61,9 +61,9 @@
 # floor: no tests; ncu's full set on the decode kernel with calibrate's codec (3-bit keys per channel over 128-token
 #   blocks) at batch 8 and 1, 100K, and batch 8, 32K (duration, DRAM throughput, instructions, issue, occupancy, the
 #   top stall reasons; details and raw CSV under $OUT), then bench_decode.py --floor with the same keys
-# floor-sweep: no tests; the decode kernel of the batch-8, 100K row with calibrate's codec profiled per source line
-#   (ncu --import-source; the lines with the most L2 sectors, excess sectors, shared wavefronts, instructions and stall
-#   samples: experiments/ncu_source_top.py), then bench_decode.py --floor --sweep with those keys (each head dim's
+# floor-sweep: no tests; the decode kernel of the batch-8, 100K row with calibrate's codec profiled per SASS instruction
+#   (ncu --import-source; the instructions with the most L2 sectors, excess sectors, shared wavefronts, instructions and
+#   stall samples: experiments/ncu_source_top.py), then bench_decode.py --floor --sweep with those keys (each head dim's
 #   launch candidates on its rows), then the floor rows with keys of 2 and 3 bits, per row and per channel
 # profile: no tests; ncu at the SM's own clock (--clock-control none) on the decode and merge kernels of the 100K
 #   batch-1 row (durations, issue, warps, registers) for the settings in force and for two-warp programs, then the
@@ -154,13 +154,13 @@ if [ "$mode" = floor-sweep ]; then
   ncu --clock-control none -k regex:'_decode_kernel' --launch-skip 4 --launch-count 1 --set full --import-source yes \
     -o "$OUT/src" python3 -m benchmarks.experiments.profile_decode --batch 8 --context 100000 --key-bits 3 \
     --key-block 128 > "$OUT/src.log" 2>&1
-  for view in cuda sass; do
-    ncu --import "$OUT/src.ncu-rep" --page source --print-source $view --csv > "$OUT/src_$view.csv" 2>&1
-    python3 -m benchmarks.experiments.ncu_source_top "$OUT/src_$view.csv" 8 > "$OUT/top_$view.txt" 2>&1
-    gzip -f "$OUT/src_$view.csv"
-  done
+  # per SASS instruction (Triton's kernels do not always correlate with their Python lines)
+  ncu --import "$OUT/src.ncu-rep" --page source --print-source sass --csv > "$OUT/src_sass.csv" 2>&1
+  python3 -m benchmarks.experiments.ncu_source_top "$OUT/src_sass.csv" 8 > "$OUT/top_sass.txt" 2>&1
+  gzip -f "$OUT/src_sass.csv"
   rm -f "$OUT/src.ncu-rep"
-  head -c 4000 "$OUT/top_cuda.txt"
+  grep -A9 -E "^== (L2 Theoretical Sectors Global|L2 Theoretical Sectors Global Excessive|Warp Stall Sampling \(All Samples\)):" \
+    "$OUT/top_sass.txt"
   python3 -m benchmarks.bench_decode --floor --sweep --key-bits 3 --key-block 128 2>&1 | tee "$OUT/sweep.log" \
     | grep '^sweep'
   python3 -m benchmarks.bench_decode --floor --key-bits 2 3 --key-block 0 128 2>&1 | tee "$OUT/bench_decode.log" \
