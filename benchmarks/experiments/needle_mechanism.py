@@ -319,6 +319,10 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
                 extra_bits_k=own_k - len(least) / layers, extra_bits_v=len(reading) / layers,
                 **(own_v3 | {"k_bits": {i: 3 for i in kept}})),
         Variant("the artifact", extra_bits_k=own_k, **own),
+        # the reading layers' keys and values at 4 bits, paid for by 2-bit keys in every other layer
+        Variant("4-bit K and V in the needle-reading layers, 2-bit K elsewhere",
+                extra_bits_k=own_k - n3 + 2 * len(reading) / layers, extra_bits_v=2 * len(reading) / layers,
+                **(own | {"k_bits": {i: 4 for i in reading}, "v_bits": {i: 4 for i in reading}, "v_clip": 0.0})),
         # a bound, not a codec: how much of the loss the needle-reading layers hold
         Variant("the artifact, K and V bf16 in the needle-reading layers",
                 extra_bits_k=own_k + 13.5 * len(reading) / layers, extra_bits_v=13.5 * len(reading) / layers,
