@@ -59,8 +59,9 @@
 # first-steps: no tests; one generate() in a fresh process (empty Triton and inductor caches), 100K prompt, 2,000 steps,
 #   CUDA graphs of compiled layers: every step's time (benchmarks/bench_first_steps.py)
 # floor: no tests; ncu's full set on the decode kernel with calibrate's codec (3-bit keys per channel over 128-token
-#   blocks) at batch 8 and 1, 100K, and batch 8, 32K (duration, DRAM throughput, instructions, issue, occupancy, the
-#   top stall reasons; details and raw CSV under $OUT), then bench_decode.py --floor with the same keys
+#   blocks) at batch 8 and 1, 100K, and batch 8, 32K (duration, DRAM and L2 throughput, instructions, issue, warps per
+#   scheduler, occupancy; details under $OUT; the stalls per instruction: floor-sweep), then bench_decode.py --floor
+#   with the same keys
 # floor-sweep: no tests; the decode kernel of the batch-8, 100K row with calibrate's codec profiled per SASS instruction
 #   (ncu --import-source; the instructions with the most L2 sectors, excess sectors, shared wavefronts, instructions and
 #   stall samples: experiments/ncu_source_top.py), then bench_decode.py --floor --sweep with those keys (each head dim's
@@ -174,23 +175,12 @@ if [ "$mode" = floor ]; then
       python3 -m benchmarks.experiments.profile_decode --batch "$1" --context "$2" --key-bits 3 --key-block 128 \
       > "$OUT/floor_b$1_$2.log" 2>&1
     ncu --import "$OUT/floor_b$1_$2.ncu-rep" --page details --print-units base > "$OUT/floor_details_b$1_$2.txt" 2>&1
-    ncu --import "$OUT/floor_b$1_$2.ncu-rep" --page raw --csv > "$OUT/floor_raw_b$1_$2.csv" 2>&1
     rm -f "$OUT/floor_b$1_$2.ncu-rep"
     echo "== batch $1, context $2, 3-bit keys per channel over 128-token blocks"
-    grep -E "^    (Duration|DRAM Throughput|Executed Instructions  |Issue Slots Busy|Executed Ipc Active|No Eligible|\
-Achieved Occupancy|Warp Cycles Per Issued|Registers Per Thread|Block Limit Registers|Waves Per SM|Grid Size)" \
+    grep -E "^    (Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Executed Instructions  |Issue Slots Busy|\
+Executed Ipc Active|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Achieved Occupancy|\
+Warp Cycles Per Issued|Registers Per Thread|Block Limit Registers|Waves Per SM|Grid Size)" \
       "$OUT/floor_details_b$1_$2.txt"
-    python3 - "$OUT/floor_raw_b$1_$2.csv" <<'PY'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
-names, vals = rows[head], rows[head + 2]
-stalls = {n.split("stalled_")[1].split("_per_warp_active")[0]: float(v.replace(",", "") or 0)
-          for n, v in zip(names, vals) if n.startswith("smsp__average_warps_issue_stalled_")
-          and n.endswith("_per_warp_active.pct") and v.replace(",", "").replace(".", "").isdigit()}
-print("    stalls (% of active warp cycles):", ", ".join(f"{k} {v:.0f}" for k, v in
-      sorted(stalls.items(), key=lambda kv: -kv[1])[:6]))
-PY
   done
   python3 -m benchmarks.bench_decode --floor --key-bits 3 --key-block 128 2>&1 | tee "$OUT/bench_decode.log" | tail -9
   exit 0

@@ -1,5 +1,5 @@
-"""The source lines of one profiled kernel that take the most of each memory and issue counter, from the CSV that
-`ncu --import REPORT --page source --print-source cuda --csv` (or `sass`) prints for a report taken with
+"""The SASS instructions of one profiled kernel that take the most of each memory and issue counter, from the CSV that
+`ncu --import REPORT --page source --print-source sass --csv` prints for a report taken with
 `--set full --import-source yes`: L2 sectors requested and their excess over a coalesced access, shared-memory
 wavefronts, instructions and warp-stall samples. Usage: python -m benchmarks.experiments.ncu_source_top FILE.csv [N]
 """
