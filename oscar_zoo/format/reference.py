@@ -220,6 +220,55 @@ def unpack_codes(packed: Tensor, bits: int = layout.BITS) -> Tensor:
     return codes | (torch.cat([(plane >> i) & 1 for i in range(8)], dim=-1) << layout.BITS)
 
 
+def _pair_offsets(width: int, device) -> Tensor:
+    """Where the bytes of a pair of packed 3-bit rows sit in the history's pair order (docs/format.md §6b): [2, width]
+    offsets into the pair's 2·width bytes, row e's low-bit bytes at e·D/4 + j, its plane bytes at D/2 + e·D/8 + j."""
+    d4 = width * 2 // 3
+    d8 = width - d4
+    j = torch.arange(width, device=device)
+    return torch.stack([torch.where(j < d4, e * d4 + j, 2 * d4 + e * d8 + j - d4) for e in (0, 1)])
+
+
+def store_pairs(packed: Tensor, bits: int = layout.BITS) -> Tensor:
+    """Packed rows [..., T, packed_dim(D, bits)] (`pack_codes`, T even) in the history's order (docs/format.md §6b):
+    3-bit rows in pairs, the two rows' low-bit bytes then their two planes; 2-bit rows as they are."""
+    if layout.check_bits(bits) == 2:
+        return packed
+    *lead, T, W = packed.shape
+    if T % 2:
+        raise ValueError(f"3-bit key rows are stored in pairs: expected an even number of rows, got {T}")
+    out = torch.empty_like(packed).reshape(*lead, T // 2, 2 * W)
+    out[..., _pair_offsets(W, packed.device).flatten()] = packed.reshape(*lead, T // 2, 2 * W)
+    return out.reshape(packed.shape)
+
+
+def load_pairs(stored: Tensor, bits: int = layout.BITS) -> Tensor:
+    """Inverse of `store_pairs`: the history's rows [..., T, packed_dim(D, bits)] (T even) as `pack_codes` rows."""
+    if layout.check_bits(bits) == 2:
+        return stored
+    *lead, T, W = stored.shape
+    if T % 2:
+        raise ValueError(f"3-bit key rows are stored in pairs: expected an even number of rows, got {T}")
+    pairs = stored.reshape(*lead, T // 2, 2 * W)
+    return pairs[..., _pair_offsets(W, stored.device).flatten()].reshape(stored.shape)
+
+
+def read_history_rows(hist: Tensor, n: int, bits: int = layout.BITS) -> Tensor:
+    """The first `n` rows of a history [..., T_cap, W] (T_cap even) as `pack_codes` rows [..., n, W]."""
+    return load_pairs(hist[..., : n + n % 2, :], bits)[..., :n, :]
+
+
+def write_history_rows(hist: Tensor, rows: Tensor, packed: Tensor, bits: int = layout.BITS) -> None:
+    """Write `pack_codes` rows packed [B, H, m, W] into a history [B, H, T_cap, W] (contiguous rows) at rows `rows`
+    ([m] int64, on hist's device, any parity: a 3-bit row's bytes are its own within its pair), in place."""
+    if layout.check_bits(bits) == 2:
+        hist.index_copy_(2, rows, packed)
+        return
+    B, H, T, W = hist.shape
+    pairs = hist.view(B, H, T // 2, 2 * W)
+    pairs[:, :, (rows // 2)[:, None], _pair_offsets(W, hist.device)[rows % 2]] = packed
+
+
 def quantize_pack_ref(
     x: Tensor, clip_ratio: float | Tensor, group_size: int = 0, rotation: Tensor | None = None,
     bits: int = layout.BITS,

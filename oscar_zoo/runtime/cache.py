@@ -288,7 +288,10 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
             if self.quantize:
                 keys = hist is self.hist_k
                 codes, scale_zero = self._quantize(tier[:, :, :F], keys)
-                hist.index_copy_(2, rows, codes)
+                if keys:  # (3-bit keys: in pairs, docs/format.md §6b)
+                    reference.write_history_rows(hist, rows, codes, self.rotation.k_bits)
+                else:
+                    hist.index_copy_(2, rows, codes)
                 # per-channel keys: one block of pairs, at block hist_len / key_block (F = key_block)
                 sz.index_copy_(2, rows[:1] // self.key_block if keys and self.key_block else rows, scale_zero)
             else:
@@ -366,8 +369,9 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         hist, at = slice(0, self.n_hist), n_sink + self.n_hist
         if self.quantize:
             blocks = self.n_hist // self.key_block if self.key_block else self.n_hist
-            ops.dequantize_into(k[:, :, n_sink:at], self.hist_k[:, :, hist], self.sz_k[:, :, :blocks],
-                                self.rotation.k_bits, self.key_block)
+            codes_k = reference.read_history_rows(self.hist_k, self.n_hist, self.rotation.k_bits)
+            ops.dequantize_into(k[:, :, n_sink:at], codes_k, self.sz_k[:, :, :blocks], self.rotation.k_bits,
+                                self.key_block)
             ops.dequantize_into(v[:, :, n_sink:at], self.hist_v[:, :, hist], self.sz_v[:, :, hist])
         else:  # (the BF16-history test switch)
             k[:, :, n_sink:at], v[:, :, n_sink:at] = self.hist_k[:, :, hist], self.hist_v[:, :, hist]

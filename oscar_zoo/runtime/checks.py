@@ -73,6 +73,9 @@ def _check_codes(q, codes_k, codes_v, D: int) -> tuple[int, int]:
     check_kv("codes_v", codes_v, q, (D // 4,), layout.CODE_DTYPE)
     check(codes_v.shape[:3] == codes_k.shape[:3],
           lambda: f"codes_v {tuple(codes_v.shape)} does not match codes_k {tuple(codes_k.shape)}")  # fmt: skip
+    check(key_bits == 2 or codes_k.shape[2] % 2 == 0,
+          lambda: f"3-bit codes_k hold rows in pairs (docs/format.md §6b): an even number of rows, got "
+                  f"{codes_k.shape[2]}")  # fmt: skip
     return H_kv, key_bits
 
 

@@ -74,7 +74,9 @@ class QuantizedHistory:
         if self.quantize:
             k_pairs = slice(self.n_hist // self.key_block, (self.n_hist + m) // self.key_block) if self.key_block \
                 else rows
-            self.hist_k[:, :, rows], self.sz_k[:, :, k_pairs] = self._quantize(k, True)
+            codes, self.sz_k[:, :, k_pairs] = self._quantize(k, True)
+            at = torch.arange(self.n_hist, self.n_hist + m, device=codes.device)
+            reference.write_history_rows(self.hist_k, at, codes, self.rotation.k_bits)  # (3-bit keys: in pairs)
             self.hist_v[:, :, rows], self.sz_v[:, :, rows] = self._quantize(v, False)
         else:
             self.hist_k[:, :, rows], self.hist_v[:, :, rows] = k, v
@@ -87,11 +89,12 @@ class QuantizedHistory:
         rows = slice(0, self.n_hist)
         if not self.quantize:
             return self.hist_k[:, :, rows].float(), self.hist_v[:, :, rows].float()
+        bits = self.rotation.k_bits
+        codes_k = reference.read_history_rows(self.hist_k, self.n_hist, bits)
         if self.key_block:
             blocks = slice(0, self.n_hist // self.key_block)
-            k = reference.dequantize_unpack_channel(self.hist_k[:, :, rows], self.sz_k[:, :, blocks],
-                                                    self.rotation.k_bits)
+            k = reference.dequantize_unpack_channel(codes_k, self.sz_k[:, :, blocks], bits)
         else:
-            k = reference.dequantize_unpack(self.hist_k[:, :, rows], self.sz_k[:, :, rows], self.rotation.k_bits)
+            k = reference.dequantize_unpack(codes_k, self.sz_k[:, :, rows], bits)
         v = reference.dequantize_unpack(self.hist_v[:, :, rows], self.sz_v[:, :, rows])
         return k, v

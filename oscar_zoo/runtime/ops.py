@@ -143,8 +143,10 @@ def launch_decode(q, o, lse, sm_scale, sink=None, hist=None, recent=None, s_sink
         szk = dispatch.last_contiguous(szk, 2) if key_block else _pairs_as_words(dispatch.last_contiguous(szk, 2))
         szv = _pairs_as_words(dispatch.last_contiguous(szv, 2))
         H_kv, G, key_bits = ck.shape[1], D if key_block else D // szk.shape[-2], codes_key_bits(ck, D)
-        if key_bits == 3 and any(st % 8 for n, st in zip(ck.shape[:3], ck.stride()[:3]) if n > 1):
-            ck = ck.contiguous()  # the kernel reads 3-bit rows (3D/8 bytes) with strides that are multiples of 8
+        if key_bits == 3 and (ck.stride(2) != ck.shape[3] or any(st % 8 for st in ck.stride()[:2])):
+            # the kernel reads 3-bit rows in pairs (docs/format.md §6b: a pair's 3D/4 bytes contiguous, from an even
+            # row) with strides that are multiples of 8; a copy keeps the pairs (T_cap is even, `validate_int2`)
+            ck = ck.contiguous()
     else:
         ck = cv = _dummy(dev, layout.CODE_DTYPE)
         szk = szv = _dummy(dev, layout.SCALE_DTYPE)
@@ -227,7 +229,8 @@ def decode_int2_partial(
 ) -> tuple[Tensor, Tensor]:
     """Split-K attention over the INT2 history: partial o fp32 [B, H_q, S, D] and lse fp32 [B, H_q, S] (normalised
     per split; empty splits give o = 0, lse = −inf). Merge them with `merge_partials`. `codes_k` [..., D/4] holds
-    2-bit keys, [..., 3D/8] 3-bit keys (`layout.packed_dim`); values are 2-bit. `key_block` > 0: the keys are coded
+    2-bit keys, [..., 3D/8] 3-bit keys (`layout.packed_dim`) in the history's pairs (`reference.store_pairs`, T_cap
+    even); values are 2-bit. `key_block` > 0: the keys are coded
     per channel over blocks of that many history tokens (docs/format.md §6d): scale_zero_k [B, H_kv, T_cap /
     key_block, D, 2] (T_cap = codes_k.shape[2], whole blocks), values per row (scale_zero_v [B, H_kv, T_cap, 1, 2])."""
     H_kv, G, hist_len, key_bits = validate_int2(q, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len, key_block)
@@ -247,7 +250,8 @@ def _int2_partial_ref(q, codes_k, sz_k, codes_v, sz_v, hist_len, sm_scale, S, ke
     """Reference fallback of `decode_int2_partial`: the whole history as split 0, the other splits empty."""
     B, H_q, D = q.shape
     dequant_k = reference.dequantize_unpack_channel if key_block else reference.dequantize_unpack
-    k, v = dequant_k(codes_k, sz_k, key_bits), reference.dequantize_unpack(codes_v, sz_v)
+    k = dequant_k(reference.load_pairs(codes_k, key_bits), sz_k, key_bits)
+    v = reference.dequantize_unpack(codes_v, sz_v)
     o0, lse0 = reference.attention_partial_ref(q, k, v, hist_len, sm_scale)
     o = torch.zeros(B, H_q, S, D, dtype=torch.float32, device=q.device)
     lse = torch.full((B, H_q, S), -math.inf, dtype=torch.float32, device=q.device)
@@ -354,7 +358,8 @@ def tiered_decode_attention(
     ragged: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over sink / INT2 history / recent tiers (layout as in `layout`; the history's keys 2- or 3-bit
-    by codes_k's width, `layout.packed_dim`), exact softmax over their union. q [B, H_q, D] already rotated by M_K.
+    by codes_k's width, `layout.packed_dim`, 3-bit ones in pairs: `reference.store_pairs`), exact softmax over their
+    union. q [B, H_q, D] already rotated by M_K.
     Returns o [B, H_q, D] (in M_V space) and lse fp32 [B, H_q].
     Two launches: the split-K decode kernel over all three tiers, then the merge; lengths are read on the device (no
     host sync). The merge also finishes the output: `v_mean` [H_q, D] or [1, D] (the centred codec's μ_V·M_V per query
@@ -383,7 +388,8 @@ def tiered_decode_attention(
               lambda: f"logit_bias must be [{B}, {H_q}] on {q.device}, got {tuple(logit_bias.shape)}")
     if not (dispatch.use_kernel(q) and _kernel_head_dim_ok(D)):
         o, lse = reference.tiered_decode_attention_ref(
-            q, sink_k, sink_v, sink_len, codes_k, scale_zero_k, codes_v, scale_zero_v, hist_len,
+            q, sink_k, sink_v, sink_len, reference.load_pairs(codes_k, key_bits), scale_zero_k, codes_v, scale_zero_v,
+            hist_len,
             recent_k, recent_v, recent_len, sm_scale, key_bits=key_bits, key_block=key_block, softcap=softcap,
             logit_bias=logit_bias,
         )  # fmt: skip

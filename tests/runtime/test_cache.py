@@ -75,7 +75,7 @@ def test_tiers_equal_requantized_rotated_history(group_size, dtype, key_bits):
     codes_k, sz_k = reference.quantize_pack_ref(rk[:, :, lo:hi], k_clip[0].reshape(H, 1), group_size, bits=key_bits)
     codes_v, sz_v = reference.quantize_pack_ref(rv[:, :, lo:hi], v_clip[0].reshape(H, 1), group_size)
     assert codes_k.shape[-1] == layout.packed_dim(D, key_bits) and codes_v.shape[-1] == D // 4
-    assert torch.equal(layer.hist_k[:, :, : layer.n_hist], codes_k)
+    assert torch.equal(reference.read_history_rows(layer.hist_k, layer.n_hist, key_bits), codes_k)  # (in pairs)
     assert torch.equal(layer.hist_v[:, :, : layer.n_hist], codes_v)
     assert torch.equal(layer.sz_k[:, :, : layer.n_hist], sz_k)
     assert torch.equal(layer.sz_v[:, :, : layer.n_hist], sz_v)

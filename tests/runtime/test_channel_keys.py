@@ -112,7 +112,7 @@ def test_tiers_hold_whole_key_blocks(key_bits):
     codes_k, sz_k = reference.quantize_pack_channel_ref(rk[:, :, lo:hi], 64, key_bits)
     codes_v, sz_v = reference.quantize_pack_ref(rv[:, :, lo:hi], torch.full((H, 1), 0.92))
     assert layer.sz_k.shape[2:] == (layer.hist_k.shape[2] // 64, D, 2)
-    assert torch.equal(layer.hist_k[:, :, : layer.n_hist], codes_k)
+    assert torch.equal(reference.read_history_rows(layer.hist_k, layer.n_hist, key_bits), codes_k)  # (in pairs)
     assert torch.equal(layer.sz_k[:, :, : layer.n_hist // 64], sz_k)
     assert torch.equal(layer.hist_v[:, :, : layer.n_hist], codes_v)
     assert torch.equal(layer.sz_v[:, :, : layer.n_hist], sz_v)

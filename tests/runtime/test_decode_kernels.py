@@ -32,11 +32,13 @@ def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths
     memory past each length holds garbage (NaN for the kernel, finite for the reference, whose masked einsum would
     turn 0·NaN into NaN). `key_ramp` = (first, last) scales the history keys linearly over the token axis.
     V's codes are token-major as the cache stores them (`layout.history_codes`) unless `v_token_major` is False.
-    `key_bits` = 3: the history keys are 3-bit codes ([..., 3D/8] bytes, `reference.pack_codes`)."""
+    `key_bits` = 3: the history keys are 3-bit codes ([..., 3D/8] bytes, `reference.pack_codes`), stored in pairs as
+    the cache stores them (`reference.store_pairs`; T_cap even)."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lengths or [_tier_lengths(L) for L in contexts], dtype=torch.int32)  # [B, 3]
     B = lens.shape[0]
     T_cap = hist_cap or max(8, int(lens[:, 1].max()) + 5)
+    T_cap += T_cap % 2
     scale = torch.rand(B, H_kv, 1, 1, generator=g) + 0.5
 
     def rand(*shape):
@@ -48,6 +50,7 @@ def _cache(contexts, H_kv, D, device, seed, hist_cap=None, group_size=0, lengths
     if key_ramp is not None:
         hist_k = hist_k * torch.linspace(*key_ramp, T_cap)[:, None]
     ck, szk = reference.quantize_pack_ref(hist_k, 0.96, group_size, bits=key_bits)
+    ck = reference.store_pairs(ck, key_bits)
     cv, szv = reference.quantize_pack_ref(rand(B, H_kv, T_cap, D), 0.92, group_size)
     if v_token_major:
         cv = layout.history_codes(B, H_kv, T_cap, D, "cpu", tokens_contiguous=True).copy_(cv)
@@ -78,7 +81,7 @@ def _attention(q, c, sm_scale, dtype, tiers=("sink", "hist", "recent"), drop=Non
     for t in tiers:
         if t == "hist":
             dq = reference.dequantize_unpack_channel if key_block else reference.dequantize_unpack
-            k = dq(c["codes_k"], c["scale_zero_k"], _key_bits(c))
+            k = dq(_key_rows(c), c["scale_zero_k"], _key_bits(c))
             v = reference.dequantize_unpack(c["codes_v"], c["scale_zero_v"])
         else:
             k, v = c[f"{t}_k"].float(), c[f"{t}_v"].float()
@@ -101,6 +104,11 @@ def _key_bits(c) -> int:
     """The bits of a cache's history keys, from their packed width (D/4 bytes: 2, 3D/8: 3)."""
     D = c["sink_k"].shape[-1]
     return 3 if c["codes_k"].shape[-1] == layout.packed_dim(D, 3) else 2
+
+
+def _key_rows(c):
+    """A cache's history keys as `reference.pack_codes` rows (3-bit keys are stored in pairs)."""
+    return reference.load_pairs(c["codes_k"], _key_bits(c))
 
 
 def _check_rule(o, lse, q, clean, sm_scale, tiers=("sink", "hist", "recent"), boundary=None):
@@ -364,8 +372,8 @@ def test_scores_keep_the_documented_q_precision(device, D, group, key_bits):
     cv, szv = reference.quantize_pack_ref(torch.randn(B, H_kv, 8, D, generator=g), 0.92, 0)
     q = torch.randn(B, H_kv * group, D, generator=g) * (1 + 7 * (torch.rand(B, H_kv * group, D, generator=g) > 0.95))
     ones = torch.ones(B, dtype=torch.int32)
-    _, lse = ops.decode_int2_partial(q.to(device), ck.to(device), szk.to(device), cv.to(device), szv.to(device),
-                                     ones.to(device), D**-0.5, num_splits=1)  # fmt: skip
+    _, lse = ops.decode_int2_partial(q.to(device), reference.store_pairs(ck, key_bits).to(device), szk.to(device),
+                                     cv.to(device), szv.to(device), ones.to(device), D**-0.5, num_splits=1)
     k_hat = reference.dequantize_unpack(ck, szk, key_bits).double()[:, :, 0].repeat_interleave(group, 1)  # [B, H_q, D]
     qd = q.double()
     want = (qd * k_hat).sum(-1) * D**-0.5
@@ -384,8 +392,7 @@ def test_scores_keep_the_documented_q_precision(device, D, group, key_bits):
 # 3-bit keys (docs/format.md §6b): each path of the score dot — integer (GQA groups of 4 at D = 64 and 128, two tokens
 # per row; a group of 8 at D = 128), bfloat16 (groups of 1 and 2, a group of 8 at D = 64) and per-group scales (G < D)
 # — with masked last tiles (histories no multiple of the interpreter's 16-token tile), through the tiered call. `pad`
-# widens each stored key row (0xFF bytes): 8 keeps the row stride a multiple of 8 (the kernel reads the view as it is),
-# 3 does not (`ops` copies it).
+# widens each stored key row (0xFF bytes): the rows are then no contiguous pairs, and `ops` copies them.
 @pytest.mark.parametrize("D, group, group_size, lengths, pad", [
     (64, 4, 0, [(64, 45, 3), (5, 17, 0)], 0),
     (64, 4, 0, [(64, 29, 0)], 8),
@@ -411,23 +418,25 @@ def test_three_bit_keys(device, D, group, group_size, lengths, pad):
     q = _query(len(lengths), H_kv * group, D, device, seed)
     _check_against_reference(q, clean, dirty, D**-0.5, boundary=("hist", 16) if D == 64 else None)
     # the reference twin (3-bit keys by `key_bits`) passes the same rule
-    o_ref, lse_ref = reference.tiered_decode_attention_ref(q.cpu(), **clean, sm_scale=D**-0.5, key_bits=3)
+    o_ref, lse_ref = reference.tiered_decode_attention_ref(q.cpu(), **{**clean, "codes_k": _key_rows(clean)},
+                                                           sm_scale=D**-0.5, key_bits=3)  # fmt: skip
     _check_rule(o_ref, lse_ref, q, clean, D**-0.5)
 
 
 @pytest.mark.parametrize("D, group, group_size", [(64, 4, 0), (128, 8, 0), (64, 1, 0), (64, 2, 16)],
                          ids=["int8-pair", "int8", "bf16", "G16"])  # fmt: skip
 def test_three_bit_plane_order_known_answer(device, D, group, group_size):
-    """Tokens 2d and 2d + 1 of a 2D-token history differ only in the third bit of dim d (codes 3 and 7; scale 1,
-    zero 0; every other code 0), packed by hand from the format: the low bits quartered, then byte D/4 + j of the plane
-    holds the third bit of dim j + i·D/8 in bit i. Token 2d + 1's value is 3 in dim d, every other value 0; five
-    garbage rows (0xFF codes, NaN scales) follow the history. Each query head's q is a permutation of distinct n/128,
-    n integers in [−127, 127] (so the integer path's q parts are exact). By hand, in float64: scores 3·q_d and 7·q_d,
-    o[d] = 3·p(2d + 1). A plane read in another bit order (bits reversed, bits of consecutive dims, or no third bit)
-    gives an answer far outside the tolerance (2^-8 relative, the bfloat16 p of a GPU's P·V, plus 2^-12; checked)."""
+    """Tokens 2d and 2d + 1 of a 2D-token history differ only in the third bit of dim d (codes 3 and 7; scale 1, zero
+    0; every other code 0), packed by hand from the format: the low bits quartered, then byte D/4 + j of the plane
+    holds the third bit of dim j + i·D/8 in bit i; the history stores them in pairs (`reference.store_pairs`). Token
+    2d + 1's value is 3 in dim d, every other value 0; six garbage rows (0xFF codes, NaN scales) follow the history.
+    Each query head's q is a permutation of distinct n/128, n integers in [−127, 127] (so the integer path's q parts
+    are exact). By hand, in float64: scores 3·q_d and 7·q_d, o[d] = 3·p(2d + 1). A plane read in another bit order
+    (bits reversed, bits of consecutive dims, or no third bit) gives an answer far outside the tolerance (2^-8
+    relative, the bfloat16 p of a GPU's P·V, plus 2^-12; checked)."""
     T, D4, D8, G = 2 * D, D // 4, D // 8, group_size or D
-    ck = torch.full((1, 1, T + 5, 3 * D8), 0xFF, dtype=torch.uint8)
-    cv = torch.full((1, 1, T + 5, D4), 0xFF, dtype=torch.uint8)
+    ck = torch.full((1, 1, T + 6, 3 * D8), 0xFF, dtype=torch.uint8)
+    cv = torch.full((1, 1, T + 6, D4), 0xFF, dtype=torch.uint8)
     ck[:, :, :T], cv[:, :, :T] = 0, 0
     codes = torch.zeros(T, D, dtype=torch.uint8)
     for d in range(D):
@@ -437,9 +446,10 @@ def test_three_bit_plane_order_known_answer(device, D, group, group_size):
         cv[0, 0, 2 * d + 1, d % D4] = low
         codes[2 * d, d], codes[2 * d + 1, d] = 3, 7
     assert torch.equal(reference.pack_codes(codes, 3), ck[0, 0, :T])  # the hand packing is the reference's
-    sz = torch.full((1, 1, T + 5, D // G, 2), float("nan"), dtype=torch.float16)
+    sz = torch.full((1, 1, T + 6, D // G, 2), float("nan"), dtype=torch.float16)
     sz[:, :, :T, :, 0], sz[:, :, :T, :, 1] = 1.0, 0.0
-    cv = layout.history_codes(1, 1, T + 5, D, "cpu", tokens_contiguous=True).copy_(cv)
+    cv = layout.history_codes(1, 1, T + 6, D, "cpu", tokens_contiguous=True).copy_(cv)
+    ck = reference.store_pairs(ck, 3)
     n = torch.linspace(-127, 127, D, dtype=torch.float64).round()
     assert n.unique().numel() == D
     g = torch.Generator().manual_seed(D + group)
@@ -471,9 +481,9 @@ def test_three_bit_scores_at_the_integer_bound(device, D, group):
     largest |q| (±1), one history token. Σ c·(q_hi·Q_LO + q_lo) = ±7·D·127·Q_LO, below 2^22 only with the 3-bit
     Q_LO = min(128, 4096 / D) (the 2-bit min(128, 8192 / D) doubles it past the float32 trick's range at D ≤ 128)."""
     H_kv = 2
-    ck = reference.pack_codes(torch.full((1, H_kv, 1, D), 7, dtype=torch.uint8), 3)
-    cv = torch.zeros(1, H_kv, 1, D // 4, dtype=torch.uint8)
-    sz = torch.tensor([0.25, 0.0], dtype=torch.float16).expand(1, H_kv, 1, 1, 2).contiguous()
+    ck = reference.store_pairs(reference.pack_codes(torch.full((1, H_kv, 2, D), 7, dtype=torch.uint8), 3), 3)
+    cv = torch.zeros(1, H_kv, 2, D // 4, dtype=torch.uint8)
+    sz = torch.tensor([0.25, 0.0], dtype=torch.float16).expand(1, H_kv, 2, 1, 2).contiguous()
     q = torch.ones(1, H_kv * group, D)
     q[:, 1::2] = -1  # heads of either sign
     _, lse = ops.decode_int2_partial(q.bfloat16().to(device), ck.to(device), sz.to(device), cv.to(device),
@@ -518,6 +528,8 @@ def _channel_cache(lengths, H_kv, D, device, seed, key_block, key_bits=2):
         hist["codes_v"][b, :, h:] = 0xFF
         hist["scale_zero_k"][b, :, -(-h // key_block) :] = float("nan")
         hist["scale_zero_v"][b, :, h:] = float("nan")
+    for c in (clean, hist):  # (stored in pairs, as the cache stores them)
+        c["codes_k"] = reference.store_pairs(c["codes_k"], key_bits)
     dirty.update({k: v.to(device) for k, v in hist.items()})
     assert dirty["codes_v"].stride(2) == 1 and dirty["scale_zero_k"].shape == (B, H_kv, nb, D, 2)
     return clean, dirty
@@ -543,10 +555,10 @@ def _channel_attention(q, c, sm_scale, key_block, tiers=("sink", "hist", "recent
     for t in tiers:
         if t == "hist":
             if rounded is None:
-                k = reference.dequantize_unpack_channel(c["codes_k"], szk, _key_bits(c)).double()
+                k = reference.dequantize_unpack_channel(_key_rows(c), szk, _key_bits(c)).double()
                 scores.append(torch.einsum("bhgd,bhtd->bhgt", qg, k))
             else:
-                codes = reference.unpack_codes(c["codes_k"], _key_bits(c)).double()
+                codes = reference.unpack_codes(_key_rows(c), _key_bits(c)).double()
                 s, z = szk[..., 0].double(), szk[..., 1].double()  # [B, H_kv, nb, D]
                 a = (qg[:, :, :, None] * s[:, :, None]).to(rounded).double()  # [B, H_kv, group, nb, D]
                 codes = codes.reshape(B, H_kv, nb, key_block, D) - z[:, :, :, None]

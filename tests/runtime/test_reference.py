@@ -224,6 +224,31 @@ def test_three_bit_packing_by_hand(D):
     assert torch.equal(packed[:, :q], R.pack_codes(c & 3))
 
 
+@pytest.mark.parametrize("D", [8, 64, 128])
+def test_three_bit_history_pairs_by_hand(D):
+    """The history stores 3-bit rows in pairs (docs/format.md §6b): rows 2p and 2p + 1 as their low-bit bytes (D/4
+    each) then their planes (D/8 each), listed here by hand; 2-bit rows as they are. Writing rows one run at a time, at
+    any parity (a prompt's history, then demotions of 8 from an odd row), gives the same bytes, and never touches the
+    other row of a pair (a row written over garbage reads back exact)."""
+    torch.manual_seed(D)
+    T, q, e = 10, D // 4, D // 8
+    rows = R.pack_codes(torch.randint(0, 8, (1, 2, T, D), dtype=torch.uint8), 3)
+    stored = R.store_pairs(rows, 3)
+    for p in range(T // 2):
+        a, b = rows[0, 1, 2 * p].tolist(), rows[0, 1, 2 * p + 1].tolist()
+        assert stored[0, 1, 2 * p : 2 * p + 2].flatten().tolist() == a[:q] + b[:q] + a[q:] + b[q:]
+    assert torch.equal(R.load_pairs(stored, 3), rows)
+    two = R.pack_codes(torch.randint(0, 4, (1, 2, T, D), dtype=torch.uint8))
+    assert torch.equal(R.store_pairs(two, 2), two) and torch.equal(R.load_pairs(two, 2), two)
+    hist = torch.full((1, 2, T + 2, 3 * e), 0xA5, dtype=torch.uint8)  # garbage past the rows
+    for lo, hi in ((0, 3), (3, 4), (4, 9), (9, 10)):
+        R.write_history_rows(hist, torch.arange(lo, hi), rows[:, :, lo:hi], 3)
+        assert torch.equal(R.read_history_rows(hist, hi, 3), rows[:, :, :hi])
+    assert torch.equal(hist[:, :, :T], stored) and (hist[:, :, T:] == 0xA5).all()
+    with pytest.raises(ValueError, match="pairs"):
+        R.store_pairs(rows[:, :, :3], 3)
+
+
 def test_three_bit_quantize_known_answer_float64():
     """Levels 0..7 with scale = range/7: a row spanning [−1, 6] in unit steps is coded exactly (scale 1, zero 1), and
     every code of random rows equals the float64 formula with the float16-rounded scale and zero."""

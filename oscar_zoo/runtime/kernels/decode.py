@@ -33,11 +33,14 @@ scale and zero):
       Σ_t p_t v̂_t[quarter k] = (Σ_t (p_t s_t)(128 + c_t f_k) − 128·Σ_t p_t s_t) / f_k − Σ_t (p_t s_t) z_t
 With G < D every element is dequantized with its group's scale before the dot.
 
-3-bit keys (KEY_BITS = 3, `reference.pack_codes`): a row is D/4 bytes of low two bits, quartered as above, then D/8
-bytes of bit plane (byte D/4 + j holds the third bit of dims j, j + D/8, …, j + 7D/8 in bits 0..7), so column c of
-quarter k has its third bit at bit 2k + c // (D/8) of plane byte c mod D/8. A tile loads those plane bytes with its
-codes (same rows, same mask), moves each byte down by its column's half once (quarter k's bit is then bit 2k), and
-merges the bit into the unpacked codes, c = low | 4·bit (four codes per 32-bit instruction, as the low bits): on the
+3-bit keys (KEY_BITS = 3, `reference.pack_codes`): a row is D/4 bytes of low two bits, quartered as above, and D/8
+bytes of bit plane (byte j holds the third bit of dims j, j + D/8, …, j + 7D/8 in bits 0..7), so column c of quarter k
+has its third bit at bit 2k + c // (D/8) of plane byte c mod D/8. The history stores rows in pairs
+(`reference.store_pairs`, docs/format.md §6b): tokens 2p and 2p + 1 are 3D/4 contiguous bytes, their two rows of low
+bits (2·D/4, one contiguous run: one score-dot row of two tokens) then their two planes, so no load re-reads the
+sectors of another. A tile loads the plane bytes with its codes (same rows, same mask), moves each byte down by its
+column's half once (quarter k's bit is then bit 2k), and merges the bit into the unpacked codes, c = low | 4·bit (four
+codes per 32-bit instruction, as the low bits): on the
 integer path the int8 codes are 0..7, and |Σ c·(q_hi·Q_LO + q_lo)| ≤ 7·D·127.5·Q_LO < 2^22 takes Q_LO =
 min(128, 4096 / D); on the bfloat16 path quarter k's byte is c·f_k ≤ 7·16 < 128 under the 0x43 high byte, the exact
 bfloat16 128 + c·f_k, so the dots, q_bias and the formulas above are unchanged (all linear in c); with G < D the code
@@ -153,7 +156,7 @@ def _int2_tile(
 ):  # fmt: skip
     """One tile of BLOCK_N history tokens from n0: scores, the online-softmax step, P·V; returns the running state.
     MASKED: the tile may pass `end` (the split's last tile); otherwise every token is in range and nothing is masked.
-    KEY_BITS = 3: K's rows also hold the third bits' plane (D/8 bytes from byte D/4, module docstring).
+    KEY_BITS = 3: K's rows also hold the third bits' plane, rows stored in pairs (module docstring).
     KEY_BLOCK > 0: K's scale/zero per channel of block n0 // KEY_BLOCK: on the integer path (INT8_K) the block's int8
     q·s parts and (w, bias) from `block_query.py` (chan), else folded here (szk_row: float16 pairs; q0..q3: fp32
     q_k / f_k).
@@ -166,14 +169,25 @@ def _int2_tile(
     tok_ok = tok < end
     tok64 = tok.to(tl.int64)
     v_ptrs = v_rows + cols[:, None] * stride_vd + tok64[None, :] * stride_vt  # Vᵀ: [D/4, BLOCK_N]
+    K3: tl.constexpr = KEY_BITS == 3
+    D8: tl.constexpr = D4 // 2
     if INT8_K:
         # PAIR tokens per row of the score dot: row r holds the codes of tokens PAIR·r + i (PAIR·D/4 bytes, contiguous
         # in the cache), against q laid out block-diagonally ([PAIR·D/4, PAIR·GP], `_attend`)
         R: tl.constexpr = offs_n.shape[0] // PAIR
         pair_j = tl.arange(0, PAIR * D4)[None, :]
         pair_tok = n0 + PAIR * tl.arange(0, R)[:, None] + pair_j // D4
-        k_ptrs = k_rows + pair_tok.to(tl.int64) * stride_kt + pair_j % D4
+        if K3 and PAIR == 2:  # a stored pair (n0 is even): both rows' low-bit bytes, 2·D/4 contiguous, then the planes
+            pair_base = k_rows + (n0 // 2 + tl.arange(0, R)[:, None]).to(tl.int64) * (2 * stride_kt)
+            k_ptrs = pair_base + pair_j
+        elif K3:  # token t's low-bit bytes: at t·3D/8 in its pair when t is even, D/8 earlier when odd
+            k_ptrs = k_rows + pair_tok.to(tl.int64) * stride_kt - (pair_tok % 2) * D8 + pair_j % D4
+        else:
+            k_ptrs = k_rows + pair_tok.to(tl.int64) * stride_kt + pair_j % D4
         k_ok = pair_tok < end
+    elif K3:
+        k_ptrs = k_rows + tok64[:, None] * stride_kt - (tok[:, None] % 2) * D8 + cols[None, :]
+        k_ok = tok_ok[:, None]
     else:
         k_ptrs = k_rows + tok64[:, None] * stride_kt + cols[None, :]
         k_ok = tok_ok[:, None]
@@ -181,14 +195,19 @@ def _int2_tile(
         kb = tl.load(k_ptrs, mask=k_ok, other=0)
     else:
         kb = tl.load(k_ptrs)
-    K3: tl.constexpr = KEY_BITS == 3
     if K3:
-        # the plane bytes of the same tokens: column c's third bits sit in byte D/4 + c mod D/8 of the row (quarter k's
-        # at bit 2k + c // (D/8)), i.e. c's code byte moved by D/4 − (c // (D/8))·(D/8): runs of D/8 contiguous bytes
-        D8: tl.constexpr = D4 // 2
-        # (pair_j // D8 % 2, not pair_j % D4 // D8: so the compiler sees runs of D/8 equal values, and vectorises)
-        half = (pair_j // D8) % 2 if INT8_K else cols[None, :] // D8
-        pl_ptrs = k_ptrs + (D4 - half * D8)
+        # the plane bytes of the same tokens (rows stored in pairs: module docstring): column c's third bits sit in
+        # byte c mod D/8 of its row's plane (quarter k's at bit 2k + c // (D/8)), the pair's planes after its low-bit
+        # bytes: runs of D/8 contiguous bytes
+        if INT8_K and PAIR == 2:
+            # (pair_j // D8 % 2 and pair_j % D8, not pair_j % D4 // D8: runs of D/8 the compiler vectorises)
+            half = (pair_j // D8) % 2
+            pl_ptrs = pair_base + 2 * D4 + (pair_j // D4) * D8 + pair_j % D8
+        else:
+            t = pair_tok if INT8_K else tok[:, None]
+            c = pair_j % D4 if INT8_K else cols[None, :]
+            half = c // D8
+            pl_ptrs = k_ptrs + 2 * D4 - (t % 2 + half) * D8
         if MASKED:
             pl = tl.load(pl_ptrs, mask=k_ok, other=0)
         else:
