@@ -78,12 +78,12 @@ def graph_floor_us() -> float:
 def int2_cache(B, H_kv, D, L, gen, key_bits=layout.BITS, key_block=0):
     """A fresh random three-tier cache of L tokens (random codes and scale/zero: timing does not depend on values);
     history keys coded with `key_bits` bits (docs/format.md §6b), values with 2; key_block > 0: keys per channel over
-    blocks of that many tokens (§6d: whole blocks in the history, the rest in the recent tier)."""
-    sink, recent = layout.SINK, layout.RECENT
-    hist = L - sink - recent
-    if key_block:
-        hist -= hist % key_block
-        recent = L - sink - hist
+    blocks of that many tokens (§6d: whole blocks in the history, the rest in the recent tier); per row, the history
+    holds whole demotions of FLUSH tokens, as the cache's (3-bit keys are stored in pairs: an even count)."""
+    sink = layout.SINK
+    hist = L - sink - layout.RECENT
+    hist -= hist % (key_block or layout.FLUSH)
+    recent = L - sink - hist
     dev = "cuda"
     c = dict(
         sink_k=torch.randn(B, H_kv, sink, D, device=dev, dtype=torch.bfloat16, generator=gen),
@@ -109,7 +109,7 @@ def int2_cache(B, H_kv, D, L, gen, key_bits=layout.BITS, key_block=0):
 
 def int2_bytes(B, H_q, H_kv, D, L, key_bits=layout.BITS, key_block=0) -> int:
     hist = L - layout.SINK - layout.RECENT
-    hist -= hist % key_block if key_block else 0
+    hist -= hist % (key_block or layout.FLUSH)  # (as `int2_cache`)
     # a token's K and V history rows (per-channel keys: one pair per channel and block, 4·D / key_block bytes a token)
     row = layout.bytes_per_token(D, D, key_bits) + layout.bytes_per_token(D, D)
     row += (4 * D // key_block - 4) if key_block else 0

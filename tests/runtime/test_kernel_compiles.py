@@ -23,19 +23,22 @@ SM90_SM_SHARED = 228 * 1024  # bytes per SM, of which each resident program also
 SM90_REGISTERS = 65536  # per SM, allocated per warp in units of 8 registers per thread
 
 
-@pytest.mark.parametrize("shape, group_size, key_block, int8_dots", [
-    ("32,8,128", 0, 0, True), ("9,3,64", 0, 0, True), ("32,4,64", 0, 0, False), ("32,8,128", 32, 0, False),
-    ("32,32,128", 0, 0, False), ("64,1,128", 0, 0, True), ("16,16,256", 0, 0, False), ("8,4,256", 0, 0, False),
-    ("32,8,128", 0, 128, True), ("9,3,64", 0, 64, False),
+@pytest.mark.parametrize("shape, group_size, key_block, int8_dots, key_bits", [
+    ("32,8,128", 0, 0, True, 2), ("9,3,64", 0, 0, True, 2), ("32,4,64", 0, 0, False, 2), ("32,8,128", 32, 0, False, 2),
+    ("32,32,128", 0, 0, False, 2), ("64,1,128", 0, 0, True, 2), ("16,16,256", 0, 0, False, 2),
+    ("8,4,256", 0, 0, False, 2), ("32,8,128", 0, 128, True, 2), ("9,3,64", 0, 64, False, 2),
+    ("32,8,128", 0, 128, True, 3), ("9,3,64", 0, 64, False, 3),
 ])  # fmt: skip
-def test_decode_kernel_compiles_for_sm90(shape, group_size, key_block, int8_dots):
+def test_decode_kernel_compiles_for_sm90(shape, group_size, key_block, int8_dots, key_bits):
     """int8_dots: whether the score dots run in integers (`kernels/decode.py`: groups padded to 4 or ≥ 8 with ≥ 32 dims
     of contraction, one scale per row): IMMA, or IGMMA where a program has a warpgroup (4 warps: the group of 64).
     key_block: keys per channel, at 32/8/128 on the integer dots with the block
-    operands (`ops.block_query`), at 9/3/64 with q·s folded per tile (bfloat16 dots)."""
+    operands (`ops.block_query`), at 9/3/64 with q·s folded per tile (bfloat16 dots). key_bits 3: calibrate's codec
+    for its 3-bit-key layers at both head dims (the rows read in pairs, docs/format.md §6b)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.experiments.kernel_sass", "--shape", shape,
-                           "--group-size", str(group_size), "--key-block", str(key_block), "--json"],
+                           "--group-size", str(group_size), "--key-block", str(key_block), "--key-bits", str(key_bits),
+                           "--json"],
                           capture_output=True, text=True, env=env, timeout=900, check=False)  # fmt: skip (a hang guard)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.splitlines()[-1])
