@@ -220,7 +220,7 @@ def unpack_codes(packed: Tensor, bits: int = layout.BITS) -> Tensor:
     return codes | (torch.cat([(plane >> i) & 1 for i in range(8)], dim=-1) << layout.BITS)
 
 
-def _pair_offsets(width: int, device) -> Tensor:
+def pair_offsets(width: int, device) -> Tensor:
     """Where the bytes of a pair of packed 3-bit rows sit in the history's pair order (docs/format.md §6b): [2, width]
     offsets into the pair's 2·width bytes, row e's low-bit bytes at e·D/4 + j, its plane bytes at D/2 + e·D/8 + j."""
     d4 = width * 2 // 3
@@ -238,7 +238,7 @@ def store_pairs(packed: Tensor, bits: int = layout.BITS) -> Tensor:
     if T % 2:
         raise ValueError(f"3-bit key rows are stored in pairs: expected an even number of rows, got {T}")
     out = torch.empty_like(packed).reshape(*lead, T // 2, 2 * W)
-    out[..., _pair_offsets(W, packed.device).flatten()] = packed.reshape(*lead, T // 2, 2 * W)
+    out[..., pair_offsets(W, packed.device).flatten()] = packed.reshape(*lead, T // 2, 2 * W)
     return out.reshape(packed.shape)
 
 
@@ -250,7 +250,7 @@ def load_pairs(stored: Tensor, bits: int = layout.BITS) -> Tensor:
     if T % 2:
         raise ValueError(f"3-bit key rows are stored in pairs: expected an even number of rows, got {T}")
     pairs = stored.reshape(*lead, T // 2, 2 * W)
-    return pairs[..., _pair_offsets(W, stored.device).flatten()].reshape(stored.shape)
+    return pairs[..., pair_offsets(W, stored.device).flatten()].reshape(stored.shape)
 
 
 def read_history_rows(hist: Tensor, n: int, bits: int = layout.BITS) -> Tensor:
@@ -258,15 +258,17 @@ def read_history_rows(hist: Tensor, n: int, bits: int = layout.BITS) -> Tensor:
     return load_pairs(hist[..., : n + n % 2, :], bits)[..., :n, :]
 
 
-def write_history_rows(hist: Tensor, rows: Tensor, packed: Tensor, bits: int = layout.BITS) -> None:
+def write_history_rows(hist: Tensor, rows: Tensor, packed: Tensor, bits: int = layout.BITS,
+                       offsets: Tensor | None = None) -> None:
     """Write `pack_codes` rows packed [B, H, m, W] into a history [B, H, T_cap, W] (contiguous rows) at rows `rows`
-    ([m] int64, on hist's device, any parity: a 3-bit row's bytes are its own within its pair), in place."""
+    ([m] int64, on hist's device, any parity: a 3-bit row's bytes are its own within its pair), in place. `offsets`:
+    `pair_offsets(W, hist.device)`, made once by a caller that writes often (a captured step)."""
     if layout.check_bits(bits) == 2:
         hist.index_copy_(2, rows, packed)
         return
     B, H, T, W = hist.shape
-    pairs = hist.view(B, H, T // 2, 2 * W)
-    pairs[:, :, (rows // 2)[:, None], _pair_offsets(W, hist.device)[rows % 2]] = packed
+    offsets = pair_offsets(W, hist.device) if offsets is None else offsets
+    hist.view(B, H, T // 2, 2 * W)[:, :, (rows // 2)[:, None], offsets[rows % 2]] = packed
 
 
 def quantize_pack_ref(

@@ -107,6 +107,8 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         if self.quantize:  # codes [B, H, T_cap, packed] (K: packed_dim(D, k_bits); V: D/4, token-major) + float16
             # scale/zero [B, H, T_cap, D/G, 2]
             self.hist_k = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, bits=self.rotation.k_bits)
+            # where a 3-bit key row's bytes sit in its pair (docs/format.md §6b), made here, outside any capture
+            self.pair_offsets = reference.pair_offsets(self.hist_k.shape[-1], self.device)
             self.hist_v = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, tokens_contiguous=True)
             k_pairs = (HISTORY_CHUNK // self.key_block, D) if self.key_block else (HISTORY_CHUNK, D // G)  # §6d
             self.sz_k = torch.zeros(B, H, *k_pairs, 2, dtype=layout.SCALE_DTYPE, device=self.device)
@@ -289,7 +291,7 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
                 keys = hist is self.hist_k
                 codes, scale_zero = self._quantize(tier[:, :, :F], keys)
                 if keys:  # (3-bit keys: in pairs, docs/format.md §6b)
-                    reference.write_history_rows(hist, rows, codes, self.rotation.k_bits)
+                    reference.write_history_rows(hist, rows, codes, self.rotation.k_bits, self.pair_offsets)
                 else:
                     hist.index_copy_(2, rows, codes)
                 # per-channel keys: one block of pairs, at block hist_len / key_block (F = key_block)
