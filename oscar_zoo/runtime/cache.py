@@ -75,6 +75,7 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         self.storage_version = new_storage_version()  # renewed whenever a storage tensor is replaced (a captured
         # step must be re-captured)
         self.pending: Pending | None = None
+        self.pair_offsets: Tensor | None = None  # 3-bit keys: `reference.pair_offsets` of a history row
         self.next_pads: list[int] | None = None  # the leading padding of each row of the next chunk (`expect_padding`)
         self.v_folded = False  # the model's v_proj/o_proj carry M_V (attention.fold_value_rotation): values arrive
         # rotated and outputs leave un-rotated, so neither is done here
@@ -108,7 +109,8 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
             # scale/zero [B, H, T_cap, D/G, 2]
             self.hist_k = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, bits=self.rotation.k_bits)
             # where a 3-bit key row's bytes sit in its pair (docs/format.md §6b), made here, outside any capture
-            self.pair_offsets = reference.pair_offsets(self.hist_k.shape[-1], self.device)
+            self.pair_offsets = reference.pair_offsets(self.hist_k.shape[-1], self.device) \
+                if self.rotation.k_bits == 3 else None
             self.hist_v = layout.history_codes(B, H, HISTORY_CHUNK, D, self.device, tokens_contiguous=True)
             k_pairs = (HISTORY_CHUNK // self.key_block, D) if self.key_block else (HISTORY_CHUNK, D // G)  # §6d
             self.sz_k = torch.zeros(B, H, *k_pairs, 2, dtype=layout.SCALE_DTYPE, device=self.device)
@@ -418,10 +420,11 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
         raise NotImplementedError("OscarCache does not support offloading")
 
     def memory_bytes(self) -> int:
-        """Bytes allocated by this layer's cache tensors (tiers, history capacity included, and lengths)."""
+        """Bytes allocated by this layer's cache tensors (tiers, history capacity included, lengths, and a 3-bit
+        layer's pair offsets)."""
         if not self.is_initialized:
             return 0
-        names = self._STORAGE + self._LENGTHS
+        names = self._STORAGE + self._LENGTHS + ("pair_offsets",)
         return sum(getattr(self, n).nbytes for n in names if getattr(self, n) is not None)
 
 
