@@ -7,7 +7,8 @@ Storage of one layer's cache (K and V alike), chosen for the decode kernels: eve
 run of tokens, so a tile of BLOCK_T tokens is one coalesced read of BLOCK_T·D/4 bytes.
     sink        bfloat16 [B, H_kv, SINK, D]            first SINK positions, full precision
     codes       uint8    [B, H_kv, T_cap, D/4]         INT2 history, "quartered" packing (see `pack_codes`);
-                                                       V's codes are stored token-major (`history_codes`)
+                                                       V's codes are stored token-major (`history_codes`),
+                                                       3-bit keys' rows in pairs (`reference.store_pairs`)
     scale_zero  float16  [B, H_kv, T_cap, D/G, 2]      per group: (scale, zero), interleaved
     recent      bfloat16 [B, H_kv, RECENT+FLUSH, D]    last RECENT..RECENT+FLUSH-1 positions, full precision
 plus int32 [B] lengths per tier. All tiers hold *rotated* keys/values (k·M_K, v·M_V).
