@@ -292,10 +292,7 @@ class OscarLayer(PaddedRows, PinnedTokens, QuantizedHistory, CacheLayerMixin):
             if self.quantize:
                 keys = hist is self.hist_k
                 codes, scale_zero = self._quantize(tier[:, :, :F], keys)
-                if keys:  # (3-bit keys: in pairs, docs/format.md §6b)
-                    reference.write_history_rows(hist, rows, codes, self.rotation.k_bits, self.pair_offsets)
-                else:
-                    hist.index_copy_(2, rows, codes)
+                self._file_codes(keys, rows, codes)
                 # per-channel keys: one block of pairs, at block hist_len / key_block (F = key_block)
                 sz.index_copy_(2, rows[:1] // self.key_block if keys and self.key_block else rows, scale_zero)
             else:

@@ -1,6 +1,7 @@
 """The INT2 history of `cache.OscarLayer` (a mixin, as `pinning.PinnedTokens`): its storage growth and the rows it
 files and reads back — keys per row (docs/format.md §6, §6b) or per channel over token blocks (§6d), values per row.
-Needs the layer's hist_k/hist_v/sz_k/sz_v, n_hist, rotation, group_size, key_block, quantize and storage_version."""
+Needs the layer's hist_k/hist_v/sz_k/sz_v, pair_offsets, n_hist, rotation, group_size, key_block, quantize and
+storage_version."""
 
 from __future__ import annotations
 
@@ -66,6 +67,14 @@ class QuantizedHistory:
             return ops.quantize_pack(rows, rot.k_clip, self.group_size, min_ratio=rot.k_min_clip, bits=rot.k_bits)
         return ops.quantize_pack(rows, rot.v_clip, self.group_size, min_ratio=rot.v_min_clip)
 
+    def _file_codes(self, keys: bool, rows: Tensor, codes: Tensor) -> None:
+        """Packed rows [B, H, m, W] of K (`keys`; 3-bit ones in pairs, docs/format.md §6b) or V onto the history at
+        rows `rows` ([m] int64, on the device: a captured step's too)."""
+        if keys:
+            reference.write_history_rows(self.hist_k, rows, codes, self.rotation.k_bits, self.pair_offsets)
+        else:
+            self.hist_v.index_copy_(2, rows, codes)
+
     def _append_history(self, k: Tensor, v: Tensor) -> None:
         """Quantize already-rotated BF16 rows [B, H, m, D] (no rotation; `_quantize`) onto the history."""
         m = k.shape[2]
@@ -75,8 +84,7 @@ class QuantizedHistory:
             k_pairs = slice(self.n_hist // self.key_block, (self.n_hist + m) // self.key_block) if self.key_block \
                 else rows
             codes, self.sz_k[:, :, k_pairs] = self._quantize(k, True)
-            at = torch.arange(self.n_hist, self.n_hist + m, device=codes.device)
-            reference.write_history_rows(self.hist_k, at, codes, self.rotation.k_bits)  # (3-bit keys: in pairs)
+            self._file_codes(True, torch.arange(self.n_hist, self.n_hist + m, device=codes.device), codes)
             self.hist_v[:, :, rows], self.sz_v[:, :, rows] = self._quantize(v, False)
         else:
             self.hist_k[:, :, rows], self.hist_v[:, :, rows] = k, v
