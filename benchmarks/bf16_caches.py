@@ -99,6 +99,11 @@ class GraphBF16Layer(PreallocLayer):
 class GraphBF16Cache(Cache):
     """Cache of GraphBF16Layer with the static-step protocol of oscar_zoo.runtime.graph.DecodeGraphs."""
 
+    # what a compiled step's binding reads of the cache it runs (`binding.OscarBinding.compiled`): set to the binding
+    # there; no means of an artifact to check
+    binding = None
+    read_from_artifact = centred = False
+
     def __init__(self, capacity: int, num_layers: int):
         super().__init__(layers=[GraphBF16Layer(capacity, i) for i in range(num_layers)])
 

@@ -158,3 +158,16 @@ def test_per_channel_key_rows_are_counted_as_the_tensors_hold_them(model):
         assert bg.kv_bytes(cache) == _storage_bytes(cache) == expected
     finally:
         del model._oscar_key_block
+
+
+def test_bf16graph_cache_enters_a_compiled_step(model):
+    """The BF16 graph's cache through the binding a compiled decode step runs under (`OscarBinding.compiled`, what the
+    GPU's bf16graph rows take): entered and bound like an OscarCache, with no artifact means to check."""
+    from oscar_zoo.runtime.binding import binding_of
+
+    bg.use_attention(model, "bf16graph")
+    binding = binding_of(model.model.layers[0].self_attn)
+    cache = bg.make_cache("bf16graph", model, T + 20)
+    with binding.compiled(cache):
+        assert cache.binding is binding and binding.stepping
+    assert not binding.stepping
