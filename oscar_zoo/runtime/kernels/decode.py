@@ -180,23 +180,17 @@ def _int2_tile(
         if K3 and PAIR == 2:  # a stored pair (n0 is even): both rows' low-bit bytes, 2·D/4 contiguous, then the planes
             pair_base = k_rows + (n0 // 2 + tl.arange(0, R)[:, None]).to(tl.int64) * (2 * stride_kt)
             k_ptrs = pair_base + pair_j
-        elif K3:
-            c = pair_j
+        elif K3:  # token t's low-bit bytes: at t·3D/8 in its pair when t is even, D/8 earlier when odd
+            k_ptrs = k_rows + pair_tok.to(tl.int64) * stride_kt - (pair_tok % 2) * D8 + pair_j % D4
         else:
             k_ptrs = k_rows + pair_tok.to(tl.int64) * stride_kt + pair_j % D4
         k_ok = pair_tok < end
     elif K3:
-        c = cols[None, :]
+        k_ptrs = k_rows + tok64[:, None] * stride_kt - (tok[:, None] % 2) * D8 + cols[None, :]
         k_ok = tok_ok[:, None]
     else:
         k_ptrs = k_rows + tok64[:, None] * stride_kt + cols[None, :]
         k_ok = tok_ok[:, None]
-    if K3 and PAIR == 1:
-        # one token per row, tile row i is token n0 + i: row i % 2 of pair n0 / 2 + i // 2 (n0 is even), its low-bit
-        # bytes D/4 into the pair when odd; the offsets within the tile are the same for every tile (hoisted)
-        i = tl.arange(0, offs_n.shape[0])[:, None]
-        pair_base = k_rows + tl.cast(n0 // 2, tl.int64) * (2 * stride_kt) + (i // 2) * (2 * stride_kt)
-        k_ptrs = pair_base + (i % 2) * D4 + c
     if MASKED:
         kb = tl.load(k_ptrs, mask=k_ok, other=0)
     else:
@@ -209,9 +203,11 @@ def _int2_tile(
             # (pair_j // D8 % 2 and pair_j % D8, not pair_j % D4 // D8: runs of D/8 the compiler vectorises)
             half = (pair_j // D8) % 2
             pl_ptrs = pair_base + 2 * D4 + (pair_j // D4) * D8 + pair_j % D8
-        else:  # row i % 2's plane after the pair's two rows of low bits
+        else:
+            t = pair_tok if INT8_K else tok[:, None]
+            c = pair_j % D4 if INT8_K else cols[None, :]
             half = c // D8
-            pl_ptrs = pair_base + 2 * D4 + (i % 2) * D8 + c % D8
+            pl_ptrs = k_ptrs + 2 * D4 - (t % 2 + half) * D8
         if MASKED:
             pl = tl.load(pl_ptrs, mask=k_ok, other=0)
         else:
