@@ -309,7 +309,7 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
     # needle the least attention mass (0.017 bits each at 32K: 3.061 − 4 × 0.017 ≤ 3.0)
     least = [i for i in NEEDLE_MASS_ORDER if i in three and i not in reading][:4]
     kept = three - set(least)
-    more = [i for i in reversed(NEEDLE_MASS_ORDER) if i < layers and i not in three | reading][:2]
+    more = [i for i in reversed(NEEDLE_MASS_ORDER) if i < layers and i not in three | reading][:1]
     out = [
         Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
         Variant("the artifact, 3-bit K and V in the needle-reading layers", extra_bits_k=own_k + (len(moved) - len(
@@ -329,8 +329,8 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
         Variant("the artifact, 3-bit V in the needle-reading layers, K blocks of 128",
                 extra_bits_k=n3 + 32 / 128 - row, extra_bits_v=len(reading) / layers,
                 **(own_v3 | dict(k_chan=128, history_block=128))),
-        # the bits it leaves under 3.0 spent on 3-bit keys in the two 2-bit-key layers of most needle mass
-        Variant("the artifact, 3-bit K and V in the needle-reading layers, K blocks of 128, two more 3-bit K layers",
+        # the bits it leaves under 3.0 spent on 3-bit keys in the 2-bit-key layer of most needle mass
+        Variant("the artifact, 3-bit K and V in the needle-reading layers, K blocks of 128, one more 3-bit K layer",
                 extra_bits_k=len(three | reading | set(more)) / layers + 32 / 128 - row,
                 extra_bits_v=len(reading) / layers,
                 **(own_v3 | dict(k_bits={i: 3 for i in three | reading | set(more)}, k_chan=128, history_block=128))),
