@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ["oscar_zoo.runtime", "oscar_zoo.runtime.compiled", "oscar_zoo.runtime.graph", "benchmarks.bench_generate",
            "benchmarks.bench_prefill", "benchmarks.bench_decode", "benchmarks.bench_quantize",
-           "benchmarks.bench_needle", "benchmarks.experiments.needle_mechanism",
+           "benchmarks.bench_needle", "benchmarks.experiments.needle_mechanism", "benchmarks.experiments.tile_codecs",
            "benchmarks.experiments.probe_compiled_batch", "tests.runtime.test_compiled_step",
            "tests.runtime.test_static_step", "tests.runtime.test_decode_kernels",
            "tests.runtime.test_quantize_pack_kernel"]  # fmt: skip
