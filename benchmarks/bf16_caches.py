@@ -6,6 +6,7 @@ like."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from types import SimpleNamespace
@@ -126,6 +127,12 @@ class GraphBF16Cache(Cache):
     def advance_host(self):
         for layer in self.layers:
             layer.n += 1
+
+    @contextlib.contextmanager
+    def rehearsal(self, demote: bool):
+        """Nothing to set: a BF16 step never demotes, so its key stays (False, …) and only the plain kind is captured
+        ahead."""
+        yield
 
 
 def bf16_split_attention(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):

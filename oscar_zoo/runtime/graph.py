@@ -38,12 +38,14 @@ _EAGER_FLAGS = ("output_attentions", "output_hidden_states")  # outputs a replay
 # experts implementations (4.x) leaves these models' steps eager.
 ROUTED_TYPES = frozenset({"qwen3_moe"})
 STATIC_EXPERTS = "batched_mm"
+# what DecodeGraphs reads of a cache that offers a static step
+STATIC_STEP_PROTOCOL = ("static_step_key", "host_lengths", "restore_host_lengths", "advance_host", "get_seq_length",
+                        "rehearsal")
 
 
 class DecodeGraphs:
     """Callable like the model (keyword arguments, as generate() calls it); replays captured decode steps of caches
-    that offer a static step (OscarCache; the protocol is `static_step_key`, `host_lengths`, `restore_host_lengths`,
-    `advance_host`, `get_seq_length`); every other call goes to `fallback`."""
+    that offer a static step (OscarCache; the protocol is STATIC_STEP_PROTOCOL); every other call goes to `fallback`."""
 
     def __init__(self, model: torch.nn.Module, fallback=None, compile: bool = True):
         self.model = model

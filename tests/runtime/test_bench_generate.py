@@ -171,3 +171,33 @@ def test_bf16graph_cache_enters_a_compiled_step(model):
     with binding.compiled(cache):
         assert cache.binding is binding and binding.stepping
     assert not binding.stepping
+
+
+def test_bf16graph_cache_speaks_the_static_step_protocol(model):
+    """Every attribute DecodeGraphs reads of a cache (`cache.NAME` in graph.py) is in graph.STATIC_STEP_PROTOCOL and
+    both caches that offer a static step have it; and capturing ahead (the rehearsal of both step kinds, what
+    generate()'s first static step runs on a GPU) captures only the plain kind of a prefilled BF16 graph cache, which
+    never demotes."""
+    import ast
+    import inspect
+
+    from oscar_zoo.runtime import graph
+
+    read = {node.attr for node in ast.walk(ast.parse(inspect.getsource(graph)))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cache"}
+    assert read == set(graph.STATIC_STEP_PROTOCOL)
+    bg.use_attention(model, "bf16graph")
+    cache = bg.make_cache("bf16graph", model, T + 20)
+    for kind in (bg.GraphBF16Cache, OscarCache):
+        assert [n for n in graph.STATIC_STEP_PROTOCOL if not hasattr(kind, n)] == []
+    with torch.inference_mode():
+        ids = torch.randint(0, model.config.vocab_size, (B, T))
+        model(input_ids=ids, use_cache=True, **{bg.cache_kwarg(model): cache})
+    graphs = graph.DecodeGraphs(model, compile=False)
+    graphs.versions = cache.static_step_key()[1]
+    captured = []
+    graphs._capture = lambda c, kwargs: captured.append(c.static_step_key()[0]) or object()
+    kind = ((B, 1), ())
+    graphs._capture_ahead(cache, {}, (False,) + kind)
+    assert captured == [False] and set(graphs.graphs) == {(False,) + kind}
+    assert cache.host_lengths() == [T] * len(cache.layers)
