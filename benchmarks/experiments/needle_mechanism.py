@@ -12,7 +12,9 @@ the needle's tokens, averaged over query heads and prompts: where a codec loses 
 Several haystacks and needles run as families in one process (each pair its own prompts, from its own seeded
 generator), scored a round at a time (one prompt per family, length and depth) until `--time-budget`; the tables are
 per family, then pooled. "the artifact" is the artifact's own codec (its key bits and key layout); "the artifact, K
-bf16" and "…, V bf16" keep the keys or the values exact, which splits a loss between them.
+bf16" and "…, V bf16" keep the keys or the values exact, which splits a loss between them. `--seed` takes several
+seeds (each draws its own prompts); every variant's outcomes are paired prompt by prompt against BF16's and the
+artifact's, pooled, per haystack and per needle (Newcombe's interval and the discordant prompts, also in `--json`).
 
     .venv/bin/python -m benchmarks.experiments.needle_mechanism --artifacts artifacts/demo --trials 2 \
         --lengths 1024,2048 --haystack plays,poems,docs --needle passkey,name,code \
@@ -34,7 +36,7 @@ from transformers import AttentionInterface, DynamicCache
 from oscar_zoo.artifacts import load_artifacts
 from oscar_zoo.evaluation.haystacks import DEFAULT_HAYSTACK, HAYSTACKS, filler, haystack_named
 from oscar_zoo.evaluation.needle import NEEDLES, PASSKEY, build_prompt, needle_named
-from oscar_zoo.evaluation.stats import wilson
+from oscar_zoo.evaluation.stats import paired_difference, wilson
 from oscar_zoo.evaluation.teacher_forcing import cache_argument
 from oscar_zoo.format import layout, reference as ref
 from oscar_zoo.models import load_model
@@ -219,8 +221,8 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
     vb = o.get("v_bits")
     if isinstance(vb, dict):  # per-layer value bits
         vb = vb.get(layer)
-    if vb:  # uniform v_bits per row after the clip
-        vq = uniform(ref.clip_rows(vr, vc), vb)
+    if vb or o.get("v_meta8"):  # uniform v_bits (2 unless set) per row after the clip; 8-bit scale/zero if v_meta8
+        vq = uniform(ref.clip_rows(vr, vc), vb or 2, meta8=o.get("v_meta8", False))
     if o.get("meta8") and not (o.get("v_exact") or vb):  # values per token, unclipped, 8-bit metadata
         vq = uniform(vr, 2, meta8=True)
     if o.get("v_chan"):  # values per channel over token blocks too
@@ -251,6 +253,10 @@ def code_layer(var: Variant, layer: int, k: torch.Tensor, v: torch.Tensor, rot) 
             xa, xb = uniform(x[..., :n], qb), uniform(x[..., n:], 2)
         kq_model = torch.einsum("hte,hde->htd", torch.cat([xa, xb], -1), Mq)
         kq = torch.einsum("htd,hde->hte", kq_model, Mk)
+    if layer in o.get("k_exact_layers", ()):
+        kq = kr
+    if layer in o.get("v_exact_layers", ()):
+        vq = vr
     kh = torch.einsum("hte,hde->htd", kq, Mk)
     vh = torch.einsum("hte,hde->htd", vq, Mv)
     if o.get("debias"):
@@ -310,6 +316,7 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
     least = [i for i in NEEDLE_MASS_ORDER if i in three and i not in reading][:4]
     kept = three - set(least)
     more = [i for i in reversed(NEEDLE_MASS_ORDER) if i < layers and i not in three | reading][:1]
+    massive = [i for i in reversed(NEEDLE_MASS_ORDER) if i < layers and i not in reading][:9]
     out = [
         Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
         Variant("the artifact, 3-bit K and V in the needle-reading layers", extra_bits_k=own_k + (len(moved) - len(
@@ -329,6 +336,22 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
         Variant("the artifact, 3-bit V in the needle-reading layers, K blocks of 128",
                 extra_bits_k=n3 + 32 / 128 - row, extra_bits_v=len(reading) / layers,
                 **(own_v3 | dict(k_chan=128, history_block=128))),
+        # values with 8-bit metadata (scale float8 e4m3, zero an int8 number of steps: −0.25 bits per value at
+        # head_dim 64), and what those bits buy: 4-bit values in the reading layers; 4-bit keys and values there with
+        # key blocks of 256; 3-bit values in the nine other layers of most needle mass
+        *[Variant(f"the artifact, K blocks of {blk}, V 8-bit metadata, {what}",
+                  extra_bits_k=sum(b - 2 for b in kb.values()) / layers + 32 / blk - row,
+                  extra_bits_v=sum(b - 2 for b in vb.values()) / layers - row / 2,
+                  **(own_v3 | dict(k_bits=kb, v_bits=vb, v_meta8=True, k_chan=blk, history_block=blk)))
+          for blk, kb, vb, what in [
+              (128, {i: 3 for i in three | reading}, {i: 3 for i in reading},
+               "3-bit K and V in the needle-reading layers"),
+              (128, {i: 3 for i in three | reading}, {i: 4 for i in reading},
+               "3-bit K and 4-bit V in the needle-reading layers"),
+              (256, {i: 4 if i in reading else 3 for i in three | reading}, {i: 4 for i in reading},
+               "4-bit K and V in the needle-reading layers"),
+              (128, {i: 3 for i in three | reading}, {i: 3 for i in reading | set(massive)},
+               "3-bit K and V in the needle-reading layers, 3-bit V in 9 more layers")]],
         # the bits it leaves under 3.0 spent on 3-bit keys in the 2-bit-key layer of most needle mass
         Variant("the artifact, 3-bit K and V in the needle-reading layers, K blocks of 128, one more 3-bit K layer",
                 extra_bits_k=len(three | reading | set(more)) / layers + 32 / 128 - row,
@@ -338,10 +361,15 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
         Variant("4-bit K and V in the needle-reading layers, 2-bit K elsewhere",
                 extra_bits_k=own_k - n3 + 2 * len(reading) / layers, extra_bits_v=2 * len(reading) / layers,
                 **(own | {"k_bits": {i: 4 for i in reading}, "v_bits": {i: 4 for i in reading}, "v_clip": 0.0})),
-        # a bound, not a codec: how much of the loss the needle-reading layers hold
+        # a bound, not a codec: how much of the loss the needle-reading layers hold; then their keys and their
+        # values apart
         Variant("the artifact, K and V bf16 in the needle-reading layers",
                 extra_bits_k=own_k + 13.5 * len(reading) / layers, extra_bits_v=13.5 * len(reading) / layers,
                 bf16_layers=reading, **own),
+        Variant("the artifact, K bf16 in the needle-reading layers", extra_bits_k=own_k + 13.5 * len(reading) / layers,
+                k_exact_layers=reading, **own),
+        Variant("the artifact, V bf16 in the needle-reading layers", extra_bits_k=own_k,
+                extra_bits_v=13.5 * len(reading) / layers, v_exact_layers=reading, **own),
         Variant("the artifact, K bf16", k_exact=True, extra_bits_k=13.5, history_block=key_block),
         Variant("the artifact, V bf16", extra_bits_k=own_k, v_exact=True, extra_bits_v=13.5, **own),
         Variant("oscar"),
@@ -363,7 +391,7 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
         Variant("K top quarter 4 bits (own range)", quarter_bits=4, shared_range=False, extra_bits_k=0.5 + row),
     ]
     out += [Variant(f"{v.name}, K clip off", v.extra_k, v.extra_v, **(v.opts | {"k_clip": 0.0}))
-            for v in out[12:] if v.name != "K per-channel scale"]
+            for v in out[[v.name for v in out].index("oscar"):] if v.name != "K per-channel scale"]
     out += [Variant(f"K clip {r}", k_clip=r) for r in (0.96, 0.98)]
     out += [Variant("K groups of 16, K clip off", k_group=16, k_clip=0.0, extra_bits_k=2 - row)]
     out += [Variant("oscar, debiased", debias=1.0), Variant("K clip off, debiased", k_clip=0.0, debias=1.0),
@@ -451,7 +479,7 @@ def main() -> None:
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--trials", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", default="0", help="comma-separated seeds: each draws its own prompts; tables pool them")
     p.add_argument("--per-layer", action="store_true", help="also: one layer at a time in BF16")
     p.add_argument("--only", default=None, help="semicolon-separated variant names (default: all)")
     p.add_argument("--prompts", default=None, help="comma-separated indices (in the order drawn, as `verify --needle` "
@@ -487,17 +515,20 @@ def main() -> None:
     chosen = None if a.prompts is None else {int(i) for i in a.prompts.split(",")}
     # every family's prompts drawn up front, in `verify --needle`'s order (length, depth, trial) from its own seeded
     # generator, so an index names the same prompt however many families run; scored a round at a time
-    families = []
+    seeds = [int(x) for x in a.seed.split(",")]
+    runs = []  # (family, seed, fact, grid): every family's grid once per seed
     for hay in a.haystack.split(","):
         ids = filler(tok, haystack_named(hay).text(a.texts))
         for name in a.needle.split(","):
             fact = needle_named(name)
-            rng = random.Random(a.seed if "," not in a.haystack + a.needle else f"{a.seed}:{hay}:{name}")
-            grid = [(L, d, build_prompt(tok, ids, L, d, rng, fact)) for L in lengths for d in depths
-                    for _ in range(a.trials)]
-            families.append((f"{hay}/{name}", fact, grid))
-    right = {(f, v.name): {L: 0 for L in lengths} for f, _, _ in families for v in vs}
-    count = {f: {L: 0 for L in lengths} for f, _, _ in families}
+            for seed in seeds:
+                rng = random.Random(seed if "," not in a.haystack + a.needle else f"{seed}:{hay}:{name}")
+                grid = [(L, d, build_prompt(tok, ids, L, d, rng, fact)) for L in lengths for d in depths
+                        for _ in range(a.trials)]
+                runs.append((f"{hay}/{name}", seed, fact, grid))
+    families = list(dict.fromkeys(f for f, _, _, _ in runs))
+    right = {(f, v.name): {L: 0 for L in lengths} for f in families for v in vs}
+    count = {f: {L: 0 for L in lengths} for f in families}
     by_depth = {v.name: {d: 0 for d in depths} for v in vs}
     depth_count = {d: 0 for d in depths}
     mass = {v.name: [0.0] * info.num_layers for v in vs}  # Σ over prompts of each layer's needle mass
@@ -508,7 +539,7 @@ def main() -> None:
             if a.time_budget and time.time() - t0 > a.time_budget:
                 print(f"time budget: {trial} of {a.trials} rounds scored", flush=True)
                 break
-            for fam, fact, grid in families:
+            for fam, seed, fact, grid in runs:
                 for index, (L, depth, pr) in enumerate(grid):
                     if index % a.trials != trial or (chosen is not None and index not in chosen):
                         continue
@@ -520,14 +551,15 @@ def main() -> None:
                     for var in vs:
                         right[(fam, var.name)][L] += ok[var.name]
                         by_depth[var.name][depth] += ok[var.name]
-                        scored[var.name][f"{fam}/{index}"] = ok[var.name]
+                        key = f"{seed}:{fam}/{index}" if len(seeds) > 1 else f"{fam}/{index}"
+                        scored[var.name][key] = ok[var.name]
             print(f"round {trial + 1}: {time.time() - t0:.0f} s", flush=True)
     n_all = sum(sum(c.values()) for c in count.values())
     if not n_all:
         raise SystemExit("no prompt was scored (--prompts names none of the grid's indices)")
     D = info.head_dim
-    pooled = {v.name: {L: sum(right[(f, v.name)][L] for f, _, _ in families) for L in lengths} for v in vs}
-    n_len = {L: sum(count[f][L] for f, _, _ in families) for L in lengths}
+    pooled = {v.name: {L: sum(right[(f, v.name)][L] for f in families) for L in lengths} for v in vs}
+    n_len = {L: sum(count[f][L] for f in families) for L in lengths}
 
     def cell(k: int, n: int) -> str:
         if not n:
@@ -536,12 +568,12 @@ def main() -> None:
         return f"{100 * k / n:5.1f} [{100 * lo_:3.0f},{100 * hi_:3.0f}]"
 
     if len(families) > 1:
-        for fam, _, _ in families:
+        for fam in families:
             print(f"\n{fam}: " + ", ".join(f"{count[fam][L]} prompts at {L}" for L in lengths))
             for var in vs:
                 print(f"  {var.name:40s} " + " ".join(cell(right[(fam, var.name)][L], count[fam][L]) for L in lengths))
     rows = []
-    print(f"\n{'pooled' if len(families) > 1 else families[0][0]}\n{'variant':42s} bits@32K "
+    print(f"\n{'pooled' if len(families) > 1 else families[0]}\n{'variant':42s} bits@32K "
           + " ".join(f"{L:>16d}" for L in lengths) + "        all")
     for var in vs:
         ks = [pooled[var.name][L] for L in lengths]
@@ -549,7 +581,7 @@ def main() -> None:
         print(f"{var.name:42s} {bpe:8.3f} " + " ".join(cell(k, n_len[L]) for L, k in zip(lengths, ks))
               + " " + cell(sum(ks), n_all))
         rows.append({"variant": var.name, "bits_32k": round(bpe, 3), "right": ks, "n": [n_len[L] for L in lengths],
-                     "by_family": {f: [right[(f, var.name)][L] for L in lengths] for f, _, _ in families},
+                     "by_family": {f: [right[(f, var.name)][L] for L in lengths] for f in families},
                      "right_by_depth": [by_depth[var.name][d] for d in depths],
                      "n_by_depth": [depth_count[d] for d in depths],
                      "needle_mass": [round(m / n_all, 5) for m in mass[var.name]], "prompts": scored[var.name]})
@@ -562,10 +594,43 @@ def main() -> None:
         drop = sorted(range(len(ref_mass)), key=lambda i: r["needle_mass"][i] - ref_mass[i])[:5]
         print(f"{r['variant']:42s} {sum(r['needle_mass']) / len(ref_mass):.4f}  " + ", ".join(
             f"L{i} {r['needle_mass'][i]:.3f}/{ref_mass[i]:.3f}" for i in drop))
+    for r in rows:
+        r["paired"] = {} if r["variant"] == "bf16" else paired(scored, r["variant"], families)
+    print_paired(rows)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"families": [f for f, _, _ in families], "count": count, "lengths": lengths, "depths": depths,
+            json.dump({"families": families, "seeds": seeds, "count": count, "lengths": lengths, "depths": depths,
                        "trials": a.trials, "rows": rows, "wall_s": round(time.time() - t0, 1)}, f, indent=1)
+
+
+def paired(scored: dict[str, dict[str, bool]], name: str, families: list[str]) -> dict[str, dict]:
+    """The variant's outcomes paired prompt by prompt against BF16's and against the artifact's (where it ran):
+    pooled, per haystack and per needle, the difference with Newcombe's 95 % interval and the discordant prompts."""
+    groups = {"all": families}
+    for part, pos in (("haystack", 0), ("needle", 1)):
+        for x in dict.fromkeys(f.split("/")[pos] for f in families):
+            groups[x] = [f for f in families if f.split("/")[pos] == x]
+    out = {}
+    for against in ("bf16", "the artifact"):
+        if against not in scored or against == name:
+            continue
+        ref_ok, it_ok = scored[against], scored[name]
+        for group, fams in groups.items():
+            keys = [k for k in ref_ok if k.split(":")[-1].rsplit("/", 1)[0] in fams]
+            d = paired_difference([ref_ok[k] for k in keys], [it_ok[k] for k in keys])
+            out[f"{group} vs {against}"] = {"n": d.n, "ref": round(d.ref, 4), "it": round(d.it, 4),
+                                            "diff": round(d.diff, 4), "lo": round(d.lo, 4), "hi": round(d.hi, 4),
+                                            "ref_only": d.ref_only, "it_only": d.it_only}
+    return out
+
+
+def print_paired(rows: list[dict]) -> None:
+    print("\npaired, points [95 %] (only the reference / only the variant)")
+    for r in rows:
+        for group, d in r["paired"].items():
+            print(f"{r['variant']:42s} {group:24s} n {d['n']:5d}  {100 * d['ref']:5.1f} → {100 * d['it']:5.1f}  "
+                  f"{100 * d['diff']:+5.1f} [{100 * d['lo']:+5.1f}, {100 * d['hi']:+5.1f}] "
+                  f"({d['ref_only']} / {d['it_only']})")
 
 
 def score_prompt(model, tok, fact, pr, vs, sink: int, recent: int, rot, dev, mass) -> dict[str, bool]:

@@ -62,3 +62,58 @@ def test_keys_or_values_exact_leave_the_other_side_coded_as_the_artifact_codes_i
     torch.testing.assert_close(v_k, vh, atol=0, rtol=0)
     torch.testing.assert_close(k_v, kh, atol=0, rtol=0)
     assert (kh - k).abs().max() > 0.05 and (vh - v).abs().max() > 0.05  # (the artifact does code both)
+
+
+def test_reading_layers_exact_keep_one_side_of_those_layers_only():
+    """k_exact_layers / v_exact_layers: in the named layer that side is exact and the other coded as the artifact
+    codes it; in any other layer both sides are the artifact's."""
+    rot = _rotations(4)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(H, T, D, generator=g), torch.randn(H, T, D, generator=g)
+    own = _variant("the artifact").opts
+    for layer in (0, 1):
+        kh, vh = mech.code_layer(_variant("the artifact"), layer, k, v, rot)
+        k1, v1 = mech.code_layer(mech.Variant("K", k_exact_layers={0}, **own), layer, k, v, rot)
+        k2, v2 = mech.code_layer(mech.Variant("V", v_exact_layers={0}, **own), layer, k, v, rot)
+        torch.testing.assert_close(k1, k if layer == 0 else kh, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v2, v if layer == 0 else vh, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v1, vh, atol=0, rtol=0)
+        torch.testing.assert_close(k2, kh, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_values_with_8_bit_metadata_are_per_token_codes_at_their_bits(bits):
+    """v_meta8: each rotated value row takes at most 2^bits levels, within 1.25 steps of the exact value (float8
+    e4m3 keeps the scale within 1/16 of range/levels, and the int8 zero point moves the grid by at most half a
+    step), and coarser than float16 metadata would be on some row (the metadata really is rounded)."""
+    rot = _rotations(6)
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(H, T, D, generator=g), torch.randn(H, T, D, generator=g)
+    var = mech.Variant("m", v_meta8=True, v_clip=0.0, v_bits={0: bits})
+    _, vh = mech.code_layer(var, 0, k, v, rot)
+    vr, vr_hat = v @ rot.v_rotation[0], vh @ rot.v_rotation[0]
+    step = (vr.amax(-1) - vr.amin(-1)) / (2**bits - 1)  # [H, T]
+    assert ((vr_hat - vr).abs() <= 1.25 * step[..., None] + 1e-4).all()
+    ordered = vr_hat.sort(dim=-1).values
+    assert int(((ordered.diff(dim=-1) > 1e-3).sum(-1) + 1).max()) <= 2**bits
+    fp16 = mech.uniform(vr, bits)  # the same rows with float16 scale and zero
+    assert (vr_hat - vr).abs().amax() > (fp16 - vr).abs().amax()
+
+
+def test_paired_outcomes_against_bf16_and_the_artifact_by_group():
+    """A constructed set of outcomes with a known answer: the pooled, per-haystack and per-needle pairs and their
+    discordant counts."""
+    keys = ["1:plays/passkey/0", "1:plays/passkey/1", "2:docs/passkey/0", "2:docs/name/0"]
+    scored = {"bf16": dict(zip(keys, [True, True, True, False])),
+              "the artifact": dict(zip(keys, [True, False, True, False])),
+              "v": dict(zip(keys, [False, True, True, True]))}
+    out = mech.paired(scored, "v", ["plays/passkey", "docs/passkey", "docs/name"])
+    a = out["all vs bf16"]
+    assert (a["n"], a["ref"], a["it"], a["ref_only"], a["it_only"]) == (4, 0.75, 0.75, 1, 1)
+    assert a["lo"] < 0 < a["hi"]
+    assert (out["plays vs bf16"]["n"], out["plays vs bf16"]["ref_only"], out["plays vs bf16"]["it_only"]) == (2, 1, 0)
+    assert (out["docs vs bf16"]["n"], out["docs vs bf16"]["it_only"]) == (2, 1)
+    assert (out["passkey vs bf16"]["n"], out["name vs bf16"]["n"]) == (3, 1)
+    b = out["all vs the artifact"]
+    assert (b["ref"], b["it"], b["ref_only"], b["it_only"]) == (0.5, 0.75, 1, 2)
+    assert "all vs the artifact" not in mech.paired(scored, "the artifact", ["plays/passkey"])
