@@ -13,10 +13,11 @@ BF16 cache of the decode benchmarks with the runtime's own prefill attention, th
 Per row: ms to the first token, prompt tokens/s, the peak memory above the model, and the cache's own bytes after the
 prompt. With OSCAR, "peak − tiers" is what the prefill held beyond its tiers: the rule to check is that it stays within
 one chunk's BF16 K/V per layer plus the chunk's activations. One warm-up row per kind and batch size (two chunks: the
-later-chunk path too) runs first so that kernel compilation is not timed. Details go to $OUT/bench_prefill_<model>.json
-when OUT is set.
+later-chunk path too) runs first so that kernel compilation is not timed. `--repeats N` times each row N times, the
+kinds taking turns within each repeat (so that a drift of the machine reaches every kind alike), and reports the
+median with the spread. Details go to $OUT/bench_prefill_<model>.json when OUT is set.
 
-    python -m benchmarks.bench_prefill [--contexts 8192 32768 100000] [--batches 1] [--chunk 8192]
+    python -m benchmarks.bench_prefill [--contexts 8192 32768 100000] [--batches 1] [--chunk 8192] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--key-bits", type=float, default=2.7, help="OSCAR: mean history key bits (calibrate's default)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (generate()'s whole prompt: a "
                                                             "value ≥ the context)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per row (median reported), kinds in turn")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = args.model or ("qwen3-8b" if dev.type == "cuda" else "demo")
     model = build_model(name, args.layers, dev)
@@ -97,14 +101,20 @@ def main(argv=None) -> dict:
         for B in sorted({B for _, B in combos}):  # batch size is a specialisation of its own
             run_row(model, kind, B, args.chunk + 512, args.chunk)
     for T, B in combos:
+        runs: dict[str, list[dict]] = {kind: [] for kind in args.kinds}
+        for _ in range(args.repeats):
+            for kind in args.kinds:
+                if runs[kind] and "ms" not in runs[kind][-1]:
+                    continue  # out of memory once: not again
+                try:
+                    row = run_row(model, kind, B, T, args.chunk)
+                except torch.OutOfMemoryError as e:
+                    row = dict(kind=kind, batch=B, context=T, status="OOM", note=str(e).splitlines()[0][:160])
+                runs[kind].append(row)
+                print(f"ctx {T} batch {B} {kind}: " + (f"{row['ms']:.1f} ms" if "ms" in row else row["status"]),
+                      flush=True)
         for kind in args.kinds:
-            try:
-                row = run_row(model, kind, B, T, args.chunk)
-            except torch.OutOfMemoryError as e:
-                row = dict(kind=kind, batch=B, context=T, status="OOM", note=str(e).splitlines()[0][:160])
-            result["rows"].append(row)
-            print(f"ctx {T} batch {B} {kind}: " + (f"{row['ms']:.1f} ms" if "ms" in row else row["status"]),
-                  flush=True)
+            result["rows"].append(median_row(runs[kind]))
             if os.environ.get("OUT"):
                 with open(os.path.join(os.environ["OUT"], f"bench_prefill_{name}.json"), "w") as f:
                     json.dump(result, f, indent=2)
@@ -112,24 +122,41 @@ def main(argv=None) -> dict:
     return result
 
 
+def median_row(rows: list[dict]) -> dict:
+    """One row of a kind's timed runs: the median run's time (the lower middle of an even count), every run's ms, and
+    the largest peak; an out-of-memory run stands for the row."""
+    if any("ms" not in r for r in rows):
+        return next(r for r in rows if "ms" not in r)
+    times = sorted(r["ms"] for r in rows)
+    ms = times[(len(times) - 1) // 2]
+    row = dict(rows[-1], ms=ms, tokens_per_s=rows[-1]["batch"] * rows[-1]["context"] / (ms / 1e3),
+               ms_runs=[r["ms"] for r in rows])
+    if "peak_over_model_bytes" in row:
+        row["peak_over_model_bytes"] = max(r["peak_over_model_bytes"] for r in rows)
+        row["peak_beyond_cache_bytes"] = row["peak_over_model_bytes"] - row["kv_bytes"]
+    return row
+
+
 def print_table(result: dict) -> None:
     print(f"\n{result['model']} ({result['layers']} layers), {result['device']}, prefill chunk {result['chunk']}")
-    print("| context | batch | cache | ms to first token | prompt tok/s | vs fastest BF16 | cache GB "
-          "| peak GB over model | peak beyond the cache GB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| context | batch | cache | ms to first token (median) | runs: min–max ms | prompt tok/s | vs fastest BF16 "
+          "| cache GB | peak GB over model | peak beyond the cache GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     best = {}
     for r in result["rows"]:
         if "ms" in r and not r["kind"].startswith("oscar"):
             best[(r["context"], r["batch"])] = min(best.get((r["context"], r["batch"]), float("inf")), r["ms"])
     for r in result["rows"]:
         if "ms" not in r:
-            print(f"| {r['context']} | {r['batch']} | {r['kind']} | {r['status']} | | | | | |")
+            print(f"| {r['context']} | {r['batch']} | {r['kind']} | {r['status']} | | | | | | |")
             continue
         b = best.get((r["context"], r["batch"]))
         ratio = f"{r['ms'] / b:.3f}× the time" if b else ""
         peak = r.get("peak_over_model_bytes")
         beyond = r.get("peak_beyond_cache_bytes")
-        print(f"| {r['context']} | {r['batch']} | {r['kind']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
+        spread = r.get("ms_runs", [r["ms"]])
+        print(f"| {r['context']} | {r['batch']} | {r['kind']} | {r['ms']:.1f} | {min(spread):.1f}–{max(spread):.1f} | "
+              f"{r['tokens_per_s']:.0f} | {ratio} | "
               f"{r['kv_bytes'] / GB:.3f} | {'' if peak is None else f'{peak / GB:.2f}'} | "
               f"{'' if beyond is None else f'{beyond / GB:.2f}'} |")
 

@@ -23,7 +23,7 @@
 # compile-bench: no tests; generate() at 100K and 32K, batch 1 (BATCHES), OSCAR and bf16graph with compiled layers
 #   (--compile), then with eager layers (--no-compile), each pair in one run
 # prefill: no tests; time to first token at 8K, 32K, 100K (batch 1) and 32K batch 8, OSCAR vs DynamicCache and the
-#   preallocated BF16 cache (benchmarks/bench_prefill.py), peak memory beside
+#   preallocated BF16 cache (benchmarks/bench_prefill.py), peak memory beside; REPEATS (1) timed runs per row, median
 # channel-tests: the per-channel-key GPU tests (docs/format.md §6d: channel quantize, decode, generate replays), then
 #   the static-step and compiled-step GPU tests
 # channel-bench: no tests; quantize/pack of key blocks (128 tokens) at 2 and 3 bits, the headline decode rows with keys
@@ -272,7 +272,7 @@ if [ "$mode" = gemma2-bench ] || [ -n "${GEMMA2_BENCH:-}" ]; then
   exit 0
 fi
 if [ "$mode" = prefill ]; then
-  python3 -m benchmarks.bench_prefill 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
+  python3 -m benchmarks.bench_prefill --repeats "${REPEATS:-1}" 2>&1 | tee "$OUT/bench_prefill.log" | grep -E "^\|"
   exit 0
 fi
 if [ "$mode" = pin-bench ]; then

@@ -142,6 +142,37 @@ def test_prefill_benchmark_reads_the_first_token_generate_would(model):
         assert row["tokens_per_s"] > 0 and len(row["first_token"]) == B
 
 
+def test_prefill_repeats_take_turns_and_report_the_median(monkeypatch, capsys):
+    """bench_prefill --repeats: each repeat runs every kind in turn (after the warm-up rows), a row reports the median
+    of its runs with every run kept, and a kind out of memory once is not run again and stands as OOM."""
+    from types import SimpleNamespace
+
+    from benchmarks import bench_prefill as bp
+
+    times = {"oscar": iter([30.0, 10.0, 20.0]), "bf16graph": iter([9.0, 11.0, 7.0])}
+    order = []
+
+    def fake_row(model, kind, B, T, chunk):
+        if T != 400:
+            return {}  # the warm-up rows
+        order.append(kind)
+        if kind == "dynamic":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return dict(kind=kind, batch=B, context=T, chunk=chunk, ms=next(times[kind]), kv_bytes=1, first_token=[0],
+                    tokens_per_s=0.0)
+
+    monkeypatch.setattr(bp, "build_model", lambda *a: SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1)))
+    monkeypatch.setattr(bp, "run_row", fake_row)
+    monkeypatch.delenv("OUT", raising=False)
+    out = bp.main(["--contexts", "400", "--extra", "--kinds", "oscar", "bf16graph", "dynamic", "--repeats", "3"])
+    assert order == ["oscar", "bf16graph", "dynamic", "oscar", "bf16graph", "oscar", "bf16graph"]
+    rows = {r["kind"]: r for r in out["rows"]}
+    assert (rows["oscar"]["ms"], rows["oscar"]["ms_runs"]) == (20.0, [30.0, 10.0, 20.0])
+    assert rows["oscar"]["tokens_per_s"] == 400 / 0.020
+    assert rows["bf16graph"]["ms"] == 9.0 and rows["dynamic"]["status"] == "OOM"
+    assert "| 400 | 1 | oscar | 20.0 | 10.0–30.0 |" in capsys.readouterr().out
+
+
 def test_per_channel_key_rows_are_counted_as_the_tensors_hold_them(model):
     """bench_generate --key-block: the K/V fill leaves whole key blocks in the history (the rest in the recent tier, up
     to recent + block) and the analytic byte count (one pair per channel and block) equals what the tensors hold."""
