@@ -607,7 +607,7 @@ def paired(scored: dict[str, dict[str, bool]], name: str, families: list[str]) -
     """The variant's outcomes paired prompt by prompt against BF16's and against the artifact's (where it ran):
     pooled, per haystack and per needle, the difference with Newcombe's 95 % interval and the discordant prompts."""
     groups = {"all": families}
-    for part, pos in (("haystack", 0), ("needle", 1)):
+    for pos in (0, 1):  # per haystack, then per needle
         for x in dict.fromkeys(f.split("/")[pos] for f in families):
             groups[x] = [f for f in families if f.split("/")[pos] == x]
     out = {}
