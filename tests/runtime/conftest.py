@@ -40,3 +40,16 @@ def _poisoned_alloc(shape, dtype, device):
     if t.is_floating_point():
         return t.fill_(float("nan"))
     return t.view(torch.uint8).fill_(0xAB).view(dtype) if t.element_size() == 1 else t.fill_(0xAB)
+
+
+@pytest.fixture
+def one_merge_program_per_row():
+    """Model-level tests under the interpreter, whose subject is not the merge's split of the head dims: one merge
+    program per row instead of ~merge_programs (the interpreter pays per program; the split merge keeps its own
+    interpreter tests in test_decode_kernels.py)."""
+    from dataclasses import replace
+
+    from oscar_zoo.runtime import config
+
+    with config.use(replace(config.current(), merge_programs=1)):
+        yield
