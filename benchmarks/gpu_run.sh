@@ -39,8 +39,9 @@
 # needle: no tests; `verify --needle`'s loop with the demo model's real weights (benchmarks/bench_needle.py --weights):
 #   the LENGTHS (1024,2048,4096) grid at depths 0.1 … 0.9, TRIALS (20) prompts per cell and depth, SEEDS (100),
 #   BATCH (20) prompts per batch, for ARTIFACTS ("default=artifacts/demo"), on HAYSTACKS (plays) with NEEDLES (passkey)
-#   in each PROTOCOL (follow-up; "follow-up prompt" runs both, each under $OUT/PROTOCOL), starting no run after
-#   BUDGET (420) s per protocol. The weights travel in parts:
+#   in each PROTOCOL (follow-up; "follow-up prompt" runs both, each under $OUT/PROTOCOL: needle.log, the summary and
+#   the per-run reports packed as runs.tgz, which `benchmarks/needle_pool.py` reads once unpacked), starting no run
+#   after BUDGET (420) s per protocol. The weights travel in parts:
 #   here, `bash benchmarks/needle_weights.sh` writes .cache/needle and .cache/w/partNN; each earlier call of the same
 #   warm machine carries one part and sets WEIGHTS_PART=.cache/w/partNN (any mode), the needle call carries the last
 #   part, .cache/needle and artifacts (bench_needle and needle_mechanism need torch, triton and transformers only);
@@ -90,6 +91,8 @@ if [ "$mode" = needle ] || [ "$mode" = mech ]; then
         --trials "${TRIALS:-20}" --seeds ${SEEDS:-100} --batch "${BATCH:-20}" --time-budget "${BUDGET:-420}" \
         --baselines none --haystacks "${HAYSTACKS:-plays}" --needles "${NEEDLES:-passkey}" --protocol "$protocol" \
         --artifacts ${ARTIFACTS:-default=artifacts/demo} 2>&1 | grep -v "^Loading" | tee "$OUT/$protocol/needle.log"
+      # one file for the per-run reports (the device machine sends back a few files per call): runs.tgz
+      ( cd "$OUT/$protocol" && ls bench_needle_*.json | grep -v summary | tar czf runs.tgz --remove-files -T - )
     done
   fi
   if [ -n "${MECH:-}" ]; then  # the harness: MECH="--haystack poems,docs --needle name,code --trials 8 …", MECH_ONLY
