@@ -10,11 +10,12 @@ Accuracy per length and per depth with 95 % Wilson intervals, bits per element a
 them, and per layer the attention mass that the question's last token (the one that predicts the answer) puts on
 the needle's tokens, averaged over query heads and prompts: where a codec loses the needle, and in which layers.
 Several haystacks and needles run as families in one process (each pair its own prompts, from its own seeded
-generator), scored a round at a time (one prompt per family, length and depth) until `--time-budget`; the tables are
-per family, then pooled. "the artifact" is the artifact's own codec (its key bits and key layout); "the artifact, K
-bf16" and "…, V bf16" keep the keys or the values exact, which splits a loss between them. `--seed` takes several
-seeds (each draws its own prompts); every variant's outcomes are paired prompt by prompt against BF16's and the
-artifact's, pooled, per haystack and per needle (Newcombe's interval and the discordant prompts, also in `--json`).
+generator), scored a round at a time (one prompt per family, length and depth, for one seed) until `--time-budget`;
+the tables are per family, then pooled. "the artifact" is the artifact's own codec (its key bits and key layout);
+"the artifact, K bf16" and "…, V bf16" keep the keys or the values exact, which splits a loss between them. `--seed`
+takes several seeds (each draws its own prompts); every variant's outcomes are paired prompt by prompt against
+BF16's and the artifact's, pooled, per haystack and per needle (Newcombe's interval and the discordant prompts, also
+in `--json`).
 
     .venv/bin/python -m benchmarks.experiments.needle_mechanism --artifacts artifacts/demo --trials 2 \
         --lengths 1024,2048 --haystack plays,poems,docs --needle passkey,name,code \
@@ -317,6 +318,7 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
     kept = three - set(least)
     more = [i for i in reversed(NEEDLE_MASS_ORDER) if i < layers and i not in three | reading][:1]
     massive = [i for i in reversed(NEEDLE_MASS_ORDER) if i < layers and i not in reading][:9]
+    exact_k = (13.5 * len(reading) - len(reading & three)) / layers  # 16-bit keys there, over the artifact's own
     out = [
         Variant("bf16", k_exact=True, v_exact=True, extra_bits_k=13.5, extra_bits_v=13.5),
         Variant("the artifact, 3-bit K and V in the needle-reading layers", extra_bits_k=own_k + (len(moved) - len(
@@ -363,10 +365,9 @@ def variants(D: int, layers: int, per_layer: bool, key_bits: list[int], key_bloc
                 **(own | {"k_bits": {i: 4 for i in reading}, "v_bits": {i: 4 for i in reading}, "v_clip": 0.0})),
         # a bound, not a codec: how much of the loss the needle-reading layers hold; then their keys and their
         # values apart
-        Variant("the artifact, K and V bf16 in the needle-reading layers",
-                extra_bits_k=own_k + 13.5 * len(reading) / layers, extra_bits_v=13.5 * len(reading) / layers,
-                bf16_layers=reading, **own),
-        Variant("the artifact, K bf16 in the needle-reading layers", extra_bits_k=own_k + 13.5 * len(reading) / layers,
+        Variant("the artifact, K and V bf16 in the needle-reading layers", extra_bits_k=own_k + exact_k,
+                extra_bits_v=13.5 * len(reading) / layers, bf16_layers=reading, **own),
+        Variant("the artifact, K bf16 in the needle-reading layers", extra_bits_k=own_k + exact_k,
                 k_exact_layers=reading, **own),
         Variant("the artifact, V bf16 in the needle-reading layers", extra_bits_k=own_k,
                 extra_bits_v=13.5 * len(reading) / layers, v_exact_layers=reading, **own),
@@ -492,7 +493,7 @@ def main() -> None:
     p.add_argument("--needle", default=PASSKEY.name, help=f"comma-separated, of {', '.join(NEEDLES)}: every "
                    "(haystack, needle) pair is a family of its own prompts")
     p.add_argument("--time-budget", type=float, default=0.0, help="start no round of prompts after this many seconds "
-                   "(0: no limit); a round is one prompt per family, length and depth")
+                   "(0: no limit); a round is one prompt per family, length and depth, for one seed")
     a = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -515,7 +516,7 @@ def main() -> None:
     chosen = None if a.prompts is None else {int(i) for i in a.prompts.split(",")}
     # every family's prompts drawn up front, in `verify --needle`'s order (length, depth, trial) from its own seeded
     # generator, so an index names the same prompt however many families run; scored a round at a time
-    seeds = [int(x) for x in a.seed.split(",")]
+    seeds = list(dict.fromkeys(int(x) for x in a.seed.split(",")))  # a repeated seed would score its prompts twice
     runs = []  # (family, seed, fact, grid): every family's grid once per seed
     for hay in a.haystack.split(","):
         ids = filler(tok, haystack_named(hay).text(a.texts))
@@ -535,16 +536,16 @@ def main() -> None:
     scored: dict[str, dict[str, bool]] = {v.name: {} for v in vs}  # per family/prompt index
     t0 = time.time()
     with torch.inference_mode():
-        for trial in range(a.trials):
+        for trial, seed in ((t, s) for t in range(a.trials) for s in seeds):  # the budget is checked per seed
             if a.time_budget and time.time() - t0 > a.time_budget:
-                print(f"time budget: {trial} of {a.trials} rounds scored", flush=True)
+                print(f"time budget: stopped before round {trial + 1} of {a.trials}, seed {seed}", flush=True)
                 break
-            for fam, seed, fact, grid in runs:
+            for fam, _, fact, grid in (r for r in runs if r[1] == seed):
                 for index, (L, depth, pr) in enumerate(grid):
                     if index % a.trials != trial or (chosen is not None and index not in chosen):
                         continue
                     if chosen is not None:
-                        print(f"{fam} prompt {index}: length {L}, depth {depth}, key {pr.key}", flush=True)
+                        print(f"{fam} seed {seed} prompt {index}: length {L}, depth {depth}, key {pr.key}", flush=True)
                     ok = score_prompt(model, tok, fact, pr, vs, sink, recent, rot, dev, mass)
                     count[fam][L] += 1
                     depth_count[depth] += 1
@@ -553,7 +554,7 @@ def main() -> None:
                         by_depth[var.name][depth] += ok[var.name]
                         key = f"{seed}:{fam}/{index}" if len(seeds) > 1 else f"{fam}/{index}"
                         scored[var.name][key] = ok[var.name]
-            print(f"round {trial + 1}: {time.time() - t0:.0f} s", flush=True)
+            print(f"round {trial + 1}, seed {seed}: {time.time() - t0:.0f} s", flush=True)
     n_all = sum(sum(c.values()) for c in count.values())
     if not n_all:
         raise SystemExit("no prompt was scored (--prompts names none of the grid's indices)")

@@ -149,7 +149,7 @@ def test_prefill_repeats_take_turns_and_report_the_median(monkeypatch, capsys):
 
     from benchmarks import bench_prefill as bp
 
-    times = {"oscar": iter([30.0, 10.0, 20.0]), "bf16graph": iter([9.0, 11.0, 7.0])}
+    times = {"oscar": iter([30.0, 10.0, 11.0]), "bf16graph": iter([9.0, 11.0, 1.0])}  # medians 11 and 9, not means
     order = []
 
     def fake_row(model, kind, B, T, chunk):
@@ -167,10 +167,12 @@ def test_prefill_repeats_take_turns_and_report_the_median(monkeypatch, capsys):
     out = bp.main(["--contexts", "400", "--extra", "--kinds", "oscar", "bf16graph", "dynamic", "--repeats", "3"])
     assert order == ["oscar", "bf16graph", "dynamic", "oscar", "bf16graph", "oscar", "bf16graph"]
     rows = {r["kind"]: r for r in out["rows"]}
-    assert (rows["oscar"]["ms"], rows["oscar"]["ms_runs"]) == (20.0, [30.0, 10.0, 20.0])
-    assert rows["oscar"]["tokens_per_s"] == 400 / 0.020
+    assert (rows["oscar"]["ms"], rows["oscar"]["ms_runs"]) == (11.0, [30.0, 10.0, 11.0])
+    assert rows["oscar"]["tokens_per_s"] == 400 / 0.011
     assert rows["bf16graph"]["ms"] == 9.0 and rows["dynamic"]["status"] == "OOM"
-    assert "| 400 | 1 | oscar | 20.0 | 10.0–30.0 |" in capsys.readouterr().out
+    assert "| 400 | 1 | oscar | 11.0 | 10.0–30.0 |" in capsys.readouterr().out
+    even = [dict(kind="oscar", batch=1, context=400, ms=ms, kv_bytes=1) for ms in (5.0, 1.0, 3.0, 9.0)]
+    assert bp.median_row(even)["ms"] == 3.0  # the lower middle of an even count
 
 
 def test_per_channel_key_rows_are_counted_as_the_tensors_hold_them(model):
