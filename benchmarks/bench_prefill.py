@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from unittest import mock
 
@@ -127,8 +128,7 @@ def median_row(rows: list[dict]) -> dict:
     the largest peak; an out-of-memory run stands for the row."""
     if any("ms" not in r for r in rows):
         return next(r for r in rows if "ms" not in r)
-    times = sorted(r["ms"] for r in rows)
-    ms = times[(len(times) - 1) // 2]
+    ms = statistics.median_low(r["ms"] for r in rows)
     row = dict(rows[-1], ms=ms, tokens_per_s=rows[-1]["batch"] * rows[-1]["context"] / (ms / 1e3),
                ms_runs=[r["ms"] for r in rows])
     if "peak_over_model_bytes" in row:
