@@ -43,13 +43,14 @@ def _poisoned_alloc(shape, dtype, device):
 
 
 @pytest.fixture
-def one_merge_program_per_row():
-    """Model-level tests under the interpreter, whose subject is not the merge's split of the head dims: one merge
-    program per row instead of ~merge_programs (the interpreter pays per program; the split merge keeps its own
-    interpreter tests in test_decode_kernels.py)."""
+def fewest_programs():
+    """Model-level tests under the interpreter, whose subject is not how a launch splits its work: one merge program
+    per row instead of ~merge_programs, and one rotate program per head instead of one per 32 output columns (the
+    interpreter pays per program; the split merge and the column-block rotation keep their own interpreter tests in
+    test_decode_kernels.py and test_rotate_kernel.py)."""
     from dataclasses import replace
 
     from oscar_zoo.runtime import config
 
-    with config.use(replace(config.current(), merge_programs=1)):
+    with config.use(replace(config.current(), merge_programs=1, rotate_block_e=1 << 30)):
         yield

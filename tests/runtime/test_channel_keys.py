@@ -149,7 +149,7 @@ def test_settings_that_cannot_hold_whole_blocks_are_refused():
 
 @pytest.mark.parametrize(("backend", "B", "tiers", "key_block", "steps"),
                          [("reference", 2, (64, 256), 64, 140), ("interpreter", 1, (16, 32), 16, 13)])
-def test_static_step_equals_general_path(backend, B, tiers, key_block, steps, monkeypatch, one_merge_program_per_row):
+def test_static_step_equals_general_path(backend, B, tiers, key_block, steps, monkeypatch, fewest_programs):
     """Per-channel keys through a real model (SmolLM2's attention shape, random weights): the static decode step
     (device-indexed writes, one block demoted in place every key_block steps) gives bit-identical logits and tiers to
     the general filing path, through the reference ops or the Triton kernels (interpreter: the decode and the channel

@@ -155,7 +155,7 @@ def test_a_second_prompt_chunk_rechooses_over_old_and_new_candidates(device):
     assert torch.equal(codes[0, :, hist1 : hist1 + PIN].cpu(), want_codes[0])
 
 
-def test_pinning_the_whole_history_answers_as_bf16(device, one_merge_program_per_row):
+def test_pinning_the_whole_history_answers_as_bf16(device, fewest_programs):
     """pin ≥ the prompt's history: every prompt token stays BF16, so the INT2 cache (identity rotations, a bf16
     model) generates exactly what DynamicCache does until decode demotes a token (flush = 8 steps)."""
     model = _model("llama", dtype=torch.bfloat16).to(device)

@@ -67,7 +67,7 @@ def _general_path_only(monkeypatch):
                           ("interpreter", 1, 17, (16, 32), False, 2), ("interpreter", 1, 9, (16, 32), True, 2),
                           ("interpreter", 2, 9, (16, 32), False, 3)])
 def test_static_step_equals_general_path(backend, B, steps, tiers, centred, key_bits, monkeypatch,
-                                         one_merge_program_per_row):
+                                         fewest_programs):
     """A prefill 10 tokens past sink + recent, then teacher-forced decode steps (45: 5 demotions; under the
     interpreter, with small tiers to keep it quick, 17: 2, and 9 for the centred codec and 3-bit keys: 1): the static
     step (device-indexed writes, in-place demotion) gives bit-identical logits and tiers to the general filing path,
