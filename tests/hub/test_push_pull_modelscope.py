@@ -11,10 +11,12 @@ from .helpers import MS_TOKEN, make_artifacts, run_cli
 
 @pytest.fixture(autouse=True)
 def fast_integrity_retries(monkeypatch):
-    """The client retries a hash mismatch with 1 s, 2 s backoff; the tests need the verdict, not the wait."""
+    """The client retries a hash mismatch with 1 s, 2 s backoff, and a failed write (EFBIG under `ulimit -f`) five times
+    6 s apart; the tests need the verdict, not the wait."""
     import modelscope_hub._download as download
 
     monkeypatch.setattr(download, "DOWNLOAD_INTEGRITY_RETRY_BACKOFF", 0.01)
+    monkeypatch.setattr(download, "DOWNLOAD_RETRY_MAX_DELAY_SECONDS", 0.01)
 
 
 def _files(folder):
