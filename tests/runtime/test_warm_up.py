@@ -49,7 +49,7 @@ def spy(monkeypatch):
 
 
 @pytest.mark.parametrize("key_block", [0, 16], ids=["rows", "channel"])
-def test_rehearses_each_build_across_two_demotions_and_leaves_the_cache_alone(device, spy, key_block):
+def test_rehearses_each_build_across_two_demotions_and_leaves_the_cache_alone(device, spy, key_block, fewest_programs):
     """Two layers of different key bits: each is rehearsed once (its prompt's history, then ≥ 2 demotions of
     `flush` rows — a whole key block each with keys per channel — and a decode at every step); the cache's own layers
     stay empty; a second call, or a second cache of the same builds, runs nothing."""
