@@ -585,10 +585,11 @@ def main(argv=None) -> dict:
                              tokens_per_s=r.get("tokens_per_s", math.nan), peak_bytes=r.get("peak_bytes"))  # fmt: skip
             per_kind[kind] = entry
             result["budget"].append(entry)
-            print(f"budget ctx {T} {kind}: batch {n}, {entry.get('tokens_per_s', math.nan):.0f} tok/s", flush=True)
+            timed = f"{entry['tokens_per_s']:.0f} tok/s" if entry.get("status") == "ok" else entry.get("status", "")
+            print(f"budget ctx {T} {kind}: batch {n}, {timed}", flush=True)
         bf = [e.get("tokens_per_s", math.nan) for k, e in per_kind.items() if k in BF16_KINDS]
         bf = [x for x in bf if x == x]
-        if bf and "oscar" in per_kind:
+        if bf and per_kind.get("oscar", {}).get("status") == "ok":
             per_kind["oscar"]["ratio"] = f"{per_kind['oscar'].get('tokens_per_s', math.nan) / max(bf):.2f}x"
     graphs = decode_graphs(model)
     if graphs is not None and graphs.compiled is not None:

@@ -54,8 +54,11 @@ def print_tables(result: dict) -> None:
         print("| context | cache | max batch | ms/step | tok/s | throughput vs BF16 |")
         print("|---|---|---|---|---|---|")
         for b in result["budget"]:
-            print(f"| {b['context']} | {b['kind']} | {b['max_batch']} | {b.get('ms_per_step', float('nan')):.2f} | "
-                  f"{b.get('tokens_per_s', float('nan')):.0f} | {b.get('ratio', '')} |")  # fmt: skip
+            if b.get("status", "ok") == "ok" and "tokens_per_s" in b:
+                timed = f"{b['ms_per_step']:.2f} | {b['tokens_per_s']:.0f}"
+            else:  # not timed: what stopped it (a batch whose KV exceeds this card's memory: "does not fit")
+                timed = f"{b.get('status', 'no batch fits')} | —"
+            print(f"| {b['context']} | {b['kind']} | {b['max_batch']} | {timed} | {b.get('ratio', '')} |")
     for r in rows:
         if r.get("top_kernels"):
             top = "; ".join(f"{name} {ms:.3f} ms ×{n:.0f}" for name, ms, n in r["top_kernels"][:5])

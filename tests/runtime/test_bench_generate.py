@@ -234,3 +234,18 @@ def test_bf16graph_cache_speaks_the_static_step_protocol(model):
     graphs._capture_ahead(cache, {}, (False,) + kind)
     assert captured == [False] and set(graphs.graphs) == {(False,) + kind}
     assert cache.host_lengths() == [T] * len(cache.layers)
+
+
+def test_a_budget_batch_that_does_not_fit_says_so(capsys):
+    """The KV-budget table of a card with less memory than the budget: the batch that does not fit is named as such,
+    not printed as nan, and no ratio is made of it; a timed row keeps its numbers."""
+    budget = [dict(context=100_000, kind="oscar", max_batch=40, status="does not fit", ms_per_step=float("nan"),
+                   tokens_per_s=float("nan")),
+              dict(context=100_000, kind="bf16graph", max_batch=6, status="ok", ms_per_step=40.0, tokens_per_s=150.0),
+              dict(context=100_000, kind="static", max_batch=0)]  # fmt: skip
+    bg.print_tables(dict(model="demo", layers=2, device="cpu", steps=2, fill="kv", rows=[], budget_gb=100,
+                         budget=budget))  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| 100000 | oscar | 40 | does not fit | — |  |" in out
+    assert "| 100000 | bf16graph | 6 | 40.00 | 150 |  |" in out
+    assert "| 100000 | static | 0 | no batch fits | — |  |" in out and "nan" not in out
