@@ -119,3 +119,24 @@ def test_paired_outcomes_against_bf16_and_the_artifact_by_group():
     b = out["all vs the artifact"]
     assert (b["ref"], b["it"], b["ref_only"], b["it_only"]) == (0.5, 0.75, 1, 2)
     assert "all vs the artifact" not in mech.paired(scored, "the artifact", ["plays/passkey"])
+
+
+def test_key_blocks_per_layer_code_each_layer_over_its_own_blocks():
+    """k_chan_layers: a layer named there codes its keys per channel over its own token blocks, every other layer over
+    k_chan's; both at the layer's key bits, against the format's reference codec."""
+    rot = _rotations(6)
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(H, T, D, generator=g), torch.randn(H, T, D, generator=g)
+    var = mech.Variant("finer keys in layer 0", k_bits={0: 3, 1: 3}, k_chan=128, history_block=128,
+                       k_chan_layers={0: 32})
+    for layer, block in ((0, 32), (1, 128)):
+        kh, _ = mech.code_layer(var, layer, k, v, rot)
+        kr = k @ rot.k_rotation[layer]
+        torch.testing.assert_close(kh @ rot.k_rotation[layer], ref.fake_quant_channel(kr, block, 3), atol=2e-5, rtol=0)
+    kh0, _ = mech.code_layer(var, 0, k, v, rot)
+    coarse, _ = mech.code_layer(mech.Variant("coarse", k_bits={0: 3}, k_chan=128, history_block=128), 0, k, v, rot)
+    assert (kh0 - k).pow(2).mean() < 0.7 * (coarse - k).pow(2).mean()  # finer blocks: a smaller error
+    names = [v.name for v in mech.variants(D, 30, False, [3] * 30, BLOCK)]
+    for name in ("the artifact, 3-bit K and V in the needle-reading layers, K blocks of 128, 64 in the reading layers",
+                 "the artifact, 3-bit K and V in the needle-reading layers, K blocks of 128, 4-bit K in 23 and 24"):
+        assert name in names
