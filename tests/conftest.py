@@ -51,7 +51,7 @@ def _patch_the_language_once_per_launch() -> None:
     through Triton's own code."""
     interpreter = importlib.import_module("triton.runtime.interpreter")
     patch, launch = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
-    if patch is None or launch is None or not hasattr(launch, "__call__"):
+    if patch is None or launch is None:  # another Triton's interpreter: its own code, unchanged
         return
     lang = importlib.import_module("triton.language")
     in_force: list[set[int]] = []  # the language modules the running launch patched (empty outside a launch)
