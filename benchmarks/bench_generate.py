@@ -484,6 +484,14 @@ def safe_row(model, kind, B, T, args, phases=False, free_bytes=None) -> dict:
 # ---------------------------------------------------------------------------------------------------------- main
 
 
+def throughput_ratio(per_kind: dict[str, dict]) -> str | None:
+    """The KV-budget rows of one context: OSCAR's tokens/s over the fastest timed BF16 kind's ("3.97x"), or None where
+    OSCAR or every BF16 kind went untimed (a batch that does not fit the card)."""
+    timed = {k: e["tokens_per_s"] for k, e in per_kind.items() if e.get("status") == "ok"}
+    bf = [t for k, t in timed.items() if k in BF16_KINDS]
+    return f"{timed['oscar'] / max(bf):.2f}x" if "oscar" in timed and bf else None
+
+
 def max_batch(bytes_per_token_per_layer: float, T: int, L: int, budget: float) -> int:
     """Sequences of T tokens whose KV (measured bytes per cached token per layer) fit in `budget` bytes."""
     return int(budget // (bytes_per_token_per_layer * T * L))
@@ -585,12 +593,12 @@ def main(argv=None) -> dict:
                              tokens_per_s=r.get("tokens_per_s", math.nan), peak_bytes=r.get("peak_bytes"))  # fmt: skip
             per_kind[kind] = entry
             result["budget"].append(entry)
-            timed = f"{entry['tokens_per_s']:.0f} tok/s" if entry.get("status") == "ok" else entry.get("status", "")
+            timed = entry.get("status", "no batch fits")
+            timed = f"{entry['tokens_per_s']:.0f} tok/s" if timed == "ok" else timed
             print(f"budget ctx {T} {kind}: batch {n}, {timed}", flush=True)
-        bf = [e.get("tokens_per_s", math.nan) for k, e in per_kind.items() if k in BF16_KINDS]
-        bf = [x for x in bf if x == x]
-        if bf and per_kind.get("oscar", {}).get("status") == "ok":
-            per_kind["oscar"]["ratio"] = f"{per_kind['oscar'].get('tokens_per_s', math.nan) / max(bf):.2f}x"
+        ratio = throughput_ratio(per_kind)
+        if ratio:
+            per_kind["oscar"]["ratio"] = ratio
     graphs = decode_graphs(model)
     if graphs is not None and graphs.compiled is not None:
         result["compile_s"] = graphs.compiled.compile_seconds

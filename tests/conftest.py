@@ -65,11 +65,12 @@ def _patch_the_language_once_per_launch() -> None:
             pass
 
     def patch_lang(fn):
-        if in_force and in_force[-1] and langs(fn) <= in_force[-1]:
+        seen = langs(fn)
+        if in_force and in_force[-1] and seen and seen <= in_force[-1]:
             return _Nothing()
-        scope = patch(fn)
+        scope = patch(fn)  # (Triton's own check: a function that sees no language module is an error)
         if in_force:
-            in_force[-1] = langs(fn)
+            in_force[-1] |= seen
         return scope
 
     def grid_call(self, *args, **kwargs):

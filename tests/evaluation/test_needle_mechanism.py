@@ -136,7 +136,12 @@ def test_key_blocks_per_layer_code_each_layer_over_its_own_blocks():
     kh0, _ = mech.code_layer(var, 0, k, v, rot)
     coarse, _ = mech.code_layer(mech.Variant("coarse", k_bits={0: 3}, k_chan=128, history_block=128), 0, k, v, rot)
     assert (kh0 - k).pow(2).mean() < 0.7 * (coarse - k).pow(2).mean()  # finer blocks: a smaller error
-    names = [v.name for v in mech.variants(D, 30, False, [3] * 30, BLOCK)]
-    for name in ("the artifact, 3-bit K and V in the needle-reading layers, K blocks of 128, 64 in the reading layers",
-                 "the artifact, 3-bit K and V in the needle-reading layers, K blocks of 128, 4-bit K in 23 and 24"):
-        assert name in names
+    # the two variants on the demo artifact's key bits: their bits at 32K, and the 4-bit one's key bits per layer
+    demo = [2] * 7 + [3] * 16 + [2] * 2 + [3] * 5
+    by_name = {v.name: v for v in mech.variants(D, 30, False, demo, BLOCK)}
+    stem = "the artifact, 3-bit K and V in the needle-reading layers, K blocks of 128"
+    finer, four = by_name[f"{stem}, 64 in the reading layers"], by_name[f"{stem}, 4-bit K in 23 and 24"]
+    assert finer.opts["k_chan_layers"] == {i: 64 for i in range(20, 25)}
+    assert (round(finer.bpe(32768, D), 3), round(four.bpe(32768, D), 3)) == (2.991, 2.987)
+    kb = four.opts["k_bits"]
+    assert (kb[23], kb[24], kb[20], 13 in kb) == (4, 4, 3, False)

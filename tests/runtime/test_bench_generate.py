@@ -249,3 +249,8 @@ def test_a_budget_batch_that_does_not_fit_says_so(capsys):
     assert "| 100000 | oscar | 40 | does not fit | — |  |" in out
     assert "| 100000 | bf16graph | 6 | 40.00 | 150 |  |" in out
     assert "| 100000 | static | 0 | no batch fits | — |  |" in out and "nan" not in out
+    ok = dict(status="ok", tokens_per_s=150.0)
+    assert bg.throughput_ratio({"oscar": budget[0], "bf16graph": budget[1]}) is None
+    assert bg.throughput_ratio({"oscar": dict(ok, tokens_per_s=600.0), "bf16graph": budget[1]}) == "4.00x"
+    untimed = dict(status="does not fit")
+    assert bg.throughput_ratio({"oscar": dict(ok, tokens_per_s=600.0), "bf16graph": untimed}) is None
