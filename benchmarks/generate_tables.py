@@ -54,7 +54,7 @@ def print_tables(result: dict) -> None:
         print("| context | cache | max batch | ms/step | tok/s | throughput vs BF16 |")
         print("|---|---|---|---|---|---|")
         for b in result["budget"]:
-            if b.get("status", "ok") == "ok" and "tokens_per_s" in b:
+            if b.get("status") == "ok":
                 timed = f"{b['ms_per_step']:.2f} | {b['tokens_per_s']:.0f}"
             else:  # not timed: what stopped it (a batch whose KV exceeds this card's memory: "does not fit")
                 timed = f"{b.get('status', 'no batch fits')} | —"
