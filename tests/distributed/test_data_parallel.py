@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -57,9 +58,22 @@ def _rank(rank: int, world: int, layers: int, port: int, folder: str) -> None:
     else:
         assert result is None
     distributed.shutdown()
-    # the group is gone now, not at interpreter exit (where tearing gloo's threads down can abort the rank)
-    threads = {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
-    assert not {name for name in threads if "gloo" in name or "tcpstore" in name}, threads
+    # the group is gone now, not at interpreter exit (where tearing gloo's threads down can abort the rank); gloo's
+    # device loop thread is joined when the last pair lets go of it, which can take a moment after the call returns
+    deadline = time.monotonic() + 10
+    while (left := _gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, left
+
+
+def _gloo_threads() -> set[str]:
+    names = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.add(open(f"/proc/self/task/{task}/comm").read().strip())
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            pass
+    return {name for name in names if "gloo" in name or "tcpstore" in name}
 
 
 @pytest.mark.parametrize("world, layers", [(2, 4), (3, 4), (3, 2)])  # even, uneven, a rank with no layer
