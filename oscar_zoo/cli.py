@@ -1,23 +1,89 @@
-"""The `oscar-zoo` typer app: registers every command and is the ONE error boundary (OscarZooError → message + code)."""
+"""The `oscar-zoo` typer app: lists every command (each module imported when its command runs) and is the ONE error
+boundary (OscarZooError → message + code)."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import sys
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from rich.markup import escape
+from typer.core import TyperGroup
 
+from .commands import COMMANDS
 from .console import err_console
 from .errors import InputError, OscarZooError, SettingError
+
+_SETTINGS = dict(pretty_exceptions_enable=False, add_completion=False)
+
+
+def _flags_show_no_type() -> None:
+    """The rich help shows `<bool>` beside every flag with typer ≥ 0.2x (`--write <bool>`, `--help <bool>`), which
+    reads as if the flag took a value: a flag's type column is left empty instead. Guarded: a typer without
+    `TyperOption.display_type_rich` keeps its own rendering."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_flags_untyped", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and self.metavar is None else shown(self, ctx)
+
+    display_type_rich._flags_untyped = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
+
+
+class LazyCommands(TyperGroup):
+    """The commands of `commands.COMMANDS`, each module imported when its command is resolved (to run, or to show its
+    own help): the group lists them (its help, a mistyped name's suggestion) by name and summary alone, so `oscar-zoo
+    --help` and the commands that hold no tensor (`list`) start without torch or transformers."""
+
+    listing = False  # set while the group's own help is formatted
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.commands = {name: click.Command(name, short_help=summary) for name, (_, summary) in COMMANDS.items()}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return _command(name) if name in COMMANDS and not self.listing else super().get_command(ctx, name)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self.listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self.listing = False
+
+
+@functools.cache
+def _command(name: str) -> click.Command:
+    """The command `name`, its module imported and registered on an app of its own (typer makes that app the command
+    itself), listed with its summary."""
+    module, summary = COMMANDS[name]
+    one = typer.Typer(**_SETTINGS)
+    importlib.import_module(f"{__package__}.commands.{module}").register(one)
+    command = typer.main.get_command(one)
+    command.name, command.short_help = name, summary
+    return command
+
 
 app = typer.Typer(
     name="oscar-zoo",
     help="Calibrate, verify, publish and serve OSCAR attention-aware rotations for 2-bit KV caches.",
+    cls=LazyCommands,
     no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
+    **_SETTINGS,
 )
 
 
@@ -35,17 +101,6 @@ def _options(
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Options of `oscar-zoo` itself, before the command."""
-
-
-def _register() -> None:
-    """Each command module exposes `register(app)`; importing them here keeps startup in one place."""
-    from .commands import COMMAND_MODULES
-
-    for module in COMMAND_MODULES:
-        module.register(app)
-
-
-_register()
 
 
 def main() -> None:

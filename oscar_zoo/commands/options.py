@@ -22,22 +22,3 @@ Split = Annotated[str | None, typer.Option(help="Dataset split for a Hugging Fac
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
 ArtifactsArg = Annotated[Path, typer.Argument(help="Artifact folder (holds manifest.json).")]
 
-
-def _flags_show_no_type() -> None:
-    """The rich help shows `<bool>` beside every flag with typer ≥ 0.2x (`--write <bool>`, `--help <bool>`), which
-    reads as if the flag took a value: a flag's type column is left empty instead. Guarded: a typer without
-    `TyperOption.display_type_rich` keeps its own rendering."""
-    from typer.core import TyperOption
-
-    shown = getattr(TyperOption, "display_type_rich", None)
-    if shown is None or getattr(shown, "_flags_untyped", False):
-        return
-
-    def display_type_rich(self, ctx):
-        return None if getattr(self, "is_flag", False) and self.metavar is None else shown(self, ctx)
-
-    display_type_rich._flags_untyped = True
-    TyperOption.display_type_rich = display_type_rich
-
-
-_flags_show_no_type()

@@ -19,16 +19,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from enum import Enum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BITS = 2
 LEVELS = 2**BITS - 1  # largest code: 3
 KEY_BITS = (2, 3)  # bit widths a layer's history keys may use (values always use BITS); docs/format.md §6b
 CODES_PER_BYTE = 8 // BITS  # 4
-CODE_DTYPE = torch.uint8
-SCALE_DTYPE = torch.float16  # scale and zero are stored as float16 (the paper's 2.28 bits/element)
-TIER_DTYPE = torch.bfloat16  # sink and recent tiers
+# the stored dtypes, torch's (read as layout.CODE_DTYPE …; `__getattr__` imports torch at the first read, so the
+# format's records and the commands that need no tensor start without it)
+_DTYPES = {
+    "CODE_DTYPE": "uint8",
+    "SCALE_DTYPE": "float16",  # scale and zero are stored as float16 (the paper's 2.28 bits/element)
+    "TIER_DTYPE": "bfloat16",  # sink and recent tiers
+}
 
 SINK = 64  # first positions kept full precision
 RECENT = 256  # last positions kept full precision
@@ -109,9 +115,12 @@ def history_codes(B: int, H: int, T_cap: int, head_dim: int, device, tokens_cont
     contiguous. The decode kernel contracts P·V over tokens with the codes as the tensor-core operand whose reduction
     axis is then contiguous in memory, as K's is (bytes of consecutive dims): no byte gathers. Readers index the view;
     only strides differ."""
+    import torch
+
+    dtype = _torch_dtype("CODE_DTYPE")
     if tokens_contiguous:
-        return torch.zeros(B, H, packed_dim(head_dim), T_cap, dtype=CODE_DTYPE, device=device).transpose(2, 3)
-    return torch.zeros(B, H, T_cap, packed_dim(head_dim, bits), dtype=CODE_DTYPE, device=device)
+        return torch.zeros(B, H, packed_dim(head_dim), T_cap, dtype=dtype, device=device).transpose(2, 3)
+    return torch.zeros(B, H, T_cap, packed_dim(head_dim, bits), dtype=dtype, device=device)
 
 
 def check_windows(sink: int, recent: int, flush: int, pin: int = 0, key_block: int = 0) -> None:
@@ -182,3 +191,15 @@ def is_power_of_two(n: int) -> bool:
 
 def log2_int(n: int) -> int:
     return int(math.log2(n))
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, _DTYPES[name])
+
+
+def __getattr__(name: str):
+    if name in _DTYPES:
+        return _torch_dtype(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
