@@ -69,12 +69,16 @@ class LazyCommands(TyperGroup):
 @functools.cache
 def _command(name: str) -> click.Command:
     """The command `name`, its module imported and registered on an app of its own (typer makes that app the command
-    itself), listed with its summary."""
-    module, summary = COMMANDS[name]
+    itself)."""
+    module = COMMANDS[name][0]
+    try:
+        loaded = importlib.import_module(f"{__package__}.commands.{module}")
+    except OSError as exc:  # a broken install (a shared library that will not load): a bug report, not a path error
+        raise ImportError(f"the {name} command could not be loaded: {exc}") from exc
     one = typer.Typer(**_SETTINGS)
-    importlib.import_module(f"{__package__}.commands.{module}").register(one)
+    loaded.register(one)
     command = typer.main.get_command(one)
-    command.name, command.short_help = name, summary
+    command.name = name
     return command
 
 

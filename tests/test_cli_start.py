@@ -2,12 +2,15 @@
 module is imported when that command runs, and the format's records hold no tensor), run here in a fresh interpreter
 where importing either fails; a command is still found, shown and suggested by name."""
 
+import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from oscar_zoo.cli import _command
 from oscar_zoo.commands import COMMANDS
 
 WITHOUT_TORCH = """
@@ -21,7 +24,7 @@ main()
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=120,
-                          env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+                          env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_help_lists_every_command_without_torch():
@@ -52,6 +55,8 @@ def test_each_command_resolves_with_its_own_help(run_cli, name):
     code, out, _ = run_cli(name, "--help")
     assert code == 0
     assert f"oscar-zoo {name}" in out  # its own usage line, not the group's listing
+    first = " ".join(inspect.cleandoc(_command(name).help).split("\n\n")[0].split())
+    assert first == COMMANDS[name][1]  # the listing's line is the first paragraph of the command's own help
 
 
 def test_a_mistyped_command_is_suggested(run_cli):

@@ -1,6 +1,7 @@
 """One module per command; each exposes `register(app)`. `COMMANDS` names them in the order `oscar-zoo --help` lists
-them, with the line it shows for each, so that the listing imports no command module (nor torch): a command's module
-is imported when that command is resolved, to run or to show its own help (`cli.LazyCommands`)."""
+them, with the line it shows for each (the first paragraph of the command's docstring, which tests/test_cli_start.py
+holds equal), so that the listing imports no command module (nor torch): a command's module is imported when that
+command is resolved, to run or to show its own help (`cli.LazyCommands`)."""
 
 COMMANDS = {  # name: (module, one-line summary)
     "calibrate": ("calibrate", "Calibrate OSCAR rotations and clip ratios for MODEL and write an artifact folder."),

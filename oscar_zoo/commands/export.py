@@ -35,7 +35,10 @@ def export_command(
                                                        "Quality drops.")] = False,
     json_output: Json = False,
 ) -> None:
-    """Write `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""
+    """Write the reference implementation's rotation files (`--format oscar-pt`) or its SGLang deployment (`--format
+    sglang`).
+
+    The files are `k_rotation_qqt_r_h_pbr.pt` and `v_rotation_sst_r_h_pbr.pt` (one rotation per layer)."""
     # every refusal comes before anything is written, and all the files land together or none do
     result = export_oscar_pt(artifacts, out, average_heads, accept_degraded, sglang=format == Format.SGLANG)
     measure = f"measure the exported form with `oscar-zoo verify {shlex.quote(str(artifacts))} --as-exported`"

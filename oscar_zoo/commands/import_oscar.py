@@ -25,8 +25,11 @@ def import_oscar_command(
                           "when 128 does not divide it.")] = None,
     json_output: Json = False,
 ) -> None:
-    """Convert the published pickle dicts (loaded with torch.load(weights_only=True) only) into a per-layer artifact
-    folder with the reference's fixed clips (K 0.96, V 0.92). The result is unverified: run `oscar-zoo verify`."""
+    """Convert the reference implementation's rotation files into an artifact folder (unverified: run `oscar-zoo
+    verify`).
+
+    The published pickle dicts are loaded with torch.load(weights_only=True) only; the folder holds one rotation per
+    layer with the reference's fixed clips (K 0.96, V 0.92)."""
     identity = model_identity_for(model, revision)
     manifest = import_oscar_pt(k_file, v_file, identity, out, group_size)
     if json_output:

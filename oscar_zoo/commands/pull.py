@@ -26,8 +26,10 @@ def pull_command(
     force_download: Annotated[bool, typer.Option(help="Ignore the hub client's cache.")] = False,
     json_output: Json = False,
 ) -> None:
-    """Download the manifest, then exactly the files it lists, pinned to one commit; every sha256 is checked before
-    the destination appears. Works offline from the hub cache (HF_HUB_OFFLINE=1)."""
+    """Download a published artifact folder, pinned to one commit; every sha256 is checked before the destination
+    appears.
+
+    The manifest first, then exactly the files it lists. Works offline from the hub cache (HF_HUB_OFFLINE=1)."""
     src = resolve_source(source, hub, revision)
     with err_console.status(f"pulling {src.hub}:{shown(src.repo_id)}") as status:
         result = pull(src, dest, force_download=force_download, progress=lambda msg: status.update(shown(msg)))

@@ -201,5 +201,6 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 def __getattr__(name: str):
     if name in _DTYPES:
-        return _torch_dtype(name)
+        globals()[name] = dtype = _torch_dtype(name)  # kept: later reads are plain attribute reads
+        return dtype
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
