@@ -21,6 +21,7 @@ from .errors import InputError, SettingError, literal
 from .format import layout
 from .format.layout import Choice
 from .format.schema import ModelIdentity, line_breaker
+from .format.validate import MAX_LAYERS
 
 DEMO = "demo"
 DEMO_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -98,12 +99,13 @@ def _bad_field(where: str, field: str, value, expected: str) -> InputError:
 
 
 def _positive_int(config, field: str, where: str, optional: bool = False) -> int | None:
-    """A config field that must be a positive int (bools and floats are not); None when `optional` and unset."""
+    """A config field that must be a positive int (bools and floats are not) of at most `MAX_LAYERS` (a layer or head
+    count, a head dim: every one sizes per-layer or per-head state); None when `optional` and unset."""
     value = getattr(config, field, None)
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad_field(where, field, value, "a positive integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS:
+        raise _bad_field(where, field, value, f"a positive integer up to {MAX_LAYERS:,}")
     return value
 
 
@@ -162,8 +164,9 @@ def arch_info(config, source: str | None = None) -> ArchInfo:
 def _config_errors() -> tuple[type[BaseException], ...]:
     """What transformers raises while parsing a config.json it does not accept: strict-dataclass field checks
     (huggingface_hub ≥ 1.0), ValueError (unknown model type, bad RoPE settings), TypeError / ArithmeticError /
-    KeyError from its own post-init arithmetic on odd values (`"layer_types": 5`, 0 heads with no head_dim)."""
-    errors: tuple[type[BaseException], ...] = (ValueError, TypeError, ArithmeticError, KeyError)
+    KeyError from its own post-init arithmetic on odd values (`"layer_types": 5`, 0 heads with no head_dim),
+    RecursionError from its JSON reader on a file nested thousands of levels deep."""
+    errors: tuple[type[BaseException], ...] = (ValueError, TypeError, ArithmeticError, KeyError, RecursionError)
     try:
         from huggingface_hub.errors import StrictDataclassError
     except ImportError:  # older huggingface_hub: no strict dataclasses, transformers validates nothing more

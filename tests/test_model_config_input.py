@@ -62,6 +62,7 @@ GEOMETRY = {
     "head_dim zero": ({"head_dim": 0}, ["head_dim", "0", "positive integer"]),
     "no layers": ({"num_hidden_layers": 0}, ["num_hidden_layers", "0", "positive integer"]),
     "negative layers": ({"num_hidden_layers": -1}, ["num_hidden_layers", "-1"]),
+    "a billion layers": ({"num_hidden_layers": 10**9}, ["num_hidden_layers", "1000000000", "up to 65,536"]),
     "negative kv heads": ({"num_key_value_heads": -2}, ["num_key_value_heads", "-2", "positive integer"]),
     "zero kv heads": ({"num_key_value_heads": 0}, ["num_key_value_heads", "0", "positive integer"]),
     "heads not grouped": ({"num_key_value_heads": 4}, ["num_attention_heads 6", "num_key_value_heads 4"]),
@@ -138,6 +139,14 @@ def test_import_oscar_refuses_a_config_transformers_rejects(run_cli, config_dir,
     folder = config_dir(**fields)
     code, stdout, err = run_cli("import-oscar", *reference_files, "--model", folder, "--out", tmp_path / "art")
     _assert_input_error(code, stdout, err, str(folder / "config.json"))
+
+
+def test_a_config_nested_past_the_json_readers_depth_is_one_line(run_cli, config_dir, reference_files, tmp_path):
+    folder = config_dir()
+    path = folder / "config.json"
+    path.write_text(path.read_text()[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    code, stdout, err = run_cli("import-oscar", *reference_files, "--model", folder, "--out", tmp_path / "art")
+    _assert_input_error(code, stdout, err, str(path), "RecursionError")
 
 
 def test_model_names_a_manifest_cannot_record_are_refused_before_loading(run_cli, tiny_model_dir, tmp_path):

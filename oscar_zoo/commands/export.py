@@ -77,7 +77,7 @@ def export_command(
                    launch_command=settings.launch_command(model))
     doc["warnings"] = warnings
     for w in warnings:
-        err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+        err_console.print(f"[yellow]warning:[/] {shown(w)}", highlight=False, soft_wrap=True)
     if json_output:
         console.print_json(json.dumps(doc))
         return

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ..console import console
+from ..console import console, shown
 from ..export.oscar_pt import import_oscar_pt, model_identity_for
 from .options import Json, Revision
 
@@ -38,8 +39,9 @@ def import_oscar_command(
                                        "artifacts": [a.to_dict() for a in manifest.artifacts]}))
         return
     console.print(f"imported {len(manifest.rotation.layer_ids)} layers of {manifest.model.head_dim}×"
-                  f"{manifest.model.head_dim} K and V rotations for {manifest.model.id} into {out} (per-layer, clips "
-                  f"K {manifest.clip.k_default} / V {manifest.clip.v_default}); next: `oscar-zoo verify {out}`")
+                  f"{manifest.model.head_dim} K and V rotations for {shown(manifest.model.id)} into {shown(out)} "
+                  f"(per-layer, clips K {manifest.clip.k_default} / V {manifest.clip.v_default}); next: `oscar-zoo "
+                  f"verify {shown(shlex.quote(str(out)))}`", highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

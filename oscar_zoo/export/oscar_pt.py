@@ -17,6 +17,7 @@ Frobenius norm), and the agreement between heads (mean |diag(R_0ᵀ R_h)|) is re
 from __future__ import annotations
 
 import io
+import os
 import shlex
 import warnings
 import zipfile
@@ -135,8 +136,8 @@ def read_oscar_pt(path: Path, expected_objective: str, limits: PtLimits | None =
         raise InputError(f"{path} does not exist" if not path.exists() else f"{path} is not a regular file")
     source: Path | io.BytesIO = path
     if limits is not None:
-        with open(path, "rb") as f:
-            data = f.read(limits.file + 1)
+        with open(path, "rb") as f:  # read no more than the file holds: the limit can be far larger (a huge model)
+            data = f.read(min(limits.file, os.fstat(f.fileno()).st_size) + 1)
         if len(data) > limits.file:
             raise IntegrityError(f"{path.name} was refused before loading: it has more than {limits.file:,} bytes, "
                                  f"more than a rotation file for {limits.model} can take",
@@ -197,6 +198,8 @@ def read_oscar_pt(path: Path, expected_objective: str, limits: PtLimits | None =
             if t is not None and (not t.is_floating_point() or t.layout != torch.strided):
                 raise bad(f"layer {lid}: {name} is a {str(t.dtype).removeprefix('torch.')} "
                           f"{'tensor' if t.layout == torch.strided else 'sparse tensor'}, expected dense float32")
+            if t is not None and t.device.type != "cpu":  # a meta tensor (torch.load keeps it): no values at all
+                raise bad(f"layer {lid}: {name} is a tensor on device {t.device.type}, with no values to read")
         if "layer_id" in entry and _layer_key(entry["layer_id"], strings=False) != lid:
             raise bad(f"layer key {_short(key)} holds layer_id {_short(entry['layer_id'])}")
         rots.append(rot.float())

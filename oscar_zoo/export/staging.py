@@ -186,14 +186,21 @@ def write_export_files(out: Path, files: Mapping[str, bytes], executable: Collec
 
 def _put_back(stale: Path) -> bool:
     """A killed export's staging folder (inside --out): the files it had set aside go back where they were, undoing a
-    run that never finished; True when the folder may then be deleted (False keeps it, and what it holds)."""
+    run that never finished; True when the folder may then be deleted (False keeps it, and what it holds). Export sets
+    aside only files it wrote, so only a file with export's mark goes back, and only over nothing or over another file
+    with the mark (the dead run's new one): never over a user's file, whatever a staging folder holds."""
     aside = stale / _SET_ASIDE
+    kept = False
     try:
         for name in os.listdir(aside) if aside.is_dir() else ():
-            os.replace(aside / name, stale.parent / name)
+            home = stale.parent / name
+            if written_by_export(aside / name) and (not os.path.lexists(home) or written_by_export(home)):
+                os.replace(aside / name, home)
+            else:
+                kept = True
     except OSError:
         return False
-    return True
+    return not kept
 
 
 def _rename_into_place(stage: Path, dest: Path) -> bool:

@@ -266,12 +266,33 @@ def test_a_killed_exports_set_aside_files_are_put_back(art, tmp_path):
     dead.wait()  # a pid that no longer runs
     stale = out / f".{staging.STAGING_NAME}.{_owner_tag().split('-')[0]}-{dead.pid}.abc123.tmp"
     (stale / ".replaced").mkdir(parents=True)
-    (stale / ".replaced" / ENV_FILE).write_bytes(b"old settings")
-    (out / ENV_FILE).write_bytes(b"half of a killed run")
+    (stale / ".replaced" / ENV_FILE).write_bytes(staging.stamp(b"old settings"))
+    (out / ENV_FILE).write_bytes(staging.stamp(b"half of a killed run"))
     export_oscar_pt(art, out, False)
-    assert (out / ENV_FILE).read_bytes() == b"old settings"
+    assert (out / ENV_FILE).read_bytes() == staging.stamp(b"old settings")
     assert not stale.exists()
     assert sorted(p.name for p in out.iterdir()) == sorted([ENV_FILE, K_FILE, V_FILE])
+
+
+@pytest.mark.parametrize("planted", ["unmarked", "marked"])
+def test_a_staging_folder_never_puts_a_file_over_the_users(art, tmp_path, planted):
+    """A staging folder that holds a set-aside file export did not write (or one over a file the user wrote): the
+    user's file stays byte for byte, and the folder is kept with what it holds (nothing is lost either way)."""
+    from oscar_zoo.artifacts import _owner_tag
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_bytes(b"mine")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = out / f".{staging.STAGING_NAME}.{_owner_tag().split('-')[0]}-{dead.pid}.abc123.tmp"
+    (stale / ".replaced").mkdir(parents=True)
+    evil = b"evil" if planted == "unmarked" else staging.stamp(b"evil")
+    (stale / ".replaced" / "notes.txt").write_bytes(evil)
+    export_oscar_pt(art, out, False)
+    assert (out / "notes.txt").read_bytes() == b"mine"
+    assert (stale / ".replaced" / "notes.txt").read_bytes() == evil
+    assert (out / K_FILE).is_file() and (out / V_FILE).is_file()
 
 
 # -- what succeeds ----------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import shlex
 
 import pytest
 import torch
@@ -47,6 +48,21 @@ def test_import_reference_files(model_dir, tmp_path):
     assert torch.all(rot.k_clip == 0.96) and torch.all(rot.v_clip == 0.92)
     assert manifest.quant.group_size == D  # 128 does not divide head_dim 16
     assert K_FILE in manifest.calibration.dataset
+
+
+def test_paths_with_markup_are_printed_as_written(model_dir, tmp_path):
+    """Folder names that read as rich markup (`[/]` closes nothing, `[red]` would vanish) are printed as they are,
+    after the files are written: exit 0, never a markup error."""
+    k_file, v_file, _, _ = _reference_files(tmp_path / "ref")
+    out = tmp_path / "a[/]b[red]"
+    code, stdout, err = run_cli("import-oscar", str(k_file), str(v_file), "--model", str(model_dir), "--out", str(out))
+    assert code == 0, err
+    assert f"into {out} " in " ".join(stdout.split()) and f"verify {shlex.quote(str(out))}" in " ".join(stdout.split())
+    art = tmp_path / "x[/]art[red]"
+    make_artifacts(art, L=L, H_kv=H_KV, D=D, spread=0.05)
+    code, _, err = run_cli("export", str(art), "--format", "oscar-pt", "--out", str(tmp_path / "pt"), "--average-heads")
+    assert code == 0, err
+    assert f"oscar-zoo verify {shlex.quote(str(art))} --as-exported" in " ".join(err.split())
 
 
 def test_non_tensor_pickle_is_refused(model_dir, tmp_path):
@@ -377,6 +393,8 @@ MALFORMED = {  # name -> (bytes of the K file, or a callable writing it; words o
     "rotation empty": (lambda p: torch.save({"layers": {0: {"rotation": torch.ones(0, 0)}}}, p), "expected [D, D]"),
     "rotation int": (lambda p: torch.save({"layers": _layers_with(rotation=torch.eye(D, dtype=torch.int64))}, p),
                      "is a int64 tensor"),
+    "rotation on meta": (lambda p: torch.save({"layers": _layers_with(rotation=torch.eye(D, device="meta"))}, p),
+                         "on device meta"),
     "rotation complex": (lambda p: torch.save({"layers": _layers_with(rotation=torch.eye(D, dtype=torch.cfloat))},
                                               p), "complex64"),
     "eigenvalues wrong size": (lambda p: torch.save({"layers": _layers_with(eigenvalues=torch.ones(D + 1))}, p),
