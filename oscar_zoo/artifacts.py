@@ -443,16 +443,6 @@ def expected_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
     return io.expected_shapes(len(ids), H, D, manifest.centred)
 
 
-SAFETENSORS_HEADER_MAX = 1 << 16  # the JSON header of 7 tensors takes well under 1 KiB
-
-
-def rotations_size_range(manifest: Manifest) -> tuple[int, int]:
-    """(least, most) bytes `rotations.safetensors` can take for this manifest: its tensors (4 bytes per element: all
-    float32 but layer_ids int32) plus the 8-byte length and a JSON header of at most 64 KiB."""
-    payload = 4 * sum(math.prod(shape) for shape in expected_shapes(manifest).values())
-    return payload + 8, payload + 8 + SAFETENSORS_HEADER_MAX
-
-
 def check_model_matches(manifest: Manifest, identity) -> None:
     """Raise IntegrityError naming every field where the manifest's model differs from `identity` (a ModelIdentity)."""
     fields = ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "qk_norm", "config_sha256")

@@ -7,6 +7,7 @@ one line from the commands and a ValueError from the runtime, before anything is
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -128,3 +129,22 @@ def test_a_zoo_entry_bits_per_element_is_bounded():
     assert ZooModel(**entry, bits_per_element_128k=2.5).bits_per_element_128k == 2.5
     with pytest.raises(ValueError, match="less than or equal to 64"):
         ZooModel(**entry, bits_per_element_128k=1e308)
+
+
+def test_a_rotations_size_the_tensors_cannot_take_is_refused_before_any_hashing(tmp_path, monkeypatch):
+    """A rotations.safetensors longer than the tensors the manifest describes can take, listed at its real size (so
+    the size check alone passes: a 20 GB file would be hashed for minutes), is exit 4 before a byte is hashed, in
+    every reader: the commands and `OscarCache.from_folder`."""
+    from oscar_zoo.format import io
+
+    folder = tmp_path / "art"
+    manifest = make_artifacts(folder)
+    most = io.rotations_size_range(manifest)[1]
+    os.truncate(folder / "rotations.safetensors", most + (1 << 20))  # sparse: a MiB past the largest it can be
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["artifacts"][0]["bytes"] = most + (1 << 20)
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(io, "sha256_file", lambda path: pytest.fail(f"{path} was hashed"))
+    _exit_4(folder, "but the tensors it describes take")
+    with pytest.raises(ValueError, match="but the tensors it describes take"):
+        OscarCache.from_folder(folder)

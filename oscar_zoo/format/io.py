@@ -8,6 +8,7 @@ and head. Imports torch and safetensors only.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -60,6 +61,7 @@ def read_artifact(folder: str | Path, require_manifest: bool = False) -> Artifac
         if "schema_version" in doc or require_manifest:
             manifest = Manifest.from_json(doc, source=str(path))
             settings = manifest_settings(manifest)
+            check_rotations_size(manifest, str(path))
             check_files(folder, manifest.artifacts)
             if ROTATIONS_NAME not in {f.path for f in manifest.artifacts}:
                 raise IntegrityError(f"the manifest in {folder} does not list {ROTATIONS_NAME}")
@@ -158,6 +160,27 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+SAFETENSORS_HEADER_MAX = 1 << 16  # the JSON header of 7 tensors takes well under 1 KiB
+
+
+def rotations_size_range(manifest: Manifest) -> tuple[int, int]:
+    """(least, most) bytes `rotations.safetensors` can take for this manifest: its tensors (4 bytes per element: all
+    float32 but layer_ids int32) plus the 8-byte length and a JSON header of at most 64 KiB."""
+    ids, H, D = geometry(manifest)
+    payload = 4 * sum(math.prod(shape) for shape in expected_shapes(len(ids), H, D, manifest.centred).values())
+    return payload + 8, payload + 8 + SAFETENSORS_HEADER_MAX
+
+
+def check_rotations_size(manifest: Manifest, where: str) -> None:
+    """The size the manifest records for `rotations.safetensors` is one its tensors can take (`rotations_size_range`):
+    checked before any byte is read or hashed, so a manifest cannot make a reader hash gigabytes first."""
+    least, most = rotations_size_range(manifest)
+    for entry in manifest.artifacts:
+        if entry.path == ROTATIONS_NAME and not least <= entry.bytes <= most:
+            raise IntegrityError(f"{where} says {entry.path} has {entry.bytes:,} bytes, but the tensors it describes "
+                                 f"take {least:,} to {most:,}", "the manifest is inconsistent; do not use it")
 
 
 def check_files(folder: Path, entries: list[ArtifactFile]) -> None:

@@ -23,12 +23,11 @@ from ..artifacts import (
     check_files,
     load_artifacts,
     remove_stale_staging,
-    rotations_size_range,
     staging_folder,
     swap_into_place,
 )
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
-from ..format.io import sha256_file
+from ..format.io import rotations_size_range, sha256_file
 from ..format.records import MANIFEST_MAX_BYTES
 from ..format.schema import MANIFEST_NAME, ROTATIONS_NAME, Manifest
 from ..format.verification import VerifyReport, binding_mismatch, looser_than_defaults, needle_gate
