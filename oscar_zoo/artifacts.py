@@ -285,12 +285,19 @@ def artifact_folder_problem(folder: Path) -> str | None:
 
 def check_destination(dest: Path, label: str) -> Path:
     """Resolve `dest` (`~`, `.`, `..`, symlinks) and make sure an artifact folder may be written there without losing
-    anyone's files: it must be absent, an empty folder, or an artifact folder (`artifact_folder_problem`), and it must
-    not be the current folder or hold it (a swap would pull it out from under the shell), and the folder it is built
-    in (its parent, or the nearest existing folder above) must be writable. Returns the resolved path; raises
-    InputError (exit 2) otherwise, having touched nothing but a swap into `dest` that a killed run left unfinished
-    (`recover_interrupted_swap`, first). `label` names the option in the message."""
+    anyone's files: it must be absent, an empty folder, or an artifact folder (`artifact_folder_problem`), not inside
+    one (whose files are its manifest's alone), and it must not be the current folder or hold it (a swap would pull it
+    out from under the shell), and the folder it is built in (its parent, or the nearest existing folder above) must be
+    writable. Returns the resolved path; raises InputError (exit 2) otherwise, having touched nothing but a swap into
+    `dest` that a killed run left unfinished (`recover_interrupted_swap`, first). `label` names the option in the
+    message."""
     resolved = folder_destination(dest, label, "pick a new or empty folder")
+    inside = next((f for f in resolved.parents if (f / MANIFEST_NAME).is_file() and not artifact_folder_problem(f)),
+                  None)
+    if inside is not None:  # a folder in it would make it hold more than its manifest's files
+        raise InputError(f"{label} {dest} lies inside {inside}, which is an oscar-zoo artifact folder: it holds its "
+                         "manifest's files and nothing else; nothing was changed",
+                         "pick a folder outside the artifact folder, e.g. a new one beside it")
     recover_interrupted_swap(resolved)
     if resolved.is_dir() and any(resolved.iterdir()):
         problem = artifact_folder_problem(resolved)

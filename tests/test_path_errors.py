@@ -30,6 +30,22 @@ def test_unusable_destination_paths_are_input_errors(run_cli, tiny_model_dir, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_a_destination_inside_an_artifact_folder_is_an_input_error(run_cli, tiny_model_dir, tmp_path):
+    """An artifact folder holds its manifest's files and nothing else: calibrate and pull refuse to write a folder
+    inside one (as export does, and import-oscar: tests/export/test_oscar_pt.py), and it is left as it was."""
+    from .hub.helpers import make_artifacts
+
+    art = tmp_path / "art"
+    make_artifacts(art)
+    before = sorted(p.name for p in art.iterdir())
+    for args in (["calibrate", str(tiny_model_dir), "--device", "cpu", "--tokens", "256", "--seq-len", "64", "--out"],
+                 ["pull", "org/repo", "--dest"]):
+        result = run_cli(*args, str(art / "sub" / "inner"))
+        _one_line_exit_2(result)
+        assert f"lies inside {art}, which is an oscar-zoo artifact folder" in " ".join(result[2].split())
+    assert sorted(p.name for p in art.iterdir()) == before
+
+
 def test_an_artifact_argument_with_a_name_too_long_is_an_input_error(run_cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _one_line_exit_2(run_cli("inspect", LONG))

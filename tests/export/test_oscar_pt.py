@@ -65,6 +65,15 @@ def test_paths_with_markup_are_printed_as_written(model_dir, tmp_path):
     assert f"oscar-zoo verify {shlex.quote(str(art))} --as-exported" in " ".join(err.split())
 
 
+def test_an_out_inside_an_artifact_folder_is_refused(model_dir, tmp_path):
+    k_file, v_file, _, _ = _reference_files(tmp_path / "ref")
+    make_artifacts(tmp_path / "art", L=L, H_kv=H_KV, D=D)
+    code, _, err = run_cli("import-oscar", str(k_file), str(v_file), "--model", str(model_dir), "--out",
+                           str(tmp_path / "art" / "sub"))
+    assert code == 2 and "which is an oscar-zoo artifact folder" in err, err
+    assert not (tmp_path / "art" / "sub").exists()
+
+
 def test_non_tensor_pickle_is_refused(model_dir, tmp_path):
     k_file, v_file, _, _ = _reference_files(tmp_path / "ref")
     evil = tmp_path / "evil.pt"
