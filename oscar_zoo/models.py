@@ -19,9 +19,8 @@ import torch
 
 from .errors import InputError, SettingError, literal
 from .format import layout
-from .format.layout import Choice
+from .format.layout import MAX_MODEL_DIM, Choice
 from .format.schema import ModelIdentity, line_breaker
-from .format.validate import MAX_LAYERS
 
 DEMO = "demo"
 DEMO_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -99,13 +98,13 @@ def _bad_field(where: str, field: str, value, expected: str) -> InputError:
 
 
 def _positive_int(config, field: str, where: str, optional: bool = False) -> int | None:
-    """A config field that must be a positive int (bools and floats are not) of at most `MAX_LAYERS` (a layer or head
-    count, a head dim: every one sizes per-layer or per-head state); None when `optional` and unset."""
+    """A config field that must be a positive int (bools and floats are not) of at most `layout.MAX_MODEL_DIM` (a
+    layer or head count, a head dim: each sizes per-layer or per-head state); None when `optional` and unset."""
     value = getattr(config, field, None)
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS:
-        raise _bad_field(where, field, value, f"a positive integer up to {MAX_LAYERS:,}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_MODEL_DIM:
+        raise _bad_field(where, field, value, f"a positive integer up to {MAX_MODEL_DIM:,}")
     return value
 
 

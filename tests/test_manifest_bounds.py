@@ -34,6 +34,8 @@ CASES = {  # manifest change -> words of the message (the schema's and the runti
 }
 RECORD = {  # the calibration record: the schema's (the runtime does not read it)
     "tokens 2^62": ({"calibration.tokens": 1 << 62}, "calibration.tokens"),
+    "num_layers 2^62": ({"model.num_layers": 1 << 62}, "model.num_layers"),
+    "num_kv_heads 2^20": ({"model.num_kv_heads": 1 << 20}, "model.num_kv_heads"),
     "wall_seconds 1e308": ({"calibration.wall_seconds": 1e308}, "calibration.wall_seconds"),
     "negative tokens": ({"calibration.tokens": -1}, "calibration.tokens"),
     "tokens not sequences × seq_len": ({"calibration.tokens": 1025}, "sequences × seq_len"),
@@ -148,3 +150,20 @@ def test_a_rotations_size_the_tensors_cannot_take_is_refused_before_any_hashing(
     _exit_4(folder, "but the tensors it describes take")
     with pytest.raises(ValueError, match="but the tensors it describes take"):
         OscarCache.from_folder(folder)
+
+
+def test_an_unreadable_rotations_file_is_said_as_a_read(tmp_path, monkeypatch):
+    """A listed file that cannot be read (permissions: the suite may run as root, so the OS error is raised here)
+    is exit 4 naming the read, not a write failure with a disk-space hint."""
+    import errno
+
+    from oscar_zoo.format import io
+
+    folder = tmp_path / "art"
+    make_artifacts(folder)
+
+    def denied(path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(io, "sha256_file", denied)
+    _exit_4(folder, "rotations.safetensors cannot be read (Permission denied)")

@@ -403,7 +403,8 @@ def import_oscar_pt(k_path: Path, v_path: Path, identity: ModelIdentity, out: Pa
                                  f"{identity.id} has head_dim {D}", "these files belong to another model")
         outside = [i for i in lr.layer_ids if not 0 <= i < N]
         if outside:
-            raise IntegrityError(f"{name} file has layers {outside} but {identity.id} has {N} layers")
+            listed = ", ".join(map(str, outside[:8])) + (f", … ({len(outside):,} in all)" if len(outside) > 8 else "")
+            raise IntegrityError(f"{name} file has layers [{listed}] but {identity.id} has {N} layers")
         missing = sorted(set(range(N)) - set(lr.layer_ids))
         if missing:
             raise IntegrityError(f"{name} file lacks layers {missing[:8]}{'…' if len(missing) > 8 else ''} of "

@@ -201,7 +201,10 @@ def check_file(path: Path, entry: ArtifactFile) -> None:
     size = Path(path).stat().st_size
     if size != entry.bytes:
         raise IntegrityError(f"{entry.path} has {size} bytes, the manifest says {entry.bytes}: the file is damaged")
-    digest = sha256_file(path)
+    try:
+        digest = sha256_file(path)
+    except OSError as exc:  # unreadable (permissions, an I/O error): said as a read, as the manifest's is
+        raise IntegrityError(f"{path} cannot be read ({exc.strerror or exc})") from None
     if digest != entry.sha256:
         raise IntegrityError(
             f"{entry.path} sha256 {digest[:12]}… does not match the manifest's {entry.sha256[:12]}…: "

@@ -41,6 +41,8 @@ RECENT = 256  # last positions kept full precision
 FLUSH = 8  # tokens demoted together from the recent tier into the history
 MAX_WINDOW = 1 << 20  # sink, recent and flush are each at most this many tokens (a larger one is a damaged
 # manifest, not a setting: the tiers are allocated at that size for every layer and sequence)
+MAX_MODEL_DIM = 1 << 16  # the most layers, heads or head dims a model may have (none has nearly this many): a cache
+# and a calibration allocate state per layer and head, and a layer id is below the layer count
 MAX_WINDOWS = 32768  # a manifest's BF16 tiers, sink + pin + recent, hold fewer tokens than this: beyond it a 32K
 # context keeps no INT2 history, and every layer would allocate that many BF16 rows per KV head (`check_windows`)
 

@@ -80,10 +80,10 @@ class ModelIdentity(Record):
     revision: str | None = spec(None, check=one_line_name)
     architecture: str = spec(check=one_line_name)
     model_type: str = spec(check=one_line_name)
-    num_layers: int = spec(ge=1)
-    num_q_heads: int = spec(ge=1)
-    num_kv_heads: int = spec(ge=1)
-    head_dim: int = spec(ge=4)
+    num_layers: int = spec(ge=1, le=layout.MAX_MODEL_DIM)
+    num_q_heads: int = spec(ge=1, le=layout.MAX_MODEL_DIM)
+    num_kv_heads: int = spec(ge=1, le=layout.MAX_MODEL_DIM)
+    head_dim: int = spec(ge=4, le=layout.MAX_MODEL_DIM)
     qk_norm: bool
     rope_theta: float | None = None
     config_sha256: str

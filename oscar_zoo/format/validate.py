@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from .layout import MAX_MODEL_DIM
+
 ROTATION_NAMES = ("k_rotation", "v_rotation")
 EIGENVALUE_NAMES = ("k_eigenvalues", "v_eigenvalues")
 CLIP_NAMES = ("k_clip", "v_clip")
@@ -23,7 +25,6 @@ MEAN_NAMES = ("k_mean", "v_mean")  # schema 2 adds these (the centred codec, doc
 # max |MᵀM − I| (float64 product of the stored float32 matrices). A float32 rotation of any head_dim in use (≤ 512) is
 # orthogonal to 1e-6 or better; a rotation scaled by 1.0001 is already off by 2e-4, a random matrix by far more.
 ORTHOGONALITY_TOL = 1e-4
-MAX_LAYERS = 1 << 16  # no model has nearly this many; a cache allocates per-layer state for every id below the largest
 
 
 def check_rotation_tensors(tensors: Mapping[str, Tensor], tol: float = ORTHOGONALITY_TOL) -> None:
@@ -84,9 +85,9 @@ def check_layer_ids(layer_ids: Tensor) -> list[int]:
         raise ValueError(f"layer_ids has dtype {str(layer_ids.dtype).removeprefix('torch.')}, expected an integer "
                          "dtype (int32)")
     ids = [int(i) for i in layer_ids.flatten().tolist()]
-    outside = [i for i in ids if not 0 <= i < MAX_LAYERS]
+    outside = [i for i in ids if not 0 <= i < MAX_MODEL_DIM]
     if outside:
-        raise ValueError(f"layer_ids holds layer index {outside[0]}, outside [0, {MAX_LAYERS})")
+        raise ValueError(f"layer_ids holds layer index {outside[0]}, outside [0, {MAX_MODEL_DIM})")
     seen: set[int] = set()
     for i in ids:
         if i in seen:
