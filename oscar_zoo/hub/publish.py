@@ -27,7 +27,7 @@ from ..artifacts import (
     swap_into_place,
 )
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
-from ..format.io import rotations_size_range, sha256_file
+from ..format.io import check_rotations_size, sha256_file
 from ..format.records import MANIFEST_MAX_BYTES
 from ..format.schema import MANIFEST_NAME, ROTATIONS_NAME, Manifest
 from ..format.verification import VerifyReport, binding_mismatch, looser_than_defaults, needle_gate
@@ -318,15 +318,8 @@ def _read_pulled_manifest(path: Path, where: str, entry: CatalogEntry | None) ->
 def _check_listing(manifest: Manifest, sizes: dict[str, int] | None, subfolder: str, where: str) -> None:
     """Before downloading: the schema admits only the format's files; each must be as big as the manifest's geometry
     implies and, when the hub's listing is at hand, exactly as big there as the manifest says."""
-    for art in manifest.artifacts:
-        if art.path == ROTATIONS_NAME:
-            least, most = rotations_size_range(manifest)
-            if not least <= art.bytes <= most:
-                raise IntegrityError(f"{where}/{MANIFEST_NAME} says {art.path} has {art.bytes:,} bytes, but the "
-                                     f"tensors it describes take {least:,} to {most:,}; nothing was downloaded",
-                                     "the manifest is inconsistent; do not use it")
-        if sizes is None:
-            continue
+    check_rotations_size(manifest, f"{where}/{MANIFEST_NAME}")
+    for art in manifest.artifacts if sizes is not None else ():
         on_hub = sizes.get(_in_repo(subfolder, art.path))
         if on_hub is None:
             raise HubError(f"{where}: {art.path} is listed in the manifest but missing from the repo")
