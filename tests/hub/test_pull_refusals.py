@@ -54,6 +54,18 @@ def test_a_manifest_listing_files_outside_the_format_is_refused_before_any_downl
     assert _cached(hub_env / "hub", bad) == []  # the refused manifest is not kept either
 
 
+def test_a_rotations_size_the_tensors_cannot_take_is_refused_before_any_download(hf_hub, pushed_hf, hub_env,
+                                                                                   tmp_path):
+    manifest = json.loads(pushed_hf[f"{SUB}/manifest.json"])
+    manifest["artifacts"][0]["bytes"] = 150 << 30  # a repo file of that size would be downloaded, then hashed
+    hf_hub.state.tamper(REPO, f"{SUB}/manifest.json", json.dumps(manifest).encode())
+    hf_hub.state.requests.clear()
+    code, _, err = run_cli("pull", SOURCE, "--dest", str(tmp_path / "dest"))
+    assert code == 4 and "but the tensors it describes take" in err and "Traceback" not in err, err
+    assert not (tmp_path / "dest").exists()
+    assert [r for r in hf_hub.state.requests if "/resolve/" in r and "manifest.json" not in r] == []
+
+
 def test_a_manifest_too_large_to_be_one_is_not_downloaded(hf_hub, pushed_hf, hub_env, tmp_path):
     hf_hub.state.tamper(REPO, f"{SUB}/manifest.json", b" " * (2 << 20))
     hf_hub.state.requests.clear()
