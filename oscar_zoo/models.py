@@ -327,7 +327,11 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise SettingError("device", f"device {literal(repr(name))} was asked for but no CUDA GPU is visible",
                            "use {device} cpu")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError:  # "foo", "cpu:x": torch names what it takes, in many lines
+        raise SettingError("device", f"device {literal(repr(name))} is not a device name",
+                           "use {device} auto, cpu, cuda or cuda:N") from None
 
 
 def model_id_of(name: str) -> str:

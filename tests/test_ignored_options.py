@@ -45,6 +45,14 @@ def test_calibrate_nproc_under_torchrun_must_match_its_world(run_cli, tmp_path, 
     _refused(run_cli("calibrate", "demo", "--out", tmp_path / "art", "--nproc", "4"), "--nproc 4", "WORLD_SIZE 2")
 
 
+def test_calibrate_refuses_more_processes_than_cores_and_a_device_torch_does_not_name(run_cli, tmp_path):
+    """Before any work: --nproc past this machine's cores would launch them all (100,000 tried to), and a device
+    name torch does not parse was a traceback."""
+    _refused(run_cli("calibrate", "demo", "--out", tmp_path / "art", "--nproc", "100000"), "--nproc 100000",
+             "one process per CPU core")
+    _refused(run_cli("calibrate", "demo", "--out", tmp_path / "art", "--device", "foo"), "'foo' is not a device name")
+
+
 def test_revision_and_split_with_local_sources(run_cli, tiny_model_dir, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("words " * 400)

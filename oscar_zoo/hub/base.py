@@ -93,14 +93,15 @@ def first_line(text: str, limit: int = 200) -> str:
 
 
 SUBFOLDER = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
-SUBFOLDER_RULE = "names of letters, digits, `.`, `_` and `-` joined by single `/`, none of them `.` or `..`"
+SUBFOLDER_RULE = ("at most 1,024 characters: names of letters, digits, `.`, `_` and `-` joined by single `/`, none of "
+                  "them `.` or `..`")
 
 
 def is_plain_subfolder(value: str) -> bool:
     """The one rule for a model's folder inside a repo, as zoo.json and a catalog entry record it and as push writes
     it: "" (the root) or SUBFOLDER_RULE (so no backslash, space or newline, no leading, trailing or doubled
     `/`)."""
-    return not value or (SUBFOLDER.fullmatch(value) is not None
+    return not value or (len(value) <= 1024 and SUBFOLDER.fullmatch(value) is not None
                          and not any(part in (".", "..") for part in value.split("/")))
 
 
@@ -110,6 +111,18 @@ def check_subfolder(value: str) -> str:
     if not is_plain_subfolder(value):
         raise ValueError(f"subfolder {value!r} is not a plain folder path inside the repo ({SUBFOLDER_RULE})")
     return value
+
+
+_REPO_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+REPO_RULE = ("`owner/name`, each of letters, digits, `.`, `_` and `-`, at most 96 characters, starting and ending "
+             "with a letter or digit, with no `..` or `--`, and not ending in `.git`")
+
+
+def is_repo_id(value: str) -> bool:
+    """Whether `value` is a repo id both hubs take (REPO_RULE): checked before it reaches a client, a URL or a card."""
+    parts = value.split("/")
+    return len(parts) == 2 and all(_REPO_NAME.fullmatch(p) and ".." not in p and "--" not in p
+                                   and not p.endswith(".git") for p in parts)
 
 
 def split_repo_path(spec: str) -> tuple[str, str]:

@@ -28,10 +28,10 @@ from ..artifacts import (
 )
 from ..errors import HubError, InputError, IntegrityError, VerificationFailed
 from ..format.io import check_rotations_size, sha256_file
-from ..format.records import MANIFEST_MAX_BYTES
+from ..format.records import MANIFEST_MAX_BYTES, one_line
 from ..format.schema import MANIFEST_NAME, ROTATIONS_NAME, Manifest
 from ..format.verification import VerifyReport, binding_mismatch, looser_than_defaults, needle_gate
-from .base import SUBFOLDER_RULE, Hub, HubClient, check_hub, is_plain_subfolder, split_repo_path
+from .base import REPO_RULE, SUBFOLDER_RULE, Hub, HubClient, check_hub, is_plain_subfolder, is_repo_id, split_repo_path
 from .card import render_model_card, render_zoo_card
 from .catalog import CatalogEntry, find_entry
 from .zoo import ZOO_NAME, ZooIndex, report_verdict, zoo_entry
@@ -113,8 +113,9 @@ def plan_push(artifacts: Path, repo_id: str, hub: str, subfolder: str | None, re
               allow_unverified: bool, workdir: Path, allow_loose_thresholds: bool = False) -> PushPlan:
     """Check the artifact folder and list what push would upload; writes the model card into `workdir`."""
     check_hub(hub)
-    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise InputError(f"repo id {repo_id!r} must look like `owner/name`", "put a subfolder in --path-in-repo")
+    if not is_repo_id(repo_id):
+        raise InputError(f"{one_line(repo_id, 120)!r} is not a repo id: {REPO_RULE}",
+                         "pass OWNER/NAME (a folder inside the repo goes in --path-in-repo)")
     manifest, _ = load_artifacts(artifacts)  # schema, every sha256, tensor shapes and orthogonality (exit 4)
     if not allow_unverified:
         check_verified(manifest, artifacts, allow_loose_thresholds)
@@ -242,8 +243,8 @@ def resolve_source(source: str, hub: str | None, revision: str | None) -> PullSo
         loc = entry.location(hub)
         return PullSource(loc.hub, loc.repo_id, loc.subfolder, revision or loc.revision, entry)
     repo_id, sub = split_repo_path(source)
-    if repo_id.count("/") != 1:
-        raise InputError(f"{source!r} is not a repo id", "pass OWNER/REPO[/SUBFOLDER]")
+    if not is_repo_id(repo_id):
+        raise InputError(f"{one_line(source, 120)!r} is not a repo id: {REPO_RULE}", "pass OWNER/REPO[/SUBFOLDER]")
     return PullSource(hub or "hf", repo_id, _pull_subfolder(source, sub), revision)
 
 

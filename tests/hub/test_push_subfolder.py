@@ -11,7 +11,8 @@ from oscar_zoo.hub.zoo import ZooIndex
 
 from .helpers import make_artifacts, run_cli
 
-REFUSED = ["a//b", "./x", "x/.", "x/./y", ".", "..", "a/../b", "a b", "a\\b", "x\n", "ü", "zoo.json/x", "README.md"]
+REFUSED = ["a//b", "./x", "x/.", "x/./y", ".", "..", "a/../b", "a b", "a\\b", "x\n", "ü", "zoo.json/x", "README.md",
+           "x" * 1025]
 
 
 def _refused_before_any_request(hf_hub, code: int, err: str) -> None:
@@ -25,6 +26,19 @@ def test_path_in_repo_the_zoo_index_refuses_is_an_input_error(hf_hub, artifacts,
     code, _, err = run_cli("push", str(artifacts), "zoo/rotations", "--path-in-repo", sub)
     _refused_before_any_request(hf_hub, code, err)
     assert "--path-in-repo" in err
+
+
+BAD_REPOS = ["../x", "o/..", "o/r.git", "ownér/répo", "a" * 97 + "/r", "o/-r", "o/r-", "o/a--b", "o/a..b", "o"]
+
+
+@pytest.mark.parametrize("repo", BAD_REPOS, ids=[repr(r[:20]) for r in BAD_REPOS])
+def test_a_repo_id_neither_hub_takes_is_an_input_error_for_push_and_pull(hf_hub, artifacts, tmp_path, repo):
+    code, _, err = run_cli("push", str(artifacts), repo, "--dry-run")
+    assert code == 2 and "is not a repo id" in err and "Traceback" not in err, err
+    if "/" in repo:  # (without one, pull reads a catalog name)
+        code, _, err = run_cli("pull", f"{repo}/sub", "--dest", str(tmp_path / "d"))
+        assert code == 2 and "is not a repo id" in err, err
+    assert hf_hub.state.requests == []
 
 
 @pytest.mark.parametrize("model_id", ["org/.", "org/..", "org/!!!"])
