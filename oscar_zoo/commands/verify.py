@@ -115,7 +115,7 @@ def verify_command(
         raise InputError(f"--generate {generate:,} is more than {MAX_GENERATE:,} greedy tokens",
                          f"use --generate up to {MAX_GENERATE:,} (the teacher-forced metrics carry the verdict)")
     _check_thresholds(max_ppl_increase, max_kl, min_top1)
-    chosen = tuple(b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none")
+    chosen = _baseline_names(baselines)
     check_baselines(chosen)  # before the model loads: an unknown name, a missing package
     check_dataset_options(dataset, split, text_field)
     # a needle option given alone asks for the grid: it implies --needle rather than being ignored
@@ -172,13 +172,12 @@ def _check_thresholds(max_ppl_increase: float, max_kl: float, min_top1: float) -
 
 
 def _parse_list(option: str, value: str, kind):
-    try:
-        items = tuple(kind(x) for x in value.split(",") if x.strip())
-    except ValueError:
-        raise InputError(f"{option} must be a comma-separated list of numbers, got {value!r}") from None
-    if not items:
+    if not value.strip():
         raise InputError(f"{option} is empty")
-    return items
+    try:  # an empty item ("1024,,2048") is a number left out, not one to skip
+        return tuple(kind(x) for x in value.split(","))
+    except ValueError:
+        raise InputError(f"{option} must be a comma-separated list of numbers, got {value[:200]!r}") from None
 
 
 def _needle_settings(lengths, depths, trials, quick, min_accuracy, seed, protocol, batch) -> NeedleSettings:
@@ -332,6 +331,20 @@ def _generation(m) -> str:
     if g.first_divergence is None:
         return f"same {g.new_tokens}/{g.new_tokens}"
     return f"differs @{g.first_divergence}"
+
+
+def _baseline_names(value: str) -> tuple[str, ...]:
+    """--baselines: `none`, or names separated by commas, each once (an empty item, a repeat or `none` among names is
+    a mistake, not something to skip)."""
+    names = [name.strip() for name in value.split(",")]
+    if names == ["none"]:
+        return ()
+    problem = ("an empty name" if "" in names else "`none` among names" if "none" in names else
+               "a name twice" if len(set(names)) < len(names) else None)
+    if problem:
+        raise InputError(f"--baselines {value[:200]!r} has {problem}",
+                         f"pass names from {', '.join(BASELINES)} separated by commas, each once, or none")
+    return tuple(names)
 
 
 def register(app: typer.Typer) -> None:

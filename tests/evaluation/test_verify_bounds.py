@@ -175,6 +175,23 @@ def test_thresholds_no_run_can_meet_are_refused_before_the_model_loads(run_cli, 
     _one_line(code, out, err, 2, words)
 
 
+@pytest.mark.parametrize("option, value, words", [
+    ("--baselines", "naive,naive", "has a name twice"),
+    ("--baselines", ",", "has an empty name"),
+    ("--baselines", "none,naive", "has `none` among names"),
+    ("--needle-lengths", "1024,,2048", "--needle-lengths must be a comma-separated list of numbers"),
+    ("--needle-depths", "0.2,", "--needle-depths must be a comma-separated list of numbers"),
+    ("--dataset", "", "--dataset is empty"),
+])
+def test_lists_with_empty_or_repeated_items_are_refused_before_the_model_loads(run_cli, artifacts, tiny_model_dir,
+                                                                              play_text, verify_loads_no_model,
+                                                                              option, value, words):
+    """An item left out or given twice is a mistake to name, not one to skip (they ran the whole evaluation); an
+    empty --dataset read the current folder."""
+    code, out, err = run_cli(*_verify(artifacts, tiny_model_dir, play_text, option, value))
+    _one_line(code, out, err, 2, words)
+
+
 def test_write_to_a_read_only_folder_is_refused_before_the_model_loads(run_cli, artifacts, tiny_model_dir,
                                                                        play_text, tmp_path, monkeypatch,
                                                                        verify_loads_no_model):
