@@ -78,8 +78,8 @@ def check_dataset_options(dataset: str | None, split: str | None, text_field: st
     """`split` applies to a Hugging Face dataset id only, `text_field` to any --dataset: InputError (exit 2) where
     one would be ignored, or where --dataset is empty."""
     if dataset is not None and not dataset.strip():  # "" would read the current folder as a text folder
-        raise SettingError("dataset", "{dataset} is empty", "leave {dataset} out for the bundled plays, or name a file, "
-                           "folder or dataset id")
+        raise SettingError("dataset", "{dataset} is empty",
+                           "leave {dataset} out for the bundled plays, or name a file, folder or dataset id")
     bundled = dataset in (None, BUNDLED)
     if bundled and text_field is not None:
         raise SettingError("text_field", f"{{text_field}} {literal(text_field)}: the bundled plays are plain text",
