@@ -222,7 +222,7 @@ class CalibrationRequest:
               "≥ 1 with {clip} search or {key_bits} above 2 (the clip search and the choice of 3-bit key layers "
               "score on held-out sequences)", "or use {clip} fixed with {key_bits} 2")
         _need(self.nproc >= 1, "nproc", self.nproc, "at least 1 process")
-        cores = os.cpu_count() or 1  # each process needs a core to itself (and a GPU on a GPU machine: fewer)
+        cores = os.cpu_count() or 1  # each process needs a core of its own (on a GPU machine, a GPU too)
         _need(self.nproc <= cores or distributed.in_distributed_env(), "nproc", self.nproc,
               f"at most one process per CPU core of this machine ({cores})")
 
