@@ -292,8 +292,7 @@ def check_destination(dest: Path, label: str) -> Path:
     `dest` that a killed run left unfinished (`recover_interrupted_swap`, first). `label` names the option in the
     message."""
     resolved = folder_destination(dest, label, "pick a new or empty folder")
-    inside = next((f for f in resolved.parents if (f / MANIFEST_NAME).is_file() and not artifact_folder_problem(f)),
-                  None)
+    inside = next((f for f in resolved.parents if artifact_folder_problem(f) is None), None)
     if inside is not None:  # a folder in it would make it hold more than its manifest's files
         raise InputError(f"{label} {dest} lies inside {inside}, which is an oscar-zoo artifact folder: it holds its "
                          "manifest's files and nothing else; nothing was changed",
